@@ -1,0 +1,258 @@
+"""Compile kernel configs into the cache: render, key, skip what is cached, build the rest in parallel with ninja.
+
+Failures are stored beside their source with nvcc's log and are not retried unless asked (`retry_failed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from .cache import CACHE_FORMAT, EntryState, KernelCache, KernelEntry, kernel_key, sha256_file
+from .config import KernelConfig
+from .render import render
+from .toolchain import Toolchain, toolchain
+
+log = logging.getLogger("cutlass_byoc.build")
+
+
+class CompileError(RuntimeError):
+    """A kernel failed to compile; the message holds the failing lines of the generated source and of nvcc's log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    config: KernelConfig
+    entry: KernelEntry
+    built_now: bool  # compiled by this call (False: came from the cache)
+
+    @property
+    def ok(self) -> bool:
+        return self.entry.state is EntryState.OK
+
+    @property
+    def library(self) -> Path:
+        return self.entry.library
+
+    def error_report(self, context: int = 2, max_lines: int = 40) -> str:
+        return format_compile_error(self.entry, context=context, max_lines=max_lines)
+
+
+def default_jobs() -> int:
+    """One compile per core, bounded by memory (a 2.x kernel takes ~0.6 GB, a 3.x one ~3.5 GB while compiling)."""
+    env = os.environ.get("CUTLASS_BYOC_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, os.cpu_count() or 1)
+
+
+def _ninja() -> str:
+    try:
+        import ninja  # noqa: PLC0415
+
+        exe = os.path.join(ninja.BIN_DIR, "ninja")
+        if os.path.exists(exe):
+            return exe
+    except ImportError:
+        pass
+    exe = shutil.which("ninja")
+    if not exe:
+        raise RuntimeError("ninja not found: pip install ninja")
+    return exe
+
+
+def _ninja_escape(s: str) -> str:
+    return s.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def format_compile_error(entry: KernelEntry, context: int = 2, max_lines: int = 40) -> str:
+    """nvcc's first errors, each with the generated source lines it points at."""
+    logtext = entry.log
+    src = entry.source.read_text().splitlines() if entry.source.exists() else []
+    errors = [ln for ln in logtext.splitlines() if "error" in ln.lower()][:8]
+    shown, out = set(), [f"kernel {entry.meta.get('name', entry.key)} failed to compile ({entry.path}):"]
+    out += ["  " + e for e in errors] or ["  " + ln for ln in logtext.splitlines()[-10:]]
+    for m in re.finditer(r"kernel\.cu\((\d+)\)", logtext):
+        line = int(m.group(1))
+        if line in shown or not src:
+            continue
+        shown.add(line)
+        out.append(f"  kernel.cu:{line}:")
+        for i in range(max(1, line - context), min(len(src), line + context) + 1):
+            out.append(f"  {'>' if i == line else ' '} {i:5d} | {src[i - 1]}")
+        if len(out) > max_lines:
+            break
+    return "\n".join(out[:max_lines])
+
+
+@dataclasses.dataclass
+class _Job:
+    config: KernelConfig
+    key: str
+    source: str
+    staged: Path
+
+
+def prepare(config: KernelConfig, tc: Optional[Toolchain] = None) -> tuple[str, str]:
+    """(rendered source, cache key) of a config."""
+    tc = tc or toolchain(config.arch)
+    source = render(config, tc.describe())
+    return source, kernel_key(source, tc)
+
+
+def build(
+    configs: Iterable[KernelConfig],
+    *,
+    jobs: Optional[int] = None,
+    cache: Optional[KernelCache] = None,
+    progress: bool = False,
+    retry_failed: bool = False,
+    raise_on_error: bool = False,
+) -> dict[KernelConfig, BuildResult]:
+    """Make sure every config has a cache entry (compiled or failed) and return them.
+
+    Safe with several processes building at once: each key is built under its lock by one of them; the others wait
+    for that lock and then find the published entry.
+    """
+    cache = cache or KernelCache()
+    configs = list(dict.fromkeys(configs))
+    results: dict[KernelConfig, BuildResult] = {}
+    pending: list[tuple[KernelConfig, str, str]] = []
+    for cfg in configs:
+        source, key = prepare(cfg)
+        entry = cache.lookup(key)
+        if entry.state is EntryState.OK or (entry.state is EntryState.FAILED and not retry_failed):
+            results[cfg] = BuildResult(cfg, entry, False)
+        else:
+            pending.append((cfg, key, source))
+
+    # Take the lock of every key we will build; keys locked by someone else are waited for afterwards.
+    mine: list[_Job] = []
+    theirs: list[tuple[KernelConfig, str]] = []
+    locks = []
+    try:
+        for cfg, key, source in pending:
+            lk = cache.lock(key)
+            try:
+                lk.acquire(timeout=0)
+            except Exception:  # filelock.Timeout: another process is building it
+                theirs.append((cfg, key))
+                continue
+            locks.append(lk)
+            entry = cache.lookup(key)  # re-check under the lock
+            if entry.state is EntryState.OK or (entry.state is EntryState.FAILED and not retry_failed):
+                results[cfg] = BuildResult(cfg, entry, False)
+                continue
+            mine.append(_Job(cfg, key, source, cache.staging_dir(key)))
+        if mine:
+            _run_ninja(mine, cache, jobs or default_jobs(), progress)
+            for job in mine:
+                results[job.config] = BuildResult(job.config, cache.publish(job.key, job.staged), True)
+    finally:
+        for lk in locks:
+            lk.release()
+    for cfg, key in theirs:
+        with cache.lock(key):
+            entry = cache.lookup(key)
+        if entry.state is EntryState.MISSING:  # the other process died mid-build: build it ourselves
+            results.update(build([cfg], jobs=jobs, cache=cache, progress=False, retry_failed=retry_failed))
+        else:
+            results[cfg] = BuildResult(cfg, entry, False)
+
+    for r in results.values():
+        if r.built_now and r.ok and r.entry.log.strip():
+            log.info("%s compiled with warnings (see %s/build.log)", r.config.name, r.entry.path)
+        if not r.ok:
+            log.warning("%s", r.error_report())
+    if raise_on_error:
+        failed = [r for r in results.values() if not r.ok]
+        if failed:
+            raise CompileError("\n\n".join(r.error_report() for r in failed))
+    return {cfg: results[cfg] for cfg in configs}
+
+
+def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: bool) -> None:
+    tc = toolchain(jobs_[0].config.arch)
+    build_dir = cache.staging_dir("ninja")
+    lines = [
+        "ninja_required_version = 1.10",
+        f"nvcc = {_ninja_escape(tc.nvcc)}",
+        "flags = " + " ".join(_ninja_escape(f) for f in tc.flags),
+        "rule nvcc",
+        "  command = $nvcc $flags $in -o $out > $log 2>&1",
+        "  description = $name",
+        "",
+    ]
+    for job in jobs_:
+        (job.staged / "kernel.cu").write_text(job.source)
+        src, out, logf = (_ninja_escape(str(job.staged / f)) for f in ("kernel.cu", "kernel.so", "build.log"))
+        lines += [f"build {out}: nvcc {src}", f"  log = {logf}", f"  name = {job.config.name}", ""]
+    (build_dir / "build.ninja").write_text("\n".join(lines))
+
+    bar = None
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(total=len(jobs_), desc=f"compiling ({jobs} jobs)", unit="kernel")
+    env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
+    t0 = time.time()
+    proc = subprocess.Popen(
+        [_ninja(), "-C", str(build_dir), "-j", str(jobs), "-k", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    done = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.match(r"\[(\d+)/(\d+)\]", line)
+        if m and bar is not None:
+            n = int(m.group(1))
+            bar.update(n - done)
+            done = n
+        log.debug("ninja: %s", line.rstrip())
+    proc.wait()
+    if bar is not None:
+        bar.update(len(jobs_) - done)
+        bar.close()
+    times = _ninja_times(build_dir)
+    for job in jobs_:
+        lib, logf = job.staged / "kernel.so", job.staged / "build.log"
+        seconds = times.get(str(lib))
+        meta = {
+            "format": CACHE_FORMAT, "key": job.key, "name": job.config.name, "config": job.config.to_dict(),
+            "nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version, "command": tc.describe(),
+            "compile_seconds": seconds, "built_at": time.time(),
+        }
+        if lib.is_file() and lib.stat().st_size > 0 and not _log_has_error(logf):
+            meta["sha256"] = sha256_file(lib)
+            (job.staged / "meta.json").write_text(json.dumps(meta, indent=1))
+        else:
+            if lib.exists():
+                lib.unlink()
+            meta["error"] = "compile failed"
+            (job.staged / "failed.json").write_text(json.dumps(meta, indent=1))
+    log.info("compiled %d kernels in %.1f s with %d jobs", len(jobs_), time.time() - t0, jobs)
+    shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _log_has_error(logf: Path) -> bool:
+    return logf.exists() and bool(re.search(r"(^|: )(fatal )?error\b", logf.read_text(errors="replace"), re.M))
+
+
+def _ninja_times(build_dir: Path) -> dict[str, float]:
+    """Per-output compile seconds from ninja's log (start and end in ms)."""
+    out = {}
+    p = build_dir / ".ninja_log"
+    if p.exists():
+        for ln in p.read_text().splitlines()[1:]:
+            parts = ln.split("\t")
+            if len(parts) >= 4:
+                out[parts[3]] = (int(parts[1]) - int(parts[0])) / 1000.0
+    return out

@@ -1,0 +1,150 @@
+"""The content-addressed kernel cache: one directory per compiled (or failed) kernel, published atomically.
+
+Layout under the cache root (``$CUTLASS_BYOC_CACHE_DIR``, else the platform's per-user cache dir)::
+
+    kernels/<key[:2]>/<key>/kernel.cu    rendered source (its header records config and compile command)
+                           kernel.so    the library, only for a successful build
+                           build.log    nvcc's output (warnings included)
+                           meta.json    config, toolchain, command, compile seconds, sha256 of kernel.so
+                           failed.json  instead of meta.json when the compile failed: never used as a kernel
+    locks/<key>.lock                    held while one process builds that key
+    tmp/                                staging; a finished build is renamed into kernels/ in one step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import filelock
+import platformdirs
+
+from .toolchain import Toolchain
+
+#: Bump when the layout or meta format changes: older entries are then simply not found.
+CACHE_FORMAT = 1
+
+
+def cache_root() -> Path:
+    env = os.environ.get("CUTLASS_BYOC_CACHE_DIR")
+    root = Path(env) if env else Path(platformdirs.user_cache_dir("cutlass-byoc"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def kernel_key(source: str, tc: Toolchain) -> str:
+    """Covers the rendered source, nvcc's version, the flags and CUTLASS's version (and the cache format)."""
+    blob = json.dumps(
+        {"format": CACHE_FORMAT, "source": source, "nvcc": tc.nvcc_version, "flags": tc.portable_flags,
+         "cutlass": tc.cutlass_version},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class EntryState(str, enum.Enum):
+    MISSING = "missing"
+    OK = "ok"
+    FAILED = "failed"
+    CORRUPT = "corrupt"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEntry:
+    key: str
+    path: Path
+    state: EntryState
+    meta: dict
+
+    @property
+    def library(self) -> Path:
+        return self.path / "kernel.so"
+
+    @property
+    def source(self) -> Path:
+        return self.path / "kernel.cu"
+
+    @property
+    def log(self) -> str:
+        p = self.path / "build.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+
+class KernelCache:
+    def __init__(self, root: Optional[Path] = None):
+        self.root = Path(root) if root else cache_root()
+        for sub in ("kernels", "locks", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def entry_dir(self, key: str) -> Path:
+        return self.root / "kernels" / key[:2] / key
+
+    def lock(self, key: str) -> filelock.FileLock:
+        return filelock.FileLock(str(self.root / "locks" / f"{key}.lock"))
+
+    def lookup(self, key: str) -> KernelEntry:
+        d = self.entry_dir(key)
+        if not d.is_dir():
+            return KernelEntry(key, d, EntryState.MISSING, {})
+        try:
+            if (d / "failed.json").exists():
+                return KernelEntry(key, d, EntryState.FAILED, json.loads((d / "failed.json").read_text()))
+            meta = json.loads((d / "meta.json").read_text())
+            lib = d / "kernel.so"
+            if meta.get("format") != CACHE_FORMAT or not lib.is_file() or sha256_file(lib) != meta.get("sha256"):
+                return KernelEntry(key, d, EntryState.CORRUPT, meta)
+            return KernelEntry(key, d, EntryState.OK, meta)
+        except (OSError, ValueError):
+            return KernelEntry(key, d, EntryState.CORRUPT, {})
+
+    def staging_dir(self, key: str) -> Path:
+        d = self.root / "tmp" / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        d.mkdir(parents=True)
+        return d
+
+    def publish(self, key: str, staged: Path) -> KernelEntry:
+        """Move a finished staging dir into place in one rename. If another process published first, keep theirs."""
+        final = self.entry_dir(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        current = self.lookup(key)
+        if current.state is EntryState.CORRUPT or (current.state is EntryState.FAILED and (staged / "meta.json").exists()):
+            self.remove(key)
+        try:
+            os.rename(staged, final)
+        except OSError:  # an entry appeared meanwhile (another process won the race): ours is redundant
+            shutil.rmtree(staged, ignore_errors=True)
+        return self.lookup(key)
+
+    def remove(self, key: str) -> None:
+        d = self.entry_dir(key)
+        if d.exists():
+            trash = self.root / "tmp" / f"trash-{key}-{uuid.uuid4().hex[:8]}"
+            os.rename(d, trash)  # atomic disappearance, then slow delete
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def entries(self):
+        for d in sorted((self.root / "kernels").glob("*/*")):
+            if d.is_dir():
+                yield self.lookup(d.name)
+
+    def clear(self) -> int:
+        n = 0
+        for e in list(self.entries()):
+            self.remove(e.key)
+            n += 1
+        return n

@@ -1,0 +1,134 @@
+"""Candidate kernel configs for a problem.
+
+Tile / warp / stage combinations come from cutlass_library's own SM80 generators (the lists CUTLASS ships and
+tests), never from tables copied here. Per problem, the alignments are the widest its channel extents allow,
+the iterator and stride support follow the conv kind, and split-k modes are added where CUTLASS allows them.
+Global filters (`tile_filter`) apply first, then the per-problem rule (`KernelConfig.reject_reason`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, Optional
+
+from .config import KernelConfig, Shape3, instruction_shape_for, math_op_for
+from .problem import Conv2dProblem, max_alignment
+from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
+
+TileSpec = tuple[Shape3, Shape3, int]  # (threadblock tile, warp counts, stages)
+
+
+class _Collector:
+    """The manifest interface cutlass_library's generators append to."""
+
+    def __init__(self) -> None:
+        self.operations: list = []
+        self.kernel_filter = "*"  # non-empty, else the generators keep only their first tile
+
+    def append(self, op) -> None:
+        self.operations.append(op)
+
+    def get_instantiation_level(self, *args, **kwargs) -> str:
+        return "0"
+
+
+@functools.lru_cache(maxsize=None)
+def sm80_tile_specs(math: MathOp) -> tuple[TileSpec, ...]:
+    """Distinct (tile, warps, stages) that cutlass_library generates for SM80 conv2d with this math op."""
+    from cutlass_library import generator  # noqa: PLC0415
+
+    collector = _Collector()
+    if math is MathOp.TF32:
+        generator.GenerateSM80_TensorOp_1688(collector, "13.0")
+        want_a = {"tf32", "f32"}
+    else:
+        generator.GenerateSM80_TensorOp_16816(collector, "13.0")
+        want_a = {math.value}
+    inst = instruction_shape_for(math)
+    specs = set()
+    for op in collector.operations:
+        if type(op).__name__ != "Conv2dOperation":
+            continue
+        td = op.tile_description
+        mi = td.math_instruction
+        if mi.element_a.name not in want_a or mi.element_accumulator.name != "f32":
+            continue
+        if tuple(mi.instruction_shape) != inst:
+            continue
+        specs.add((tuple(td.threadblock_shape), tuple(td.warp_count), int(td.stages)))
+    return tuple(sorted(specs))
+
+
+def default_stride_support(problem: Conv2dProblem, iterator: IteratorAlgorithm) -> StrideSupport:
+    if iterator in (IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.FIXED_CHANNELS):
+        return StrideSupport.STRIDED  # the only instantiation CUTLASS has of these fprop iterators
+    if problem.kind is ConvKind.DGRAD:
+        return StrideSupport.STRIDED if (problem.stride_h > 1 or problem.stride_w > 1) else StrideSupport.UNITY
+    if problem.kind is ConvKind.WGRAD:
+        return StrideSupport.STRIDED  # what CUTLASS instantiates for wgrad; it handles any stride
+    return StrideSupport.UNITY  # fprop's analytic/optimized iterators handle any stride
+
+
+def iterators_for(problem: Conv2dProblem, align_a: int) -> list[IteratorAlgorithm]:
+    its = [IteratorAlgorithm.OPTIMIZED, IteratorAlgorithm.ANALYTIC]
+    if problem.kind is ConvKind.FPROP and problem.c <= 16:
+        if problem.c == align_a:
+            its.insert(0, IteratorAlgorithm.FIXED_CHANNELS)
+        its.insert(0, IteratorAlgorithm.FEW_CHANNELS)
+    return its
+
+
+def operand_alignments(problem: Conv2dProblem, kernel_out: Optional[DType] = None) -> tuple[int, int, int]:
+    """Widest alignment each operand's channel extent allows (pointer addresses are checked at launch)."""
+    ca, cb, cc = problem.channel_dims
+    return (
+        max_alignment(ca, problem.element_a),
+        max_alignment(cb, problem.element_b),
+        max_alignment(cc, kernel_out or problem.element_out),
+    )
+
+
+def split_k_modes(problem: Conv2dProblem) -> list[SplitKMode]:
+    strided_dgrad = problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1)
+    return [SplitKMode.SERIAL] if strided_dgrad else [SplitKMode.SERIAL, SplitKMode.PARALLEL]
+
+
+def sm80_candidates(
+    problem: Conv2dProblem,
+    *,
+    tile_filter: Optional[Callable[[TileSpec], bool]] = None,
+    split_k: bool = True,
+    swizzles: tuple[int, ...] = (1,),
+) -> Iterator[KernelConfig]:
+    """Every SM80-family config that can implement `problem` (before compiling)."""
+    math = math_op_for(problem.element_a)
+    modes = split_k_modes(problem) if split_k else [SplitKMode.SERIAL]
+    align_a, align_b, _ = operand_alignments(problem)
+    narrow = min(align_a * problem.element_a.nbytes, align_b * problem.element_b.nbytes) < 4
+    # cp.async moves >= 4 bytes: narrower operands run CUTLASS's two-stage register-pipelined mainloop, so the
+    # generator's tiles are taken with stages = 2 (deduplicated).
+    specs = dict.fromkeys((t, w, 2 if narrow else s) for t, w, s in sm80_tile_specs(math))
+    for tile, warps, stages in specs:
+        if tile_filter and not tile_filter((tile, warps, stages)):
+            continue
+        for mode in modes:
+            kernel_out = problem.element_acc if mode is SplitKMode.PARALLEL else problem.element_out
+            align_a, align_b, align_c = operand_alignments(problem, kernel_out)
+            for it in iterators_for(problem, align_a):
+                if it is IteratorAlgorithm.OPTIMIZED and min(align_a, align_b) < 2 and problem.element_a.bits == 16:
+                    continue  # CUTLASS's optimized iterators need >= 32-bit accesses for 16-bit types
+                for sw in swizzles:
+                    try:
+                        cfg = KernelConfig(
+                            family=KernelFamily.SM80_IMPLICIT_GEMM, kind=problem.kind,
+                            element_a=problem.element_a, element_b=problem.element_b,
+                            element_out=problem.element_out, element_acc=problem.element_acc,
+                            tile=tile, warps=warps, stages=stages, iterator=it,
+                            stride_support=default_stride_support(problem, it),
+                            align_a=align_a, align_b=align_b, align_c=align_c,
+                            split_k_mode=mode, swizzle=sw, activation=problem.epilogue.activation,
+                        )
+                    except ValueError:
+                        continue
+                    if cfg.reject_reason(problem) is None:
+                        yield cfg

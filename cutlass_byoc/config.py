@@ -1,0 +1,265 @@
+"""Kernel configurations: how a problem is computed. A config is frozen and hashable, names itself, and is
+never parsed back from a name or a dict of strings.
+
+`KernelConfig` is everything compiled into a kernel; one compiled kernel serves every problem it can
+implement (its template parameters never depend on N, H, W or C). `LaunchConfig` adds what is chosen per
+call: the split-k slice count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+from .problem import ALIGNMENTS, Conv2dProblem
+from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
+
+Shape3 = tuple[int, int, int]
+
+
+def math_op_for(element: DType) -> MathOp:
+    return {DType.F16: MathOp.F16, DType.BF16: MathOp.BF16, DType.F32: MathOp.TF32}[element]
+
+
+def instruction_shape_for(math: MathOp) -> Shape3:
+    return (16, 8, 8) if math is MathOp.TF32 else (16, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    family: KernelFamily
+    kind: ConvKind
+    element_a: DType
+    element_b: DType
+    element_out: DType
+    element_acc: DType
+    tile: Shape3  # threadblock (CTA) tile M x N x K of the implicit GEMM
+    warps: Shape3  # warps along M, N, K (2.x); for 3.x the warp-group layout is implied by the schedule
+    stages: int
+    iterator: IteratorAlgorithm = IteratorAlgorithm.OPTIMIZED
+    stride_support: StrideSupport = StrideSupport.UNITY
+    align_a: int = 8
+    align_b: int = 8
+    align_c: int = 8
+    split_k_mode: SplitKMode = SplitKMode.SERIAL  # SERIAL with 1 slice at launch is the plain, unsplit kernel
+    swizzle: int = 1  # log-tile of the threadblock swizzle: 1, 2, 4 or 8
+    activation: Activation = Activation.IDENTITY
+    arch: int = 90
+    # CUTLASS 3.x only (family SM90_TMA_WGMMA)
+    cluster: Shape3 = (1, 1, 1)
+    schedule: Optional[str] = None
+    # direct depthwise only (family DEPTHWISE_DIRECT): filter size and stride fixed at compile time
+    filter_rs: Optional[tuple[int, int]] = None
+
+    def __post_init__(self) -> None:
+        err = self.static_error()
+        if err:
+            raise ValueError(f"invalid kernel config: {err}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def math(self) -> MathOp:
+        return math_op_for(self.element_a)
+
+    @property
+    def instruction(self) -> Shape3:
+        return instruction_shape_for(self.math)
+
+    @property
+    def warp_tile(self) -> Shape3:
+        return tuple(t // w for t, w in zip(self.tile, self.warps))  # type: ignore[return-value]
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps[0] * self.warps[1] * self.warps[2]
+
+    @property
+    def element_epilogue(self) -> DType:
+        """Type of alpha, beta and the epilogue's arithmetic: the accumulator's."""
+        return self.element_acc
+
+    @property
+    def element_kernel_out(self) -> DType:
+        """What the implicit-GEMM kernel itself stores: fp32 partials for parallel split-k, else the output."""
+        return self.element_acc if self.split_k_mode is SplitKMode.PARALLEL else self.element_out
+
+    @property
+    def smem_bytes(self) -> int:
+        m, n, k = self.tile
+        return self.stages * (m * k * self.element_a.nbytes + n * k * self.element_b.nbytes)
+
+    @property
+    def name(self) -> str:
+        fam = {KernelFamily.SM80_IMPLICIT_GEMM: "sm80", KernelFamily.SM90_TMA_WGMMA: "sm90",
+               KernelFamily.DEPTHWISE_DIRECT: "dw"}[self.family]
+        parts = [
+            f"cb_{fam}", self.kind.value,
+            f"{self.element_a.value}{self.element_b.value}_{self.element_out.value}_acc{self.element_acc.value}",
+            "x".join(map(str, self.tile)) + "_w" + "x".join(map(str, self.warps)) + f"_s{self.stages}",
+            self.iterator.value, self.stride_support.value,
+            f"align{self.align_a}{self.align_b}{self.align_c}",
+        ]
+        if self.split_k_mode is SplitKMode.PARALLEL:
+            parts.append("splitk_parallel")
+        if self.activation is not Activation.IDENTITY:
+            parts.append(self.activation.value)
+        parts.append(f"sw{self.swizzle}")
+        if self.family is KernelFamily.SM90_TMA_WGMMA:
+            parts.append("c" + "x".join(map(str, self.cluster)) + (f"_{self.schedule}" if self.schedule else ""))
+        if self.filter_rs:
+            parts.append(f"f{self.filter_rs[0]}x{self.filter_rs[1]}")
+        parts.append(f"sm{self.arch}")
+        return "_".join(parts)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: (v.value if hasattr(v, "value") else (list(v) if isinstance(v, tuple) else v)) for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelConfig":
+        enums = dict(family=KernelFamily, kind=ConvKind, element_a=DType, element_b=DType, element_out=DType,
+                     element_acc=DType, iterator=IteratorAlgorithm, stride_support=StrideSupport,
+                     split_k_mode=SplitKMode, activation=Activation)
+        kw = {}
+        for k, v in d.items():
+            if k in enums:
+                v = enums[k](v)
+            elif isinstance(v, list):
+                v = tuple(v)
+            kw[k] = v
+        return cls(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def with_alignments(self, align_a: int, align_b: int, align_c: int) -> "KernelConfig":
+        """This kernel for narrower operands: the multistage mainloop gives way to the two-stage one where an
+        access drops under 4 bytes, and the optimized iterators to the analytic ones under 4 bytes too."""
+        narrow = min(align_a * self.element_a.nbytes, align_b * self.element_b.nbytes) < 4
+        it = self.iterator
+        if narrow and it is IteratorAlgorithm.OPTIMIZED:
+            it = IteratorAlgorithm.ANALYTIC
+        return dataclasses.replace(self, align_a=align_a, align_b=align_b, align_c=align_c, iterator=it,
+                                   stages=2 if narrow else self.stages)
+
+    # ------------------------------------------------------------------ rules
+    def static_error(self) -> Optional[str]:
+        """Why this config cannot be a kernel at all, or None."""
+        if self.element_a is not self.element_b:
+            return "element_a and element_b must match"
+        if self.kind is ConvKind.WGRAD and self.element_acc is not DType.F32:
+            return "wgrad accumulates in f32"
+        if self.stages < 2:
+            return f"stages: expected >= 2, got {self.stages}"
+        if self.swizzle not in (1, 2, 4, 8):
+            return f"swizzle: expected 1, 2, 4 or 8, got {self.swizzle}"
+        for name in ("align_a", "align_b", "align_c"):
+            a = getattr(self, name)
+            elem = {"align_a": self.element_a, "align_b": self.element_b, "align_c": self.element_kernel_out}[name]
+            if a not in ALIGNMENTS or a * elem.bits > 128:
+                return f"{name}: expected one of {ALIGNMENTS} within 128 bits of {elem.value}, got {a}"
+        if self.family is KernelFamily.SM80_IMPLICIT_GEMM:
+            if any(t % w for t, w in zip(self.tile, self.warps)):
+                return f"tile {self.tile} is not divisible by warps {self.warps}"
+            if any(wt % i for wt, i in zip(self.warp_tile, self.instruction)):
+                return f"warp tile {self.warp_tile} is not a multiple of the instruction {self.instruction}"
+            if self.iterator in (IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.FIXED_CHANNELS):
+                if self.kind is not ConvKind.FPROP:
+                    return f"iterator {self.iterator.value} exists for fprop only"
+            if self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED:
+                if self.split_k_mode is SplitKMode.PARALLEL:
+                    return "strided dgrad has no split-k"
+            narrow = min(self.align_a * self.element_a.nbytes, self.align_b * self.element_b.nbytes)
+            if narrow < 4 and self.stages != 2:
+                # cp.async (the multistage mainloop) moves 4, 8 or 16 bytes; narrower operands need CUTLASS's
+                # two-stage register-pipelined mainloop.
+                return f"stages: operands narrower than 4 bytes per access need stages == 2, got {self.stages}"
+            if self.smem_bytes > 227 * 1024:
+                return f"{self.smem_bytes} bytes of shared memory, past the 227 KiB an H200 CTA can have"
+        if self.family is KernelFamily.SM90_TMA_WGMMA:
+            if self.split_k_mode is SplitKMode.PARALLEL:
+                return "CUTLASS 3.x conv kernels have no split-k"
+            if self.element_a.nbytes * self.align_a < 16 or self.element_b.nbytes * self.align_b < 16:
+                return "TMA needs 16-byte aligned operands"
+        return None
+
+    def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
+        """Why this kernel cannot compute `problem`, or None if it can (the compiled kernel's can_implement has the
+        last word at launch). Used to prune candidates before anything is compiled."""
+        if problem.kind is not self.kind:
+            return f"kind: kernel is {self.kind.value}, problem is {problem.kind.value}"
+        for f in ("element_a", "element_b", "element_out", "element_acc"):
+            if getattr(problem, f) is not getattr(self, f):
+                return f"{f}: kernel has {getattr(self, f).value}, problem has {getattr(problem, f).value}"
+        if problem.epilogue.activation is not self.activation:
+            return f"activation: kernel applies {self.activation.value}, problem wants {problem.epilogue.activation.value}"
+        if self.family is KernelFamily.DEPTHWISE_DIRECT:
+            if not problem.is_depthwise:
+                return "groups: depthwise kernels need groups == C == K"
+            if self.filter_rs != (problem.r, problem.s):
+                return f"filter: kernel is built for {self.filter_rs}, problem has {(problem.r, problem.s)}"
+        elif problem.groups != 1:
+            return f"groups: implicit-GEMM kernels need groups == 1, got {problem.groups}"
+        overflow = problem.int32_overflow
+        if overflow:
+            return overflow
+        ca, cb, cc = problem.channel_dims
+        for name, extent, a in (("A", ca, self.align_a), ("B", cb, self.align_b), ("output", cc, self.align_c)):
+            if extent % a:
+                return f"alignment: {name}'s channel extent {extent} is not a multiple of the kernel's alignment {a}"
+        strided = problem.stride_h > 1 or problem.stride_w > 1
+        dilated = problem.dilation_h > 1 or problem.dilation_w > 1
+        if self.kind is ConvKind.DGRAD:
+            if dilated:
+                return "dilation: dgrad kernels take dilation 1 only"
+            if strided and self.stride_support is StrideSupport.UNITY:
+                return "stride: unity-stride dgrad kernel, problem has stride > 1"
+        if self.iterator is IteratorAlgorithm.FIXED_CHANNELS and problem.c != self.align_a:
+            return f"iterator fixed_channels: needs C == {self.align_a}, got C={problem.c}"
+        if self.iterator is IteratorAlgorithm.FEW_CHANNELS and problem.c > 2 * self.align_a * 4:
+            return f"iterator few_channels: meant for small C, got C={problem.c}"
+        if self.family is KernelFamily.SM90_TMA_WGMMA:
+            if self.kind is ConvKind.DGRAD and strided:
+                return "stride: the 3.x dgrad kernel ignores stride; strided dgrad runs on 2.x"
+            if max(problem.pad_h, problem.pad_w) > 256:
+                return "padding: TMA im2col takes padding up to 256"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """A compiled kernel plus what is chosen per launch."""
+
+    kernel: KernelConfig
+    split_k_slices: int = 1
+
+    def __post_init__(self) -> None:
+        if self.split_k_slices < 1:
+            raise ValueError(f"split_k_slices: expected >= 1, got {self.split_k_slices}")
+        if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_TMA_WGMMA:
+            raise ValueError("split_k_slices: CUTLASS 3.x conv kernels have no split-k")
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name + (f"_k{self.split_k_slices}" if self.split_k_slices > 1 else "")
+
+    def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
+        why = self.kernel.reject_reason(problem)
+        if why:
+            return why
+        if self.split_k_slices > 1:
+            k = self.kernel
+            if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+                return "split_k_slices: strided dgrad has no split-k"
+            gemm_k = problem.gemm_mnk[2]
+            if self.split_k_slices * k.tile[2] > gemm_k:
+                return f"split_k_slices: {self.split_k_slices} slices of {k.tile[2]} exceed the reduction extent {gemm_k}"
+        return None
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel.to_dict(), "split_k_slices": self.split_k_slices}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LaunchConfig":
+        return cls(KernelConfig.from_dict(d["kernel"]), int(d.get("split_k_slices", 1)))

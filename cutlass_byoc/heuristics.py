@@ -1,0 +1,82 @@
+"""Cheap analytic model of a launch's time: ranks candidates before profiling and picks a default config when
+nothing has been profiled. It is a model, not a measurement: the profiler has the last word."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+from .candidates import sm80_candidates
+from .config import KernelConfig, LaunchConfig
+from .problem import Conv2dProblem
+from .types import ConvKind, DType, IteratorAlgorithm, SplitKMode
+
+H200_SMS = 132
+MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
+DRAM_GBS = 3800.0
+LAUNCH_US = 3.0
+MAX_SLICES = 64
+
+
+def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int], sms: int = H200_SMS) -> list[int]:
+    """Slice counts worth trying: powers of two from 1 until the output tiles x slices fill the GPU about twice, each
+    slice keeping at least 4 main-loop iterations of the tile's K."""
+    m, n, k = problem.gemm_mnk
+    if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+        return [1]
+    tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+    k_iters = math.ceil(k / tile[2])
+    out, s = [1], 2
+    while s <= MAX_SLICES and k_iters // s >= 4 and tiles * s <= 4 * sms:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
+    """Estimated microseconds of one launch (wave quantisation, tile efficiency, memory traffic, split-k overhead)."""
+    c = launch.kernel
+    slices = launch.split_k_slices
+    m, n, k = problem.gemm_mnk
+    tm, tn, tk = c.tile
+    tiles = math.ceil(m / tm) * math.ceil(n / tn) * slices
+    occupancy = max(1, min(3, (200 * 1024) // max(1, c.smem_bytes), 2048 // c.threads))
+    waves = math.ceil(tiles / (sms * occupancy))
+    k_slice = math.ceil(math.ceil(k / slices) / tk) * tk
+    intensity = (tm * tn) / (tm + tn) / (128 * 256 / 384)  # tile reuse relative to a 128x256 tile
+    eff = min(1.0, 0.35 + 0.65 * intensity)
+    if c.iterator is IteratorAlgorithm.ANALYTIC:
+        eff *= 0.85
+    if c.stages == 2:
+        eff *= 0.7
+    align = min(c.align_a, c.align_b)
+    eff *= min(1.0, (align * c.element_a.nbytes / 16) ** 0.5)
+    per_sm = MMA_SYNC_TFLOPS[c.element_a] * 1e12 / sms
+    compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
+    bytes_ = problem.bytes_moved
+    extra_us = 0.0
+    if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch
+        bytes_ += 2 * slices * m * n * 4
+        extra_us += LAUNCH_US
+    elif slices > 1:
+        extra_us += 0.3 * slices  # serialised epilogues through the semaphore
+    memory_us = bytes_ / (DRAM_GBS * 1e9) * 1e6
+    return max(compute_us, memory_us) + LAUNCH_US + extra_us
+
+
+def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H200_SMS) -> list[tuple[float, LaunchConfig]]:
+    """Every (kernel, slice count) the problem admits, best estimate first."""
+    ranked = []
+    for kc in kernels:
+        for s in split_k_slice_candidates(problem, kc.tile, sms):
+            launch = LaunchConfig(kc, s)
+            if launch.reject_reason(problem) is None:
+                ranked.append((estimate_us(problem, launch, sms), launch))
+    ranked.sort(key=lambda t: (t[0], t[1].name))
+    return ranked
+
+
+def default_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
+    """The model's best 2.x launch for `problem`, or None if no kernel can take it."""
+    ranked = rank(problem, sm80_candidates(problem), sms)
+    return ranked[0][1] if ranked else None

@@ -1,0 +1,279 @@
+"""The public tensor API: conv2d fprop, dgrad and wgrad on torch CUDA tensors in PyTorch's argument conventions.
+
+Tensors are channels_last (NHWC in memory; the filter KRSC) and must live on the GPU. What no kernel of this
+project can compute raises `UnsupportedConvError` naming the parameter, or, with ``fallback=True``, runs in
+PyTorch (cuDNN) and logs the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Optional, Sequence
+
+from .config import LaunchConfig
+from .problem import Conv2dProblem, Epilogue, ProblemError, max_alignment
+from .runtime import KernelLaunchError, load_kernel
+from .select import SelectMode, choose
+from .types import Activation, ConvKind, DType, SourceKind
+
+log = logging.getLogger("cutlass_byoc.ops")
+
+
+class UnsupportedConvError(ValueError):
+    """No kernel of this project computes the call; the message names the parameter and what was expected."""
+
+
+def _torch():
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("cutlass_byoc.ops needs PyTorch: pip install 'cutlass-byoc[torch]'") from e
+    return torch
+
+
+def _pair(v, name: str) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    if len(v) == 1:
+        return (int(v[0]), int(v[0]))
+    if len(v) != 2:
+        raise UnsupportedConvError(f"{name}: expected an int or a pair for conv2d, got {v}")
+    return (int(v[0]), int(v[1]))
+
+
+def _check_tensor(t, name: str, dtype=None, channels_last: bool = True) -> None:
+    torch = _torch()
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedConvError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise UnsupportedConvError(f"{name}: expected a CUDA tensor, got device {t.device}")
+    if dtype is not None and t.dtype != dtype:
+        raise UnsupportedConvError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if channels_last:
+        if t.dim() != 4:
+            raise UnsupportedConvError(f"{name}: expected a 4-D tensor, got shape {tuple(t.shape)}")
+        if not t.is_contiguous(memory_format=torch.channels_last):
+            raise UnsupportedConvError(
+                f"{name}: expected channels_last contiguous memory (NHWC), got strides {t.stride()} for shape "
+                f"{tuple(t.shape)}; use t.contiguous(memory_format=torch.channels_last)"
+            )
+    elif not t.is_contiguous():
+        raise UnsupportedConvError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _dtype(t) -> DType:
+    try:
+        return DType.from_torch(t.dtype)
+    except ValueError as e:
+        raise UnsupportedConvError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------- workspace
+_workspaces: dict[tuple[int, int], object] = {}
+_ws_lock = threading.Lock()
+
+
+def _workspace(device, stream: int, nbytes: int):
+    """A device buffer per (device, stream), allocated once and grown when a launch needs more."""
+    torch = _torch()
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
+    with _ws_lock:
+        buf = _workspaces.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+            _workspaces[key] = buf
+        return buf
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, source) -> LaunchConfig:
+    """Lower the kernel's alignments to what the operands' addresses allow (a view with an odd storage offset)."""
+    k = launch.kernel
+    ca, cb, cc = problem.channel_dims
+    want = (
+        min(k.align_a, max_alignment(ca, k.element_a, a.data_ptr())),
+        min(k.align_b, max_alignment(cb, k.element_b, b.data_ptr())),
+        min(k.align_c, max_alignment(cc, k.element_kernel_out, d.data_ptr()),
+            *( [max_alignment(cc, k.element_kernel_out, source.data_ptr())] if source is not None else [])),
+    )
+    if want == (k.align_a, k.align_b, k.align_c):
+        return launch
+    return dataclasses.replace(launch, kernel=k.with_alignments(*want))
+
+
+def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
+                select: SelectMode | str = SelectMode.CACHED) -> None:
+    """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream."""
+    torch = _torch()
+    why = problem.int32_overflow
+    if why:
+        raise UnsupportedConvError(f"size: {why}")
+    launch = config or choose(problem, select)
+    if launch is None:
+        raise UnsupportedConvError(f"no kernel computes {problem.name}")
+    why = launch.reject_reason(problem)
+    if why:
+        raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
+    launch = _narrow_to_pointers(launch, problem, a, b, out, source)
+    lib = load_kernel(launch.kernel)
+    why = lib.can_implement(problem, launch.split_k_slices)
+    if why:
+        raise UnsupportedConvError(f"{launch.name}: {why}")
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    nbytes = lib.workspace_size(problem, launch.split_k_slices)
+    ws = _workspace(a.device, stream, nbytes) if nbytes else None
+    with torch.cuda.device(a.device):
+        lib.run(
+            problem, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
+            source=source.data_ptr() if source is not None else 0, split_k_slices=launch.split_k_slices,
+            workspace=ws.data_ptr() if ws is not None else 0, workspace_bytes=ws.numel() if ws is not None else 0,
+            stream=stream,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- public ops
+def conv2d(
+    input, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 1, *,
+    activation: Activation | str = Activation.IDENTITY, residual=None, out_dtype=None, acc_dtype=None,
+    config: Optional[LaunchConfig] = None, select: SelectMode | str = SelectMode.CACHED, fallback: bool = False,
+):
+    """``act(conv2d(input, weight) + bias + residual)`` like torch.nn.functional.conv2d, fused in one kernel.
+
+    ``out_dtype`` (default: the input's) may differ from the input type: fp16 inputs with an fp32 output accumulate
+    and store in fp32; fp32 accumulation with an fp16 output stores fp16 directly (no separate cast).
+    """
+    torch = _torch()
+    activation = Activation(activation)
+    try:
+        _check_tensor(input, "input")
+        _check_tensor(weight, "weight", dtype=input.dtype)
+        out_t = out_dtype or input.dtype
+        if bias is not None and residual is not None:
+            raise UnsupportedConvError("bias: bias and residual together are not fused yet; add one of them outside")
+        if bias is not None:
+            _check_tensor(bias, "bias", dtype=out_t, channels_last=False)
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise UnsupportedConvError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        n, c, h, w = input.shape
+        k, cg, r, s = weight.shape
+        if cg * groups != c:
+            raise UnsupportedConvError(f"weight: expected {c // groups} input channels per group, got {cg}")
+        source = SourceKind.BIAS if bias is not None else SourceKind.RESIDUAL if residual is not None else SourceKind.NONE
+        problem = _problem(ConvKind.FPROP, n, c, h, w, k, r, s, stride, padding, dilation, groups, input,
+                           DType.from_torch(out_t), acc_dtype, Epilogue(activation, source))
+        out = torch.empty((n, k, problem.p, problem.q), dtype=out_t, device=input.device,
+                          memory_format=torch.channels_last)
+        if residual is not None:
+            _check_tensor(residual, "residual", dtype=out_t)
+            if tuple(residual.shape) != tuple(out.shape):
+                raise UnsupportedConvError(f"residual: expected shape {tuple(out.shape)}, got {tuple(residual.shape)}")
+        run_problem(problem, input, weight, out, bias if bias is not None else residual, config=config, select=select)
+        return out
+    except (UnsupportedConvError, KernelLaunchError) as e:
+        if not fallback:
+            raise
+        log.info("conv2d falls back to PyTorch: %s", e)
+        y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
+        if residual is not None:
+            y = y + residual
+        return _apply_activation(y, activation).to(out_dtype or input.dtype)
+
+
+def conv2d_dgrad(
+    grad_output, weight, input_size: Sequence[int], stride=1, padding=0, dilation=1, groups: int = 1, *,
+    out_dtype=None, acc_dtype=None, config: Optional[LaunchConfig] = None,
+    select: SelectMode | str = SelectMode.CACHED,
+):
+    """grad_input of conv2d (torch.nn.grad.conv2d_input): dx from dy and w. Strided dgrad runs CUTLASS's
+    strided-dgrad kernel, unit stride the faster unity kernel."""
+    torch = _torch()
+    _check_tensor(grad_output, "grad_output")
+    _check_tensor(weight, "weight", dtype=grad_output.dtype)
+    n, c, h, w = (int(v) for v in input_size)
+    k, cg, r, s = weight.shape
+    out_t = out_dtype or grad_output.dtype
+    problem = _problem(ConvKind.DGRAD, n, c, h, w, k, r, s, stride, padding, dilation, groups, grad_output,
+                       DType.from_torch(out_t), acc_dtype, Epilogue())
+    if tuple(grad_output.shape) != (n, k, problem.p, problem.q):
+        raise UnsupportedConvError(
+            f"grad_output: expected shape {(n, k, problem.p, problem.q)} for input_size {tuple(input_size)}, "
+            f"got {tuple(grad_output.shape)}"
+        )
+    out = torch.empty((n, c, h, w), dtype=out_t, device=grad_output.device, memory_format=torch.channels_last)
+    run_problem(problem, grad_output, weight, out, config=config, select=select)
+    return out
+
+
+def conv2d_wgrad(
+    grad_output, input, weight_size: Sequence[int], stride=1, padding=0, dilation=1, groups: int = 1, *,
+    out_dtype=None, accumulate_into=None, config: Optional[LaunchConfig] = None,
+    select: SelectMode | str = SelectMode.CACHED,
+):
+    """grad_weight of conv2d (torch.nn.grad.conv2d_weight): dw from dy and x, always accumulated in fp32.
+
+    ``out_dtype=torch.float32`` with 16-bit inputs gives fp32 gradients for fp32 master weights in one kernel;
+    ``accumulate_into`` (a tensor of the weight's shape and out_dtype) adds into an existing gradient.
+    """
+    torch = _torch()
+    _check_tensor(grad_output, "grad_output")
+    _check_tensor(input, "input", dtype=grad_output.dtype)
+    k, cg, r, s = (int(v) for v in weight_size)
+    n, c, h, w = input.shape
+    out_t = out_dtype or grad_output.dtype
+    source = SourceKind.RESIDUAL if accumulate_into is not None else SourceKind.NONE
+    problem = _problem(ConvKind.WGRAD, n, c, h, w, k, r, s, stride, padding, dilation, groups, input,
+                       DType.from_torch(out_t), DType.F32, Epilogue(Activation.IDENTITY, source))
+    if tuple(grad_output.shape) != (n, k, problem.p, problem.q):
+        raise UnsupportedConvError(
+            f"grad_output: expected shape {(n, k, problem.p, problem.q)}, got {tuple(grad_output.shape)}"
+        )
+    out = torch.empty((k, cg, r, s), dtype=out_t, device=input.device, memory_format=torch.channels_last)
+    if accumulate_into is not None:
+        _check_tensor(accumulate_into, "accumulate_into", dtype=out_t)
+    run_problem(problem, grad_output, input, out, accumulate_into, config=config, select=select)
+    return out
+
+
+def convolution_backward(
+    grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed: bool, output_padding,
+    groups: int, output_mask: Sequence[bool], *, select: SelectMode | str = SelectMode.CACHED,
+):
+    """Same arguments and results as ``torch.ops.aten.convolution_backward`` (non-transposed conv2d)."""
+    if transposed:
+        raise UnsupportedConvError("transposed: convolution_backward of a transposed conv is not offloaded")
+    if any(_pair(output_padding, "output_padding")):
+        raise UnsupportedConvError(f"output_padding: expected 0 for a plain conv2d, got {output_padding}")
+    gi = gw = gb = None
+    if output_mask[0]:
+        gi = conv2d_dgrad(grad_output, weight, input.shape, stride, padding, dilation, groups, select=select)
+    if output_mask[1]:
+        gw = conv2d_wgrad(grad_output, input, weight.shape, stride, padding, dilation, groups,
+                          out_dtype=weight.dtype, select=select)
+    if output_mask[2]:
+        gb = grad_output.sum(dim=(0, 2, 3), dtype=_torch().float32).to(grad_output.dtype)
+    return gi, gw, gb
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _problem(kind, n, c, h, w, k, r, s, stride, padding, dilation, groups, ref, out_dt, acc_dtype, epilogue):
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
+    el = _dtype(ref)
+    acc = DType(acc_dtype.value if isinstance(acc_dtype, DType) else DType.from_torch(acc_dtype)) if acc_dtype else DType.F32
+    try:
+        return Conv2dProblem(kind=kind, n=int(n), h=int(h), w=int(w), c=int(c), k=int(k), r=int(r), s=int(s),
+                             pad_h=ph, pad_w=pw, stride_h=sh, stride_w=sw, dilation_h=dh, dilation_w=dw,
+                             groups=int(groups), element_a=el, element_b=el, element_out=out_dt, element_acc=acc,
+                             epilogue=epilogue)
+    except ProblemError as e:
+        raise UnsupportedConvError(str(e)) from None
+
+
+def _apply_activation(y, activation: Activation):
+    F = _torch().nn.functional
+    return {
+        Activation.IDENTITY: lambda t: t, Activation.RELU: F.relu, Activation.SIGMOID: _torch().sigmoid,
+        Activation.SILU: F.silu, Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu,
+    }[activation](y)

@@ -1,0 +1,60 @@
+"""Render a kernel config into one CUDA translation unit through the family's Jinja template."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import jinja2
+
+from . import __version__
+from .config import KernelConfig
+from .types import Activation, ConvKind, SplitKMode, StrideSupport
+
+#: Version of the extern "C" API in templates/conv2d_api.h.j2 (must match runtime.CbConv2dArgs).
+ABI_VERSION = 1
+
+_ACTIVATION_HEADERS = {
+    Activation.IDENTITY: None,
+    Activation.RELU: "linear_combination_relu.h",
+    Activation.SIGMOID: "linear_combination_sigmoid.h",
+    Activation.SILU: "linear_combination_silu.h",
+    Activation.HARDSWISH: "linear_combination_hardswish.h",
+    Activation.GELU: "linear_combination_gelu.h",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def environment() -> jinja2.Environment:
+    loader = jinja2.PackageLoader("cutlass_byoc.templates", ".")
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def template_text(name: str) -> str:
+    return resources.files("cutlass_byoc.templates").joinpath(name).read_text()
+
+
+def _swizzle(c: KernelConfig) -> str:
+    if c.kind is ConvKind.DGRAD and c.stride_support is StrideSupport.STRIDED:
+        return f"cutlass::conv::threadblock::StridedDgradIdentityThreadblockSwizzle<{c.swizzle}>"
+    # GemmSplitKIdentityThreadblockSwizzle does not compile with conv; the identity swizzle handles split-k.
+    return f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<{c.swizzle}>"
+
+
+def render(config: KernelConfig, compile_command: str) -> str:
+    """The full source of `config`'s kernel library. `compile_command` is recorded in its header comment."""
+    tmpl = environment().get_template(config.family.template)
+    items = [(k, v) for k, v in config.to_dict().items() if v is not None]
+    return tmpl.render(
+        c=config,
+        version=__version__,
+        template_name=config.family.template,
+        config_items=items,
+        config_json=config.to_json(),
+        compile_command=compile_command,
+        abi_version=ABI_VERSION,
+        parallel=config.split_k_mode is SplitKMode.PARALLEL,
+        activation_header=_ACTIVATION_HEADERS[config.activation],
+        swizzle=_swizzle(config),
+        stride_support=config.stride_support.cutlass,
+    )

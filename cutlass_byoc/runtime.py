@@ -1,0 +1,168 @@
+"""Load compiled kernel libraries and launch them on raw device pointers (torch-free; see ops.py for tensors)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import threading
+from pathlib import Path
+from typing import Optional
+
+from .build import CompileError, build
+from .cache import KernelCache
+from .config import KernelConfig, LaunchConfig
+from .problem import Conv2dProblem
+from .render import ABI_VERSION
+from .types import SourceKind
+
+
+class KernelLaunchError(RuntimeError):
+    """The kernel refused the problem or its launch failed; the message says which parameter and why."""
+
+
+class CbConv2dArgs(ctypes.Structure):
+    """Mirror of struct CbConv2dArgs in templates/conv2d_api.h.j2."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_int64),
+        *[(f, ctypes.c_int64) for f in ("n", "h", "w", "c", "k", "r", "s", "p", "q")],
+        *[(f, ctypes.c_int64) for f in ("pad_h", "pad_w", "stride_h", "stride_w", "dilation_h", "dilation_w")],
+        ("split_k_slices", ctypes.c_int64),
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("source", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("source_kind", ctypes.c_int64),
+        ("alpha", ctypes.c_float),
+        ("beta", ctypes.c_float),
+    ]
+
+
+_SOURCE_CODES = {SourceKind.NONE: 0, SourceKind.BIAS: 1, SourceKind.RESIDUAL: 2}
+
+
+def make_args(
+    problem: Conv2dProblem, split_k_slices: int = 1, a: int = 0, b: int = 0, d: int = 0, source: int = 0,
+    alpha: float = 1.0, beta: Optional[float] = None,
+) -> CbConv2dArgs:
+    p = problem
+    kind = p.epilogue.source
+    return CbConv2dArgs(
+        ABI_VERSION, p.n, p.h, p.w, p.c, p.k, p.r, p.s, p.p, p.q,
+        p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.dilation_h, p.dilation_w,
+        split_k_slices, a or None, b or None, source or None, d or None, _SOURCE_CODES[kind],
+        alpha, (1.0 if kind is not SourceKind.NONE else 0.0) if beta is None else beta,
+    )
+
+
+class KernelLibrary:
+    """One compiled kernel, loaded. Thread-safe: each launch builds its own CUTLASS operator on the stack."""
+
+    def __init__(self, config: KernelConfig, path: Path):
+        self.config = config
+        self.path = Path(path)
+        lib = ctypes.CDLL(str(self.path))
+        lib.cb_abi_version.restype = ctypes.c_int64
+        lib.cb_config_json.restype = ctypes.c_char_p
+        lib.cb_kernel_name.restype = ctypes.c_char_p
+        lib.cb_can_implement.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_char_p, ctypes.c_int]
+        lib.cb_workspace_size.argtypes = [ctypes.POINTER(CbConv2dArgs)]
+        lib.cb_workspace_size.restype = ctypes.c_int64
+        lib.cb_run.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_char_p, ctypes.c_int]
+        if lib.cb_abi_version() != ABI_VERSION:
+            raise KernelLaunchError(f"{self.path}: ABI {lib.cb_abi_version()}, this cutlass_byoc speaks {ABI_VERSION}")
+        shipped = KernelConfig.from_dict(json.loads(lib.cb_config_json()))
+        if shipped != config:  # never run a kernel other than the one asked for
+            raise KernelLaunchError(f"{self.path} holds {shipped.name}, expected {config.name}")
+        self._lib = lib
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def can_implement(self, problem: Conv2dProblem, split_k_slices: int = 1) -> Optional[str]:
+        """None if this kernel computes `problem` with that many slices; else why not."""
+        why = LaunchConfig(self.config, split_k_slices).reject_reason(problem)
+        if why:
+            return why
+        args = make_args(problem, split_k_slices)
+        buf = ctypes.create_string_buffer(512)
+        if self._lib.cb_can_implement(ctypes.byref(args), buf, len(buf)):
+            return buf.value.decode()
+        return None
+
+    def workspace_size(self, problem: Conv2dProblem, split_k_slices: int = 1) -> int:
+        return int(self._lib.cb_workspace_size(ctypes.byref(make_args(problem, split_k_slices))))
+
+    def check_pointers(self, problem: Conv2dProblem, a: int, b: int, d: int, source: int = 0) -> None:
+        c = self.config
+        rules = [("A", a, c.align_a * c.element_a.nbytes), ("B", b, c.align_b * c.element_b.nbytes),
+                 ("output", d, c.align_c * c.element_out.nbytes)]
+        if problem.epilogue.source is not SourceKind.NONE:
+            rules.append(("source", source, c.align_c * c.element_out.nbytes))
+        for name, ptr, align in rules:
+            if not ptr:
+                raise KernelLaunchError(f"{name}: null device pointer")
+            if ptr % align:
+                raise KernelLaunchError(
+                    f"{name}: address {ptr:#x} is not {align}-byte aligned as kernel {c.name} needs "
+                    f"(alignment {align // max(1, {'A': c.element_a, 'B': c.element_b}.get(name, c.element_out).nbytes)} elements)"
+                )
+
+    def run(
+        self, problem: Conv2dProblem, *, a: int, b: int, d: int, source: int = 0, split_k_slices: int = 1,
+        workspace: int = 0, workspace_bytes: int = 0, stream: int = 0, alpha: float = 1.0, beta: Optional[float] = None,
+    ) -> None:
+        """Launch on raw device pointers (ints) on `stream` (a cudaStream_t as int; 0 is the legacy default stream)."""
+        why = LaunchConfig(self.config, split_k_slices).reject_reason(problem)
+        if why:
+            raise KernelLaunchError(f"{self.name} cannot run {problem.name}: {why}")
+        self.check_pointers(problem, a, b, d, source)
+        args = make_args(problem, split_k_slices, a, b, d, source, alpha, beta)
+        buf = ctypes.create_string_buffer(512)
+        rc = self._lib.cb_run(ctypes.byref(args), workspace or None, workspace_bytes, stream or None, buf, len(buf))
+        if rc:
+            raise KernelLaunchError(f"{self.name} on {problem.name}: {buf.value.decode()}")
+
+
+_loaded: dict[tuple[str, KernelConfig], KernelLibrary] = {}
+_lock = threading.Lock()
+
+
+def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, build_missing: bool = True) -> KernelLibrary:
+    """The loaded library of `config`, compiling it first if it is not in the cache (and `build_missing`)."""
+    cache = cache or KernelCache()
+    key = (str(cache.root), config)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+    if build_missing:
+        result = build([config], cache=cache)[config]
+    else:
+        from .build import BuildResult, prepare  # noqa: PLC0415
+
+        result = BuildResult(config, cache.lookup(prepare(config)[1]), False)
+    if not result.ok:
+        if not build_missing and result.entry.state.value == "missing":
+            raise KernelLaunchError(f"{config.name} is not compiled (run `cutlass-byoc tune` or build it)")
+        raise CompileError(result.error_report())
+    lib = KernelLibrary(config, result.library)
+    with _lock:
+        return _loaded.setdefault(key, lib)
+
+
+@functools.lru_cache(maxsize=None)
+def device_properties() -> tuple[str, int, int]:
+    """(name, compute capability as 90, multiprocessor count) of the current CUDA device, through cuda-python."""
+    from cuda.bindings import runtime as rt  # noqa: PLC0415
+
+    err, dev = rt.cudaGetDevice()
+    if err != rt.cudaError_t.cudaSuccess:
+        raise KernelLaunchError(f"no CUDA device: {err}")
+    err, prop = rt.cudaGetDeviceProperties(dev)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise KernelLaunchError(f"cudaGetDeviceProperties: {err}")
+    name = prop.name.decode() if isinstance(prop.name, bytes) else str(prop.name)
+    return name.rstrip("\x00"), prop.major * 10 + prop.minor, prop.multiProcessorCount
