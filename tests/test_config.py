@@ -1,0 +1,118 @@
+import dataclasses
+
+import pytest
+
+from cutlass_byoc.candidates import sm80_candidates, sm80_tile_specs
+from cutlass_byoc.config import KernelConfig, LaunchConfig
+from cutlass_byoc.heuristics import default_launch, split_k_slice_candidates
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.types import ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
+
+
+def P(kind, n, c, h, k, r, **kw):
+    return Conv2dProblem.make(kind, n, c, h, h, k, r, padding=r // 2, **kw)
+
+
+def test_tiles_come_from_cutlass_library():
+    specs = sm80_tile_specs(MathOp.F16)
+    assert len(specs) == 22  # what GenerateSM80_TensorOp_16816 instantiates for conv2d (BRIEF.md)
+    assert ((128, 128, 32), (2, 2, 1), 3) in specs
+    assert all(t[2] in (32, 64) for t, _, _ in specs)
+    assert {t[2] for t, _, _ in sm80_tile_specs(MathOp.TF32)} == {16, 32}
+
+
+def test_config_is_frozen_hashable_and_round_trips():
+    cfg = next(sm80_candidates(P("fprop", 32, 64, 56, 64, 3)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.stages = 4
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert hash(KernelConfig.from_dict(cfg.to_dict())) == hash(cfg)
+    launch = LaunchConfig(cfg, 4)
+    assert LaunchConfig.from_dict(launch.to_dict()) == launch
+
+
+def test_names_are_derived_and_unique():
+    problems = [P("fprop", 32, 64, 56, 64, 3), P("dgrad", 32, 64, 56, 64, 3, stride=2), P("wgrad", 32, 7, 56, 33, 3)]
+    configs = [c for p in problems for c in sm80_candidates(p)]
+    assert len({c.name for c in configs}) == len(set(configs)) == len(configs)
+
+
+def test_odd_channels_get_alignment_one_on_the_two_stage_mainloop():
+    p = P("fprop", 32, 7, 56, 33, 3)
+    cands = list(sm80_candidates(p))
+    assert cands, "C=7, K=33 must run, not be refused"
+    for c in cands:
+        assert (c.align_a, c.align_b, c.align_c) == (1, 1, 1)
+        assert c.stages == 2
+        assert c.iterator is not IteratorAlgorithm.OPTIMIZED
+
+
+def test_stem_offers_few_channel_iterators():
+    cands = list(sm80_candidates(P("fprop", 32, 3, 224, 64, 7, stride=2)))
+    assert {c.iterator for c in cands} >= {IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.ANALYTIC}
+    assert all(c.stride_support is StrideSupport.STRIDED for c in cands if c.iterator is IteratorAlgorithm.FEW_CHANNELS)
+
+
+def test_dgrad_stride_support_and_split_k_rules():
+    strided = list(sm80_candidates(P("dgrad", 32, 128, 56, 128, 3, stride=2)))
+    assert strided and all(c.stride_support is StrideSupport.STRIDED for c in strided)
+    assert all(c.split_k_mode is SplitKMode.SERIAL for c in strided)
+    assert split_k_slice_candidates(P("dgrad", 32, 128, 56, 128, 3, stride=2), (128, 128, 32)) == [1]
+    unity = list(sm80_candidates(P("dgrad", 32, 128, 56, 128, 3)))
+    assert all(c.stride_support is StrideSupport.UNITY for c in unity)
+    assert {c.split_k_mode for c in unity} == {SplitKMode.SERIAL, SplitKMode.PARALLEL}
+    launch = LaunchConfig(strided[0], 2)
+    assert "strided dgrad" in launch.reject_reason(P("dgrad", 32, 128, 56, 128, 3, stride=2))
+
+
+def test_wgrad_candidates_accumulate_in_fp32_and_parallel_kernels_store_fp32_partials():
+    p = P("wgrad", 32, 64, 56, 64, 3, out_dtype="f16")
+    for c in sm80_candidates(p):
+        assert c.element_acc is DType.F32
+        assert c.element_out is DType.F16
+        if c.split_k_mode is SplitKMode.PARALLEL:
+            assert c.element_kernel_out is DType.F32 and c.align_c <= 4
+
+
+def test_split_k_slice_candidates_follow_the_problem():
+    early = split_k_slice_candidates(P("wgrad", 32, 64, 56, 64, 3), (128, 128, 32))
+    late = split_k_slice_candidates(P("wgrad", 32, 512, 7, 512, 3), (128, 128, 32))
+    assert max(early) >= 16  # 1 output tile for 132 SMs: split the N*P*Q reduction a lot
+    assert max(late) < max(early)
+    assert split_k_slice_candidates(P("fprop", 32, 64, 56, 64, 1), (128, 128, 32)) == [1]  # already 784 tiles
+
+
+def test_static_rules_reject_impossible_kernels():
+    good = next(sm80_candidates(P("fprop", 32, 64, 56, 64, 3)))
+    with pytest.raises(ValueError, match="stages"):
+        dataclasses.replace(good, align_a=1, align_b=1, stages=3)
+    with pytest.raises(ValueError, match="align_c"):
+        dataclasses.replace(good, element_out=DType.F32, align_c=8)
+    with pytest.raises(ValueError, match="wgrad accumulates in f32"):
+        dataclasses.replace(good, kind=ConvKind.WGRAD, element_acc=DType.F16)
+    with pytest.raises(ValueError, match="no split-k"):
+        dataclasses.replace(good, family=KernelFamily.SM90_TMA_WGMMA, split_k_mode=SplitKMode.PARALLEL, align_c=4)
+
+
+def test_reject_reason_names_what_does_not_fit():
+    cfg = next(c for c in sm80_candidates(P("fprop", 32, 64, 56, 64, 3)) if c.align_a == 8)
+    assert "alignment" in cfg.reject_reason(P("fprop", 32, 60, 56, 64, 3))
+    assert "kind" in cfg.reject_reason(P("dgrad", 32, 64, 56, 64, 3))
+    assert "groups" in cfg.reject_reason(P("fprop", 32, 64, 56, 64, 3, groups=2))
+    assert "element_out" in cfg.reject_reason(P("fprop", 32, 64, 56, 64, 3, out_dtype="f32"))
+    assert cfg.reject_reason(P("fprop", 1, 64, 9, 64, 3)) is None  # a kernel serves every shape it can implement
+
+
+def test_with_alignments_narrows_to_what_pointers_allow():
+    cfg = next(c for c in sm80_candidates(P("fprop", 32, 64, 56, 64, 3)) if c.iterator is IteratorAlgorithm.OPTIMIZED)
+    narrow = cfg.with_alignments(1, 8, 8)
+    assert (narrow.align_a, narrow.stages, narrow.iterator) == (1, 2, IteratorAlgorithm.ANALYTIC)
+
+
+def test_default_launch_exists_for_every_supported_kind_and_dtype():
+    for kind in ConvKind:
+        for dt, out in (("f16", "f16"), ("f16", "f32"), ("bf16", "bf16"), ("f32", "f32")):
+            p = P(kind.value, 8, 64, 28, 128, 3, dtype=dt, out_dtype=out)
+            launch = default_launch(p)
+            assert launch is not None and launch.reject_reason(p) is None
+    assert default_launch(P("fprop", 8, 64, 28, 128, 3, groups=4)) is None
