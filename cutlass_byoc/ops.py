@@ -64,11 +64,12 @@ def _check_tensor(t, name: str, dtype=None, channels_last: bool = True) -> None:
         raise UnsupportedConvError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
-def _dtype(t) -> DType:
+def _dtype(t, name: str = "input") -> DType:
+    """DType of a tensor, or of a torch.dtype given directly (then `name` is the argument that named it)."""
     try:
-        return DType.from_torch(t.dtype)
+        return DType.from_torch(getattr(t, "dtype", t))
     except ValueError as e:
-        raise UnsupportedConvError(str(e)) from None
+        raise UnsupportedConvError(f"{name} {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- workspace
@@ -163,7 +164,7 @@ def conv2d(
             raise UnsupportedConvError(f"weight: expected {c // groups} input channels per group, got {cg}")
         source = SourceKind.BIAS if bias is not None else SourceKind.RESIDUAL if residual is not None else SourceKind.NONE
         problem = _problem(ConvKind.FPROP, n, c, h, w, k, r, s, stride, padding, dilation, groups, input,
-                           DType.from_torch(out_t), acc_dtype, Epilogue(activation, source))
+                           out_t, acc_dtype, Epilogue(activation, source))
         out = torch.empty((n, k, problem.p, problem.q), dtype=out_t, device=input.device,
                           memory_format=torch.channels_last)
         if residual is not None:
@@ -196,7 +197,7 @@ def conv2d_dgrad(
     k, cg, r, s = weight.shape
     out_t = out_dtype or grad_output.dtype
     problem = _problem(ConvKind.DGRAD, n, c, h, w, k, r, s, stride, padding, dilation, groups, grad_output,
-                       DType.from_torch(out_t), acc_dtype, Epilogue())
+                       out_t, acc_dtype, Epilogue())
     if tuple(grad_output.shape) != (n, k, problem.p, problem.q):
         raise UnsupportedConvError(
             f"grad_output: expected shape {(n, k, problem.p, problem.q)} for input_size {tuple(input_size)}, "
@@ -225,7 +226,7 @@ def conv2d_wgrad(
     out_t = out_dtype or grad_output.dtype
     source = SourceKind.RESIDUAL if accumulate_into is not None else SourceKind.NONE
     problem = _problem(ConvKind.WGRAD, n, c, h, w, k, r, s, stride, padding, dilation, groups, input,
-                       DType.from_torch(out_t), DType.F32, Epilogue(Activation.IDENTITY, source))
+                       out_t, DType.F32, Epilogue(Activation.IDENTITY, source))
     if tuple(grad_output.shape) != (n, k, problem.p, problem.q):
         raise UnsupportedConvError(
             f"grad_output: expected shape {(n, k, problem.p, problem.q)}, got {tuple(grad_output.shape)}"
@@ -261,7 +262,8 @@ def convolution_backward(
 def _problem(kind, n, c, h, w, k, r, s, stride, padding, dilation, groups, ref, out_dt, acc_dtype, epilogue):
     (sh, sw), (ph, pw), (dh, dw) = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
     el = _dtype(ref)
-    acc = DType(acc_dtype.value if isinstance(acc_dtype, DType) else DType.from_torch(acc_dtype)) if acc_dtype else DType.F32
+    out_dt = _dtype(out_dt, "out_dtype")
+    acc = acc_dtype if isinstance(acc_dtype, DType) else _dtype(acc_dtype, "acc_dtype") if acc_dtype else DType.F32
     try:
         return Conv2dProblem(kind=kind, n=int(n), h=int(h), w=int(w), c=int(c), k=int(k), r=int(r), s=int(s),
                              pad_h=ph, pad_w=pw, stride_h=sh, stride_w=sw, dilation_h=dh, dilation_w=dw,

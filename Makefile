@@ -1,0 +1,39 @@
+# cutlass-byoc: the two commands of the README are `make tune` and `make test`; both set up .venv themselves.
+PYTHON ?= python3
+# The CPU build of torch that lies on this project's machines; on a GPU machine: make TORCH=torch ...
+TORCH  ?= torch==2.13.0
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup tune test test-gpu bench gpu-round clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q '$(TORCH)'
+	$(BIN)/pip install -q -e '.[torch,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## Plan, compile and (with a GPU) time the embedded default workload; without a GPU it says timing was skipped.
+tune: $(STAMP)
+	$(BIN)/cutlass-byoc tune
+
+## The test suite: unit, render and compile-only tests here; gpu-marked tests skip with a reason without a GPU.
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-gpu: $(STAMP)
+	$(BIN)/pytest -q -m gpu
+
+bench: $(STAMP)
+	$(BIN)/cutlass-byoc bench
+
+## On the H200 (device tool): install from .whl/, gpu tests, tune, bench, offload bench.
+gpu-round:
+	bash scripts/gpu_round.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

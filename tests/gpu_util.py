@@ -1,0 +1,66 @@
+"""Helpers of the GPU tests: fixed kernel picks, random channels_last operands, float64 references."""
+
+from __future__ import annotations
+
+import torch
+
+from cutlass_byoc.candidates import sm80_candidates
+from cutlass_byoc.config import KernelConfig
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.types import ConvKind, DType, IteratorAlgorithm, SplitKMode
+
+TORCH = {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32}
+#: ||out - ref|| / ||ref|| bounds by output type (and fp32 inputs, which run as TF32)
+TOLERANCE = {DType.F16: 1e-2, DType.BF16: 2e-2, DType.F32: 5e-3}
+
+_ITER_ORDER = [IteratorAlgorithm.OPTIMIZED, IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.ANALYTIC,
+               IteratorAlgorithm.FIXED_CHANNELS]
+
+
+def pick(problem: Conv2dProblem, mode: SplitKMode = SplitKMode.SERIAL, tile=None) -> KernelConfig:
+    """A fixed, mid-size kernel for the problem, so the test suite compiles few kernels."""
+    preferred = tile or ((128, 128, 16) if problem.element_a is DType.F32 else (128, 128, 32))
+    cands = [c for c in sm80_candidates(problem) if c.split_k_mode is mode]
+    cands.sort(key=lambda c: (c.tile != preferred, c.tile != (128, 64, 32), _ITER_ORDER.index(c.iterator), c.stages))
+    assert cands, f"no candidate for {problem.name}"
+    return cands[0]
+
+
+def operands(problem: Conv2dProblem, seed: int):
+    """Fresh random x, w, dy in the problem's input type, channels_last, on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = TORCH[problem.element_a]
+    cl = torch.channels_last
+    n, c, h, w, k = problem.n, problem.c, problem.h, problem.w, problem.k
+    x = torch.randn((n, c, h, w), generator=g, device="cuda").to(dt).contiguous(memory_format=cl)
+    wt = torch.randn((k, c // problem.groups, problem.r, problem.s), generator=g, device="cuda").to(dt).contiguous(memory_format=cl)
+    dy = torch.randn((n, k, problem.p, problem.q), generator=g, device="cuda").to(dt).contiguous(memory_format=cl)
+    return x, wt, dy
+
+
+def kernel_operands(problem: Conv2dProblem, x, w, dy):
+    return {ConvKind.FPROP: (x, w), ConvKind.DGRAD: (dy, w), ConvKind.WGRAD: (dy, x)}[problem.kind]
+
+
+def poisoned_output(problem: Conv2dProblem):
+    n, h, w, c = problem.out_shape
+    shape = (n, c, h, w)  # NCHW logical, NHWC memory (KRSC for wgrad)
+    return torch.full(shape, float("nan"), dtype=TORCH[problem.element_out], device="cuda").contiguous(
+        memory_format=torch.channels_last)
+
+
+def reference(problem: Conv2dProblem, x, w, dy):
+    """float64 result of the problem's kind (no epilogue)."""
+    st, pd, dl = (problem.stride_h, problem.stride_w), (problem.pad_h, problem.pad_w), (problem.dilation_h, problem.dilation_w)
+    if problem.kind is ConvKind.FPROP:
+        return torch.nn.functional.conv2d(x.double(), w.double(), None, st, pd, dl, problem.groups)
+    if problem.kind is ConvKind.DGRAD:
+        return torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), st, pd, dl, problem.groups)
+    return torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), st, pd, dl, problem.groups)
+
+
+def rel_err(out, ref) -> float:
+    out = out.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm())

@@ -1,0 +1,223 @@
+"""GPU correctness of fprop, dgrad and wgrad against float64 PyTorch, outputs poisoned with NaN first (issue 2)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cutlass_byoc import ops  # noqa: E402
+from cutlass_byoc.build import build  # noqa: E402
+from cutlass_byoc.config import LaunchConfig  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.runtime import load_kernel  # noqa: E402
+from cutlass_byoc.types import Activation, ConvKind, DType, SourceKind, SplitKMode  # noqa: E402
+
+from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, pick, poisoned_output, reference, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# name, N, C, H(=W), K, R(=S), stride, pad
+LAYERS = [
+    ("3x3_b1", 1, 64, 56, 64, 3, 1, 1),
+    ("1x1_b32", 32, 64, 56, 256, 1, 1, 0),
+    ("3x3_s2_b32", 32, 128, 56, 128, 3, 2, 1),
+    ("1x1_s2_b32", 32, 256, 28, 512, 1, 2, 0),
+    ("stem_7x7_s2_b32", 32, 3, 224, 64, 7, 2, 3),
+    ("7x7_pad3_b1", 1, 16, 20, 32, 7, 1, 3),
+    ("odd_7to33_b32", 32, 7, 56, 33, 3, 1, 1),
+    ("odd_7to33_s2_pad0_b1", 1, 7, 15, 33, 3, 2, 0),
+]
+DTYPES = [("f16", "f16"), ("f16", "f32"), ("bf16", "bf16"), ("bf16", "f32"), ("f32", "f32")]
+CASES = [
+    (kind, layer, dt)
+    for kind, layer, dt in itertools.product(ConvKind, LAYERS, DTYPES)
+    # the whole dtype matrix on four layers, fp16 on all of them
+    if dt == ("f16", "f16") or layer[0] in ("3x3_b1", "3x3_s2_b32", "stem_7x7_s2_b32", "odd_7to33_b32")
+]
+
+
+def make_problem(kind, layer, dt, **kw) -> Conv2dProblem:
+    _, n, c, h, k, r, stride, pad = layer
+    return Conv2dProblem.make(kind, n, c, h, h, k, r, stride=stride, padding=pad, dtype=dt[0], out_dtype=dt[1], **kw)
+
+
+EPILOGUES = [Epilogue(Activation.RELU, SourceKind.BIAS), Epilogue(Activation.RELU, SourceKind.RESIDUAL),
+             Epilogue(Activation.SILU), Epilogue(Activation.GELU), Epilogue(Activation.HARDSWISH),
+             Epilogue(Activation.SIGMOID), Epilogue(Activation.IDENTITY, SourceKind.BIAS)]
+EPI_LAYER = ("3x3", 8, 64, 28, 64, 3, 1, 1)
+SPLIT_PROBLEMS = [make_problem(kind, ("3x3_14", 32, 256, 14, 256, 3, 1, 1), ("f16", "f16")) for kind in (ConvKind.FPROP, ConvKind.DGRAD)]
+
+
+def all_configs():
+    cfgs = [pick(make_problem(kind, layer, dt)) for kind, layer, dt in CASES]
+    cfgs += [pick(make_problem("fprop", EPI_LAYER, ("f16", "f16"), epilogue=e)) for e in EPILOGUES]
+    cfgs += [pick(make_problem("fprop", EPI_LAYER, ("f16", "f32"), epilogue=EPILOGUES[0]))]
+    cfgs += [pick(p, m) for p in SPLIT_PROBLEMS for m in (SplitKMode.SERIAL, SplitKMode.PARALLEL)]
+    return cfgs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt(shared_cache, monkeypatch_module):
+    """Compile every kernel of this module in one parallel build (and make ops use that cache)."""
+    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
+    results = build(all_configs(), cache=shared_cache, progress=True)
+    failed = [r.error_report() for r in results.values() if not r.ok]
+    assert not failed, "\n\n".join(failed)
+    return results
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def check(problem, cfg, seed, slices=1, tol=None):
+    x, w, dy = operands(problem, seed)
+    a, b = kernel_operands(problem, x, w, dy)
+    out = poisoned_output(problem)
+    ops.run_problem(problem, a, b, out, config=LaunchConfig(cfg, slices))
+    torch.cuda.synchronize()
+    err = rel_err(out, reference(problem, x, w, dy))
+    bound = tol or TOLERANCE[problem.element_out]
+    assert not math.isnan(err), f"{cfg.name}: NaN in output (unwritten or invalid) for {problem.name}"
+    assert err < bound, f"{cfg.name} on {problem.name}: relative error {err:.3e} >= {bound}"
+    return err
+
+
+@pytest.mark.parametrize("kind, layer, dt", CASES, ids=[f"{k.value}-{l[0]}-{d[0]}to{d[1]}" for k, l, d in CASES])
+def test_kind_layer_dtype(kind, layer, dt):
+    problem = make_problem(kind, layer, dt)
+    check(problem, pick(problem), seed=hash((kind.value, layer[0], dt)) % 2**31)
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
+def test_fused_epilogues(epilogue):
+    for dt in (("f16", "f16"),) + ((("f16", "f32"),) if epilogue == EPILOGUES[0] else ()):
+        problem = make_problem("fprop", EPI_LAYER, dt, epilogue=epilogue)
+        x, w, _ = operands(problem, seed=7)
+        out_t = TORCH[problem.element_out]
+        ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, 1)
+        source = None
+        if epilogue.source is SourceKind.BIAS:
+            source = torch.randn(problem.k, device="cuda").to(out_t)
+            ref = ref + source.double().view(1, -1, 1, 1)
+        elif epilogue.source is SourceKind.RESIDUAL:
+            source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
+            ref = ref + source.double()
+        ref = ops._apply_activation(ref, epilogue.activation)
+        out = poisoned_output(problem)
+        ops.run_problem(problem, x, w, out, source, config=LaunchConfig(pick(problem)))
+        err = rel_err(out, ref)
+        assert err < TOLERANCE[problem.element_out], f"{epilogue.tag} {dt}: {err:.3e}"
+
+
+@pytest.mark.parametrize("problem", SPLIT_PROBLEMS, ids=lambda p: p.kind.value)
+@pytest.mark.parametrize("mode", [SplitKMode.SERIAL, SplitKMode.PARALLEL], ids=lambda m: m.value)
+def test_split_k_fprop_and_unit_stride_dgrad(problem, mode):
+    for slices in (1, 2, 4, 8):
+        check(problem, pick(problem, mode), seed=slices, slices=slices)
+
+
+def test_public_ops_match_pytorch():
+    x, w, dy = operands(make_problem("fprop", ("l", 4, 32, 20, 48, 3, 2, 1), ("f16", "f16")), seed=3)
+    bias = torch.randn(48, device="cuda", dtype=torch.float16)
+    y = ops.conv2d(x, w, bias, stride=2, padding=1, activation="relu")
+    ref = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), 2, 1))
+    assert rel_err(y, ref) < 1e-2 and y.is_contiguous(memory_format=torch.channels_last)
+    y32 = ops.conv2d(x, w, stride=2, padding=1, out_dtype=torch.float32)  # fp16 in, fp32 out, one kernel
+    assert y32.dtype == torch.float32
+    assert rel_err(y32, torch.nn.functional.conv2d(x.double(), w.double(), None, 2, 1)) < 5e-3
+    gi, gw, gb = ops.convolution_backward(dy, x, w, [48], [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+    assert rel_err(gi, torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), 2, 1)) < 1e-2
+    assert rel_err(gw, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), 2, 1)) < 1e-2
+    assert rel_err(gb, dy.double().sum((0, 2, 3))) < 1e-2
+    gw32 = ops.conv2d_wgrad(dy, x, w.shape, 2, 1, out_dtype=torch.float32)  # fp32 master-weight gradient
+    assert gw32.dtype == torch.float32
+    assert rel_err(gw32, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), 2, 1)) < 5e-3
+
+
+def test_misaligned_pointer_runs_a_narrower_kernel():
+    problem = make_problem("fprop", ("l", 2, 64, 16, 64, 3, 1, 1), ("f16", "f16"))
+    x, w, _ = operands(problem, seed=11)
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+    shifted = buf[1:].view(2, 16, 16, 64).permute(0, 3, 1, 2)  # channels_last, address 2 bytes off
+    shifted.copy_(x)
+    assert shifted.is_contiguous(memory_format=torch.channels_last) and shifted.data_ptr() % 16 == 2
+    out = poisoned_output(problem)
+    ops.run_problem(problem, shifted, w, out, select="heuristic")
+    assert rel_err(out, reference(problem, x, w, None)) < 1e-2
+
+
+def test_refusals_name_the_parameter():
+    x, w, dy = operands(make_problem("fprop", ("l", 2, 16, 8, 16, 3, 1, 1), ("f16", "f16")), seed=1)
+    with pytest.raises(ops.UnsupportedConvError, match="input: expected a CUDA tensor"):
+        ops.conv2d(x.cpu(), w.cpu(), padding=1)
+    with pytest.raises(ops.UnsupportedConvError, match="input: expected channels_last"):
+        ops.conv2d(x.contiguous(), w, padding=1)
+    with pytest.raises(ops.UnsupportedConvError, match="weight: expected dtype"):
+        ops.conv2d(x, w.float(), padding=1)
+    with pytest.raises(ops.UnsupportedConvError, match="input dtype: expected one of"):
+        ops.conv2d(x.double(), w.double(), padding=1)
+    with pytest.raises(ops.UnsupportedConvError, match="groups"):
+        ops.conv2d(x, w[:, :8].contiguous(memory_format=torch.channels_last), padding=1, groups=2)
+    with pytest.raises(ops.UnsupportedConvError, match="dilation"):
+        ops.conv2d_dgrad(torch.randn(2, 16, 4, 4, device="cuda", dtype=torch.float16).contiguous(
+            memory_format=torch.channels_last), w, x.shape, padding=0, dilation=2)
+    # fallback=True runs PyTorch instead, with the reason logged
+    y = ops.conv2d(x, w[:, :8].contiguous(memory_format=torch.channels_last), padding=1, groups=2, fallback=True)
+    ref = torch.nn.functional.conv2d(x.double(), w[:, :8].double(), None, 1, 1, 1, 2)
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_workspace_is_allocated_once_and_reused():
+    problem = SPLIT_PROBLEMS[0]
+    cfg = pick(problem, SplitKMode.PARALLEL)
+    x, w, _ = operands(problem, seed=5)
+    out = poisoned_output(problem)
+    ops.run_problem(problem, x, w, out, config=LaunchConfig(cfg, 4))
+    before = {k: v.data_ptr() for k, v in ops._workspaces.items()}
+    for _ in range(3):
+        ops.run_problem(problem, x, w, out, config=LaunchConfig(cfg, 4))
+    assert {k: v.data_ptr() for k, v in ops._workspaces.items()} == before
+
+
+def test_raw_device_pointers_through_cuda_python():
+    """The torch-free path: buffers from cudaMalloc, a stream from cudaStreamCreate."""
+    import numpy as np
+    from cuda.bindings import runtime as rt
+
+    problem = make_problem("fprop", ("l", 2, 32, 12, 64, 3, 1, 1), ("f16", "f16"))
+    lib = load_kernel(pick(problem))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(problem.x_shape).astype(np.float16)
+    w = rng.standard_normal(problem.w_shape).astype(np.float16)
+
+    def check_cuda(res):
+        err = res[0] if isinstance(res, tuple) else res
+        assert err == rt.cudaError_t.cudaSuccess, err
+        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
+    dx = check_cuda(rt.cudaMalloc(x.nbytes))
+    dw = check_cuda(rt.cudaMalloc(w.nbytes))
+    out_bytes = math.prod(problem.y_shape) * 2
+    dout = check_cuda(rt.cudaMalloc(out_bytes))
+    stream = check_cuda(rt.cudaStreamCreate())
+    check_cuda(rt.cudaMemcpy(dx, x.ctypes.data, x.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+    check_cuda(rt.cudaMemcpy(dw, w.ctypes.data, w.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+    check_cuda(rt.cudaMemset(dout, 0xFF, out_bytes))  # NaN poison
+    lib.run(problem, a=int(dx), b=int(dw), d=int(dout), stream=int(stream))
+    check_cuda(rt.cudaStreamSynchronize(stream))
+    y = np.empty(problem.y_shape, dtype=np.float16)
+    check_cuda(rt.cudaMemcpy(y.ctypes.data, dout, out_bytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+    for p in (dx, dw, dout):
+        check_cuda(rt.cudaFree(p))
+    check_cuda(rt.cudaStreamDestroy(stream))
+    ref = torch.nn.functional.conv2d(torch.from_numpy(x).permute(0, 3, 1, 2).double(),
+                                     torch.from_numpy(w).permute(0, 3, 1, 2).double(), None, 1, 1)
+    assert rel_err(torch.from_numpy(y).permute(0, 3, 1, 2), ref) < 1e-2
