@@ -7,6 +7,7 @@ import logging
 from typing import Optional
 
 from .config import LaunchConfig
+from .decisions import lookup_decision
 from .heuristics import default_launch
 from .problem import Conv2dProblem
 
@@ -23,18 +24,15 @@ def choose(problem: Conv2dProblem, mode: SelectMode | str = SelectMode.CACHED) -
     """The launch to use for `problem`, or None when no kernel of this project can compute it."""
     mode = SelectMode(mode)
     if mode is not SelectMode.HEURISTIC:
-        try:
-            from .decisions import lookup_decision  # noqa: PLC0415
-        except ImportError:  # no decision cache in this build
-            lookup_decision = None
-        if lookup_decision is not None:
-            hit = lookup_decision(problem)
-            if hit is not None:
-                return hit
-            if mode is SelectMode.TUNE:
-                from .profiler.tune import tune_problem  # noqa: PLC0415
+        hit = lookup_decision(problem)
+        if hit is not None:
+            return hit
+        if mode is SelectMode.TUNE:
+            # Imported here: the profiler imports ops (through its worker), which imports this module.
+            from .profiler.tune import tune_problem  # noqa: PLC0415
 
-                won = tune_problem(problem)
-                if won is not None:
-                    return won
+            won = tune_problem(problem)
+            if won is not None:
+                return won
+            log.info("tuning found no winner for %s; using the model's default", problem.name)
     return default_launch(problem)

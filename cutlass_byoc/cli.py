@@ -1,0 +1,410 @@
+"""`cutlass-byoc`: tune a workload, benchmark it against cuDNN, manage the kernel and decision caches.
+
+Exit codes:
+  0  done
+  1  unexpected internal error (the traceback is shown with -v)
+  2  bad usage or input (arguments, workload file, problem); the message names the field
+  3  a GPU is needed and none is visible (tune still plans and compiles; bench cannot run)
+  4  the toolchain is missing (nvcc or the CUTLASS headers); the message says what to install
+  5  some problems got no working kernel (tune), or some rows failed (bench); see the table and the tuning log
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU, EXIT_TOOLCHAIN, EXIT_PARTIAL = 0, 1, 2, 3, 4, 5
+
+log = logging.getLogger("cutlass_byoc.cli")
+
+
+class UsageError(Exception):
+    """Bad arguments or input: exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def _common(sub: bool = False) -> argparse.ArgumentParser:
+    """Options every command takes, before or after the command name. On subcommands their defaults are
+    suppressed, so a value given before the command is not reset by the subcommand's default."""
+    c = argparse.ArgumentParser(add_help=False)
+    d = (lambda v: argparse.SUPPRESS) if sub else (lambda v: v)  # noqa: E731
+    c.add_argument("-v", "--verbose", action="count", default=d(0), help="more logging (-vv: debug)")
+    c.add_argument("--jobs", "-j", type=int, default=d(None), help="parallel compiles (default: all cores)")
+    c.add_argument("--arch", type=int, default=d(90), choices=[90], help="target SM (kernels are built for sm_90a)")
+    c.add_argument("--max-candidates", type=int, default=d(None),
+                   help="kernels timed per problem, best-ranked by the model (default 8)")
+    c.add_argument("--cache-dir", default=d(None),
+                   help="cache root (default: $CUTLASS_BYOC_CACHE_DIR or the user cache dir)")
+    return c
+
+
+def _problem_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", nargs="?", help="JSON workload file (default: the embedded ResNet-50 workload)")
+    g = p.add_argument_group("one problem from flags (instead of a workload)")
+    g.add_argument("--kind", choices=["fprop", "dgrad", "wgrad", "all"], default=None)
+    for name in ("n", "c", "h", "w", "k", "r", "s"):
+        g.add_argument(f"--{name}", type=int, default=None)
+    g.add_argument("--stride", type=int, default=1)
+    g.add_argument("--padding", type=int, default=None, help="default: r // 2")
+    g.add_argument("--dilation", type=int, default=1)
+    g.add_argument("--groups", type=int, default=1)
+    g.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
+    g.add_argument("--out-dtype", default=None, choices=["f16", "bf16", "f32"])
+    p.add_argument("--batch", type=int, default=32, help="batch of the embedded workload (default 32)")
+    p.add_argument("--kinds", default="fprop,dgrad,wgrad", help="kinds of the embedded workload")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common, sub_common = _common(), _common(sub=True)
+    ap = argparse.ArgumentParser(
+        prog="cutlass-byoc", parents=[common],
+        description="conv2d on generated, profiled and cached CUTLASS kernels",
+        epilog="exit codes: 0 ok, 1 internal error, 2 bad input, 3 needs a GPU, 4 toolchain missing, 5 partial",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tune,bench,cache}")
+
+    t = sub.add_parser("tune", parents=[sub_common], help="plan, compile, time and record the best kernel per problem")
+    _problem_args(t)
+    t.add_argument("--force", action="store_true", help="re-time problems that already have a decision")
+    t.add_argument("--compile-only", action="store_true", help="stop after compiling, even with a GPU")
+    t.add_argument("--json", dest="json_out", default=None, help="write the tuning report as JSON here")
+    t.add_argument("--no-progress", action="store_true")
+
+    b = sub.add_parser("bench", parents=[sub_common], help="time the chosen kernels against cuDNN")
+    _problem_args(b)
+    b.add_argument("--format", choices=["table", "json", "csv"], default="table", help="what goes to stdout")
+    b.add_argument("--json", dest="json_out", default=None, help="also write JSON here")
+    b.add_argument("--csv", dest="csv_out", default=None, help="also write CSV here")
+    b.add_argument("--plot", default=None, help="bar chart of the ratios (PNG; needs matplotlib)")
+    b.add_argument("--no-progress", action="store_true")
+
+    c = sub.add_parser("cache", parents=[sub_common], help="list, show, clear, export or import the caches")
+    csub = c.add_subparsers(dest="cache_cmd", required=True, metavar="{list,show,clear,export,import}")
+    cl = csub.add_parser("list", parents=[sub_common], help="decisions (and with --kernels, compiled kernels)")
+    cl.add_argument("--kernels", action="store_true")
+    cs = csub.add_parser("show", parents=[sub_common], help="one decision or kernel by (a prefix of) its key")
+    cs.add_argument("key")
+    cc = csub.add_parser("clear", parents=[sub_common], help="delete decisions, kernels or both")
+    grp = cc.add_mutually_exclusive_group()
+    grp.add_argument("--decisions", action="store_true", help="decisions only")
+    grp.add_argument("--kernels", action="store_true", help="compiled kernels only")
+    ce = csub.add_parser("export", parents=[sub_common], help="decisions and their kernels into a .tar.gz")
+    ce.add_argument("path")
+    ce.add_argument("--all-kernels", action="store_true", help="every compiled kernel, not just the decided ones")
+    ci = csub.add_parser("import", parents=[sub_common], help="merge an exported .tar.gz into this cache")
+    ci.add_argument("path")
+    ci.add_argument("--overwrite", action="store_true", help="replace existing decisions with the imported ones")
+    return ap
+
+
+def _items_from_args(args) -> list:
+    from .problem import Conv2dProblem, ProblemError  # noqa: PLC0415
+    from .workloads import WorkloadError, WorkloadItem, default_workload, load_workload  # noqa: PLC0415
+
+    flags = {n: getattr(args, n) for n in ("n", "c", "h", "w", "k", "r", "s")}
+    if args.workload and (args.kind or any(v is not None for v in flags.values())):
+        raise UsageError("give either a workload file or problem flags, not both")
+    try:
+        if args.workload:
+            return load_workload(args.workload)
+        if args.kind or any(v is not None for v in flags.values()):
+            missing = [f"--{n}" for n in ("c", "h", "k", "r") if flags[n] is None]
+            if missing:
+                raise UsageError(f"one problem from flags needs {', '.join(missing)} (and optionally --kind, --n, "
+                                 "--w, --s, --stride, --padding)")
+            kinds = ["fprop", "dgrad", "wgrad"] if args.kind == "all" else [args.kind or "fprop"]
+            h = flags["h"]
+            r = flags["r"]
+            items = []
+            for kind in kinds:
+                p = Conv2dProblem.make(kind, flags["n"] or args.batch, flags["c"], h, flags["w"] or h, flags["k"], r,
+                                       flags["s"] or r, stride=args.stride,
+                                       padding=r // 2 if args.padding is None else args.padding,
+                                       dilation=args.dilation, groups=args.groups, dtype=args.dtype,
+                                       out_dtype=args.out_dtype)
+                items.append(WorkloadItem("cli", p))
+            return items
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        return default_workload(batch=args.batch, dtype=args.dtype, kinds=kinds, arch=args.arch)
+    except (WorkloadError, ProblemError) as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------- tune
+def _fmt(v: Optional[float], spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def cmd_tune(args) -> int:
+    from .profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
+    from .profiler.tune import CACHED, COMPILED, TUNED, tune_workload  # noqa: PLC0415
+
+    items = _items_from_args(args)
+    mc = args.max_candidates or DEFAULT_MAX_CANDIDATES
+    if mc < 1:
+        raise UsageError(f"--max-candidates: expected >= 1, got {mc}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs: expected >= 1, got {args.jobs}")
+    names = {it.problem: it.layer for it in items}
+    report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
+                           progress=not args.no_progress and sys.stderr.isatty(), arch=args.arch, force=args.force,
+                           compile_only=args.compile_only)
+    rows = [("layer", "kind", "status", "time us", "ok/planned", "launch")]
+    for o in report.outcomes:
+        ok = sum(1 for r in o.results if r.ok)
+        rows.append((names.get(o.problem, o.problem.name), o.problem.kind.value, o.status, _fmt(o.time_us, ".2f"),
+                     f"{ok}/{o.planned}" if o.planned else "-", o.launch.name if o.launch else o.message))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    counts: dict[str, int] = {}
+    for o in report.outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    print()
+    print(f"{len(report.outcomes)} problems: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    print(f"kernels: {report.kernels_planned} planned, {report.kernels_compiled} compiled now, "
+          f"{report.kernels_failed} failed to compile; compile {report.compile_s:.1f} s, "
+          f"timing {report.timing_s:.1f} s ({report.launches_timed} launches timed, "
+          f"{report.worker_restarts} worker restarts); total {report.total_s:.1f} s")
+    if report.gpu:
+        print(f"GPU: {report.gpu.tag}")
+    if report.log_path:
+        print(f"tuning log: {report.log_path}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    if not report.timed and not args.compile_only:
+        print("\n" + report.message, file=sys.stderr)
+        return EXIT_NO_GPU
+    bad = [o for o in report.outcomes if o.status not in (CACHED, TUNED, COMPILED)]
+    if bad:
+        print(f"\n{len(bad)} problems got no working kernel; see the table and the tuning log", file=sys.stderr)
+        return EXIT_PARTIAL
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def cmd_bench(args) -> int:
+    items = _items_from_args(args)
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        print("bench needs PyTorch: pip install 'cutlass-byoc[torch]'", file=sys.stderr)
+        return EXIT_NO_GPU
+    if not torch.cuda.is_available():
+        print("bench needs a GPU: no CUDA device is visible to PyTorch. Run it on the GPU machine (after "
+              "`cutlass-byoc tune` there, or `cutlass-byoc cache import` of a tuned cache).", file=sys.stderr)
+        return EXIT_NO_GPU
+    from .bench import bench_workload  # noqa: PLC0415
+
+    report = bench_workload(items, progress=not args.no_progress and sys.stderr.isatty())
+    print({"table": report.table, "json": report.to_json, "csv": report.to_csv}[args.format]())
+    if args.json_out:
+        Path(args.json_out).write_text(report.to_json())
+    if args.csv_out:
+        Path(args.csv_out).write_text(report.to_csv())
+    if args.plot:
+        try:
+            report.plot(args.plot)
+        except RuntimeError as e:
+            print(str(e), file=sys.stderr)
+            return EXIT_PARTIAL
+    return EXIT_PARTIAL if any(r.status != "ok" for r in report.rows) else EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------- cache
+def _decision_kernel_keys(store, cache) -> tuple[set[str], bool]:
+    """Keys of the kernels decisions refer to; (keys, complete) where complete is False without a toolchain."""
+    from .build import prepare  # noqa: PLC0415
+    from .toolchain import ToolchainError  # noqa: PLC0415
+
+    keys = set()
+    for _, dec, _why in store.entries():
+        if dec is None:
+            continue
+        try:
+            keys.add(prepare(dec.launch.kernel)[1])
+        except ToolchainError:
+            return keys, False
+    return keys, True
+
+
+def cmd_cache(args) -> int:
+    from .cache import EntryState, KernelCache  # noqa: PLC0415
+    from .decisions import DecisionStore, current_gpu  # noqa: PLC0415
+
+    cache = KernelCache()
+    store = DecisionStore(cache.root)
+    sub = args.cache_cmd
+    if sub == "list":
+        from .decisions import DecisionKey  # noqa: PLC0415
+
+        gpu = current_gpu()
+        n = 0
+        print(f"cache root: {cache.root}")
+        for path, dec, why in store.entries():
+            n += 1
+            if dec is None:
+                print(f"{path.stem[:12]}  STALE  {why}")
+                continue
+            current = dec.key == DecisionKey.for_problem(dec.key.problem, gpu) if gpu else None
+            state = {True: "current", False: "stale", None: "-"}[current]
+            if current is False or gpu is None:
+                try:
+                    from .decisions import _cutlass_version, template_hash  # noqa: PLC0415
+
+                    if (dec.key.template_hash, dec.key.cutlass_version) != (template_hash(), _cutlass_version()):
+                        state = "stale"
+                except Exception:  # noqa: BLE001
+                    pass
+            print(f"{path.stem[:12]}  {state:7s}  {dec.key.gpu_name} sm_{dec.key.gpu_arch}  "
+                  f"{dec.key.problem.name}  {dec.time_us:.2f} us  {dec.launch.name}")
+        print(f"{n} decisions")
+        if args.kernels:
+            counts: dict[str, int] = {}
+            for e in cache.entries():
+                counts[e.state.value] = counts.get(e.state.value, 0) + 1
+                print(f"{e.key[:12]}  {e.state.value:7s}  {e.meta.get('name', '?')}  "
+                      f"{_fmt(e.meta.get('compile_seconds'))} s")
+            print("kernels: " + (", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none"))
+        return EXIT_OK
+    if sub == "show":
+        hits = store.find(args.key)
+        kernel_hits = [e for e in cache.entries() if e.key.startswith(args.key)]
+        if len(hits) + len(kernel_hits) == 0:
+            raise UsageError(f"no decision or kernel key starts with {args.key!r} (see `cutlass-byoc cache list`)")
+        if len(hits) + len(kernel_hits) > 1:
+            raise UsageError(f"{args.key!r} matches {len(hits) + len(kernel_hits)} entries; give more of the key")
+        if hits:
+            print(hits[0].read_text())
+        else:
+            e = kernel_hits[0]
+            print(json.dumps({"key": e.key, "state": e.state.value, "path": str(e.path), **e.meta}, indent=1,
+                             default=str))
+        return EXIT_OK
+    if sub == "clear":
+        nd = nk = 0
+        if not args.kernels:
+            nd = store.clear()
+        if not args.decisions:
+            nk = cache.clear()
+        print(f"removed {nd} decisions and {nk} kernels from {cache.root}")
+        return EXIT_OK
+    if sub == "export":
+        keys, complete = _decision_kernel_keys(store, cache)
+        with tarfile.open(args.path, "w:gz") as tar:
+            nd = 0
+            for path, dec, _ in store.entries():
+                if dec is not None:
+                    tar.add(path, arcname=f"decisions/{path.parent.name}/{path.name}")
+                    nd += 1
+            nk = 0
+            for e in cache.entries():
+                if e.state is EntryState.OK and (args.all_kernels or not complete or e.key in keys):
+                    tar.add(e.path, arcname=f"kernels/{e.key[:2]}/{e.key}")
+                    nk += 1
+        print(f"exported {nd} decisions and {nk} kernels to {args.path}")
+        return EXIT_OK
+    if sub == "import":
+        return _import(args, cache, store)
+    raise UsageError(f"unknown cache command {sub}")
+
+
+def _import(args, cache, store) -> int:
+    from .cache import EntryState  # noqa: PLC0415
+
+    src = Path(args.path)
+    if not src.is_file():
+        raise UsageError(f"{src}: no such file")
+    try:
+        tar = tarfile.open(src, "r:*")
+    except tarfile.TarError as e:
+        raise UsageError(f"{src}: not a cutlass-byoc export ({e})") from None
+    with tar, tempfile.TemporaryDirectory(dir=cache.root / "tmp") as tmp:
+        members = []
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            if (m.name.startswith("/") or ".." in parts or not parts or parts[0] not in ("decisions", "kernels")
+                    or not (m.isfile() or m.isdir())):
+                raise UsageError(f"{src}: refusing member {m.name!r} (outside decisions/ and kernels/, or a link)")
+            members.append(m)
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp, members=members, **kwargs)
+        root = Path(tmp)
+        nk = nk_skip = 0
+        for d in sorted((root / "kernels").glob("*/*")):
+            if cache.lookup(d.name).state is EntryState.OK:
+                nk_skip += 1
+                continue
+            staged = cache.staging_dir(d.name)
+            staged.rmdir()
+            os.rename(d, staged)
+            if cache.publish(d.name, staged).state is EntryState.OK:
+                nk += 1
+            else:
+                log.warning("imported kernel %s is corrupt; dropped", d.name)
+                cache.remove(d.name)
+        nd = nd_skip = 0
+        for f in sorted((root / "decisions").glob("*/*.json")):
+            try:
+                if store.import_file(f, overwrite=args.overwrite):
+                    nd += 1
+                else:
+                    nd_skip += 1
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("skipping malformed decision %s: %s", f.name, e)
+    print(f"imported {nd} decisions ({nd_skip} already present) and {nk} kernels ({nk_skip} already present) "
+          f"into {cache.root}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.cache_dir:
+        os.environ["CUTLASS_BYOC_CACHE_DIR"] = str(Path(args.cache_dir).expanduser().resolve())
+    from .toolchain import ToolchainError  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    try:
+        rc = {"tune": cmd_tune, "bench": cmd_bench, "cache": cmd_cache}[args.cmd](args)
+    except UsageError as e:
+        print(f"cutlass-byoc {args.cmd}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ToolchainError as e:
+        print(f"cutlass-byoc {args.cmd}: {e}", file=sys.stderr)
+        return EXIT_TOOLCHAIN
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        from .profiler.tune import TuneError  # noqa: PLC0415
+
+        if isinstance(e, TuneError):
+            print(f"cutlass-byoc {args.cmd}: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if args.verbose:
+            raise
+        print(f"cutlass-byoc {args.cmd}: internal error: {type(e).__name__}: {e} (run with -v for the traceback)",
+              file=sys.stderr)
+        return EXIT_ERROR
+    log.info("%s took %.1f s", args.cmd, time.perf_counter() - t0)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The decision cache: which launch won the profiler for a problem on a GPU, persistent and shared by processes.
+
+A decision is keyed by everything that can change the answer (`DecisionKey`): the problem as a whole
+(`Conv2dProblem.to_dict()`: sizes, conv parameters, element and accumulator types, epilogue), the GPU's name
+and compute capability, CUTLASS's version, a hash of the kernel templates' text, and `DECISIONS_FORMAT`.
+Changing any one of them gives a different key, so stale entries are never found (they are not deleted
+either: `cutlass-byoc cache clear --decisions` does that).
+
+Layout under the kernel cache's root::
+
+    decisions/<key[:2]>/<key>.json   one decision: the key's fields, the chosen launch, its time, the runner-up
+    locks/decision-<key>.lock        held while a process writes that key
+
+Writes go to a temporary file in the same directory and are renamed into place (atomic on POSIX), under a
+per-key file lock: a reader sees the old decision or the new one, never a torn file, and concurrent writers
+of one key leave one of their decisions, whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Iterator, Optional
+
+import filelock
+
+from .cache import cache_root
+from .config import LaunchConfig
+from .problem import Conv2dProblem
+
+log = logging.getLogger("cutlass_byoc.decisions")
+
+#: Bump when the decision format or the meaning of a key changes: older decisions are then ignored.
+DECISIONS_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuInfo:
+    """The device a decision was measured on."""
+
+    name: str
+    arch: int  # compute capability as 90
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name} (sm_{self.arch})"
+
+
+@functools.lru_cache(maxsize=None)
+def current_gpu() -> Optional[GpuInfo]:
+    """The current CUDA device, or None on a machine without one (or without a working driver). Asked once per
+    process."""
+    try:
+        from .runtime import device_properties  # noqa: PLC0415
+
+        name, arch, _ = device_properties()
+    except Exception as e:  # noqa: BLE001 - no driver, no device, no cuda-python: all mean "no GPU here"
+        log.debug("no CUDA device: %s", e)
+        return None
+    return GpuInfo(name, arch)
+
+
+@functools.lru_cache(maxsize=None)
+def template_hash() -> str:
+    """sha256 over the text of every kernel template (a template edit invalidates every decision)."""
+    h = hashlib.sha256()
+    root = resources.files("cutlass_byoc.templates")
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".j2"):
+            h.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _cutlass_version() -> str:
+    from .toolchain import cutlass_version  # noqa: PLC0415
+
+    return cutlass_version()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionKey:
+    problem: Conv2dProblem
+    gpu_name: str
+    gpu_arch: int
+    cutlass_version: str
+    template_hash: str
+    format: int = DECISIONS_FORMAT
+
+    @classmethod
+    def for_problem(cls, problem: Conv2dProblem, gpu: GpuInfo) -> "DecisionKey":
+        return cls(problem, gpu.name, gpu.arch, _cutlass_version(), template_hash())
+
+    def fields(self) -> dict:
+        return {
+            "format": self.format, "problem": self.problem.to_dict(), "gpu_name": self.gpu_name,
+            "gpu_arch": self.gpu_arch, "cutlass_version": self.cutlass_version, "template_hash": self.template_hash,
+        }
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    key: DecisionKey
+    launch: LaunchConfig
+    time_us: float
+    candidates_timed: int = 0
+    runner_up: Optional[str] = None
+    runner_up_us: Optional[float] = None
+    max_error: Optional[float] = None
+    recorded_at: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            **self.key.fields(), "digest": self.key.digest, "launch": self.launch.to_dict(),
+            "launch_name": self.launch.name, "time_us": self.time_us, "candidates_timed": self.candidates_timed,
+            "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "max_error": self.max_error,
+            "recorded_at": self.recorded_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Decision":
+        key = DecisionKey(
+            Conv2dProblem.from_dict(d["problem"]), d["gpu_name"], int(d["gpu_arch"]), d["cutlass_version"],
+            d["template_hash"], int(d["format"]),
+        )
+        return cls(
+            key, LaunchConfig.from_dict(d["launch"]), float(d["time_us"]), int(d.get("candidates_timed", 0)),
+            d.get("runner_up"), d.get("runner_up_us"), d.get("max_error"), float(d.get("recorded_at", 0.0)),
+        )
+
+
+class DecisionStore:
+    """Decisions as one JSON file per key under `<root>/decisions`."""
+
+    def __init__(self, root: Optional[Path] = None):
+        self.root = Path(root) if root else cache_root()
+        self.dir = self.root / "decisions"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.root / "locks").mkdir(parents=True, exist_ok=True)
+        self._memo: dict[str, tuple[tuple[int, int, int], Optional[Decision]]] = {}
+
+    def path(self, digest: str) -> Path:
+        return self.dir / digest[:2] / f"{digest}.json"
+
+    def _lock(self, digest: str) -> filelock.FileLock:
+        return filelock.FileLock(str(self.root / "locks" / f"decision-{digest}.lock"))
+
+    def lookup(self, key: DecisionKey) -> Optional[Decision]:
+        p = self.path(key.digest)
+        try:
+            st = p.stat()
+            stamp = (st.st_mtime_ns, st.st_ino, st.st_size)
+        except FileNotFoundError:
+            return None
+        memo = self._memo.get(key.digest)
+        if memo is not None and memo[0] == stamp:  # unchanged since last read: no parsing on the launch path
+            return memo[1]
+        dec = self._read(p, key)
+        self._memo[key.digest] = (stamp, dec)
+        return dec
+
+    def _read(self, p: Path, key: DecisionKey) -> Optional[Decision]:
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable decision %s: %s", p, e)
+            return None
+        if d.get("format") != DECISIONS_FORMAT:
+            return None
+        try:
+            dec = Decision.from_dict(d)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("ignoring malformed decision %s: %s", p, e)
+            return None
+        if dec.key != key:  # a hash collision or a hand-edited file: never trust it
+            log.warning("ignoring decision %s: its fields do not match the key", p)
+            return None
+        if dec.launch.reject_reason(key.problem) is not None:
+            log.warning("ignoring decision %s: %s", p, dec.launch.reject_reason(key.problem))
+            return None
+        return dec
+
+    def record(self, decision: Decision) -> Path:
+        digest = decision.key.digest
+        p = self.path(digest)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(decision.to_dict(), indent=1, sort_keys=True)
+        with self._lock(digest):
+            fd, tmp = tempfile.mkstemp(prefix=f".{digest[:16]}-", suffix=".tmp", dir=p.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        return p
+
+    def iter_files(self) -> Iterator[Path]:
+        yield from sorted(self.dir.glob("*/*.json"))
+
+    def entries(self) -> Iterator[tuple[Path, Optional[Decision], Optional[str]]]:
+        """(file, decision or None, why it is unusable or None) for every file: current ones and stale ones."""
+        for p in self.iter_files():
+            try:
+                d = json.loads(p.read_text())
+                if d.get("format") != DECISIONS_FORMAT:
+                    yield p, None, f"format {d.get('format')} (this version reads {DECISIONS_FORMAT})"
+                    continue
+                yield p, Decision.from_dict(d), None
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                yield p, None, f"unreadable: {e}"
+
+    def find(self, prefix: str) -> list[Path]:
+        return [p for p in self.iter_files() if p.stem.startswith(prefix)]
+
+    def clear(self) -> int:
+        n = 0
+        for p in list(self.iter_files()):
+            p.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def import_file(self, src: Path, *, overwrite: bool = False) -> bool:
+        """Copy one exported decision file in (validated, atomically). False if skipped."""
+        d = json.loads(Path(src).read_text())
+        dec = Decision.from_dict(d)
+        if not overwrite and self.path(dec.key.digest).exists():
+            return False
+        self.record(dec)
+        return True
+
+
+_stores: dict[Path, DecisionStore] = {}
+
+
+def default_store() -> DecisionStore:
+    """The store under the current cache root (one instance per root and process, so its memo is shared)."""
+    root = cache_root()
+    st = _stores.get(root)
+    if st is None:
+        st = _stores.setdefault(root, DecisionStore(root))
+    return st
+
+
+def lookup_decision(problem: Conv2dProblem, *, gpu: Optional[GpuInfo] = None,
+                    store: Optional[DecisionStore] = None) -> Optional[LaunchConfig]:
+    """The recorded launch for `problem` on `gpu` (default: the current device), or None."""
+    gpu = gpu or current_gpu()
+    if gpu is None:
+        return None
+    dec = (store or default_store()).lookup(DecisionKey.for_problem(problem, gpu))
+    return dec.launch if dec else None
+
+
+def lookup(problem: Conv2dProblem, *, gpu: Optional[GpuInfo] = None,
+           store: Optional[DecisionStore] = None) -> Optional[Decision]:
+    """The full recorded decision (launch, time, runner-up) for `problem` on `gpu`, or None."""
+    gpu = gpu or current_gpu()
+    if gpu is None:
+        return None
+    return (store or default_store()).lookup(DecisionKey.for_problem(problem, gpu))
+
+
+def record_decision(
+    problem: Conv2dProblem, launch: LaunchConfig, time_us: float, *, gpu: Optional[GpuInfo] = None,
+    store: Optional[DecisionStore] = None, candidates_timed: int = 0, runner_up: Optional[str] = None,
+    runner_up_us: Optional[float] = None, max_error: Optional[float] = None,
+) -> Decision:
+    """Store `launch` as the decision for `problem` on `gpu` (default: the current device)."""
+    gpu = gpu or current_gpu()
+    if gpu is None:
+        raise RuntimeError("record_decision: no CUDA device; pass gpu= to record a decision measured elsewhere")
+    why = launch.reject_reason(problem)
+    if why:
+        raise ValueError(f"record_decision: {launch.name} cannot compute {problem.name}: {why}")
+    dec = Decision(DecisionKey.for_problem(problem, gpu), launch, float(time_us), candidates_timed, runner_up,
+                   runner_up_us, max_error, time.time())
+    (store or default_store()).record(dec)
+    return dec

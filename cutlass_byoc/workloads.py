@@ -1,0 +1,179 @@
+"""Workloads: named lists of conv problems. The default one is the ResNet-50 set of the benchmark (plus an odd-channel
+layer), each layer in fprop, dgrad and wgrad; others come from JSON files.
+
+JSON format (either form)::
+
+    {"batch": 32, "dtype": "f16", "kinds": ["fprop", "dgrad", "wgrad"],
+     "layers": [{"name": "l1", "c": 64, "k": 64, "r": 3, "stride": 1, "hw": 56},          # padding: r // 2
+                {"name": "l2", "c": 64, "k": 64, "r": 3, "s": 3, "h": 56, "w": 40, "padding": 1,
+                 "groups": 1, "n": 8, "kinds": ["fprop"]}]}
+
+    [{"kind": "fprop", "n": 32, "h": 56, "w": 56, "c": 64, "k": 64, "r": 3, "s": 3, "pad_h": 1, ...}, ...]
+
+The second form is a list of `Conv2dProblem.to_dict()` records (what `cutlass-byoc tune --dump-workload` writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from .problem import Conv2dProblem, ProblemError
+from .types import ConvKind, DType
+
+KINDS = (ConvKind.FPROP, ConvKind.DGRAD, ConvKind.WGRAD)
+
+
+class WorkloadError(ValueError):
+    """A workload file that cannot be read; the message names the file, the entry and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    name: str
+    c: int
+    k: int
+    r: int
+    stride: int
+    hw: int
+    groups: int = 1
+    padding: Optional[int] = None  # default: r // 2 (3x3 -> 1, 7x7 -> 3, 1x1 -> 0)
+    resnet50: bool = True  # counted in the ResNet-50 geometric mean
+
+    def problem(self, kind: ConvKind, batch: int = 32, dtype: DType = DType.F16) -> Conv2dProblem:
+        pad = self.r // 2 if self.padding is None else self.padding
+        return Conv2dProblem.make(kind, batch, self.c, self.hw, self.hw, self.k, self.r, stride=self.stride,
+                                  padding=pad, groups=self.groups, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadItem:
+    layer: str  # the layer's name, shared by its three kinds
+    problem: Conv2dProblem
+    resnet50: bool = False
+
+    @property
+    def kind(self) -> ConvKind:
+        return self.problem.kind
+
+
+#: Batch 32, fp16 NHWC: C -> K, RxS, stride, HxW.
+RESNET50_LAYERS: tuple[Layer, ...] = (
+    Layer("conv1_7x7_3_64_s2", 3, 64, 7, 2, 224),
+    Layer("l1_1x1_64_64", 64, 64, 1, 1, 56),
+    Layer("l1_3x3_64_64", 64, 64, 3, 1, 56),
+    Layer("l1_1x1_64_256", 64, 256, 1, 1, 56),
+    Layer("l1_1x1_256_64", 256, 64, 1, 1, 56),
+    Layer("l2_3x3_128_s2", 128, 128, 3, 2, 56),
+    Layer("l2_1x1_256_512_s2", 256, 512, 1, 2, 56),
+    Layer("l2_3x3_128_128", 128, 128, 3, 1, 28),
+    Layer("l2_1x1_512_128", 512, 128, 1, 1, 28),
+    Layer("l3_3x3_256_256", 256, 256, 3, 1, 14),
+    Layer("l3_1x1_256_1024", 256, 1024, 1, 1, 14),
+    Layer("l3_1x1_1024_256", 1024, 256, 1, 1, 14),
+    Layer("l4_3x3_512_512", 512, 512, 3, 1, 7),
+    Layer("l4_3x3_512_s2", 512, 512, 3, 2, 14),
+    Layer("l4_1x1_512_2048", 512, 2048, 1, 1, 7),
+)
+ODD_LAYERS: tuple[Layer, ...] = (Layer("odd_3x3_7_33", 7, 33, 3, 1, 56, resnet50=False),)
+#: MobileNetV2 depthwise layers: join the default workload when a kernel family of this build computes them.
+DEPTHWISE_LAYERS: tuple[Layer, ...] = (
+    Layer("mbv2_dw_96_s2_112", 96, 96, 3, 2, 112, groups=96, resnet50=False),
+    Layer("mbv2_dw_144_56", 144, 144, 3, 1, 56, groups=144, resnet50=False),
+    Layer("mbv2_dw_192_28", 192, 192, 3, 1, 28, groups=192, resnet50=False),
+    Layer("mbv2_dw_576_14", 576, 576, 3, 1, 14, groups=576, resnet50=False),
+    Layer("mbv2_dw_960_7", 960, 960, 3, 1, 7, groups=960, resnet50=False),
+)
+
+
+def _items(layers: Iterable[Layer], kinds: Sequence[ConvKind], batch: int, dtype: DType) -> list[WorkloadItem]:
+    return [WorkloadItem(l.name, l.problem(kind, batch, dtype), l.resnet50) for l in layers for kind in kinds]
+
+
+def default_workload(batch: int = 32, dtype: DType | str = DType.F16, kinds: Sequence[ConvKind | str] = KINDS,
+                     depthwise: Optional[bool] = None, arch: int = 90) -> list[WorkloadItem]:
+    """The embedded workload. `depthwise=None` adds the depthwise layers only for kinds some kernel family of
+    this build can compute (none today: CUTLASS has no depthwise dgrad/wgrad and the planner has no depthwise
+    family yet)."""
+    kinds = [ConvKind(k) for k in kinds]
+    dtype = DType(dtype)
+    items = _items(RESNET50_LAYERS + ODD_LAYERS, kinds, batch, dtype)
+    if depthwise is not False:
+        dw = _items(DEPTHWISE_LAYERS, kinds, batch, dtype)
+        if depthwise is None:
+            from .profiler.plan import has_kernels  # noqa: PLC0415
+
+            dw = [it for it in dw if has_kernels(it.problem, arch)]
+        items += dw
+    return items
+
+
+def _layer_problems(entry: dict, defaults: dict, where: str) -> list[WorkloadItem]:
+    e = {**defaults, **entry}
+    try:
+        r = int(e["r"])
+        s = int(e.get("s", r))
+        h = int(e.get("h", e.get("hw", 0)))
+        w = int(e.get("w", e.get("hw", h)))
+        if not h:
+            raise WorkloadError(f"{where}: expected 'hw' or 'h' and 'w'")
+        stride = e.get("stride", 1)
+        padding = e.get("padding", (r // 2, s // 2))
+        kinds = [ConvKind(k) for k in e.get("kinds", [k.value for k in KINDS])]
+        name = str(e.get("name", where))
+        return [
+            WorkloadItem(name, Conv2dProblem.make(
+                kind, int(e.get("n", e.get("batch", 32))), int(e["c"]), h, w, int(e["k"]), r, s, stride=stride,
+                padding=padding, dilation=e.get("dilation", 1), groups=int(e.get("groups", 1)),
+                dtype=e.get("dtype", "f16"), out_dtype=e.get("out_dtype"), acc_dtype=e.get("acc_dtype", "f32"),
+            ), bool(e.get("resnet50", False)))
+            for kind in kinds
+        ]
+    except KeyError as ex:
+        raise WorkloadError(f"{where}: missing field {ex}") from None
+    except (ProblemError, ValueError, TypeError) as ex:
+        if isinstance(ex, WorkloadError):
+            raise
+        raise WorkloadError(f"{where}: {ex}") from None
+
+
+def load_workload(path: str | Path) -> list[WorkloadItem]:
+    """Problems from a JSON file (see the module docstring for the two accepted forms)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WorkloadError(f"{path}: no such file") from None
+    except ValueError as e:
+        raise WorkloadError(f"{path}: not valid JSON ({e})") from None
+    items: list[WorkloadItem] = []
+    if isinstance(data, dict) and "layers" in data:
+        defaults = {k: v for k, v in data.items() if k != "layers"}
+        if "batch" in defaults:
+            defaults["n"] = defaults.pop("batch")
+        for i, entry in enumerate(data["layers"]):
+            items += _layer_problems(entry, defaults, f"{path}: layers[{i}]")
+    elif isinstance(data, list):
+        for i, entry in enumerate(data):
+            where = f"{path}: [{i}]"
+            if not isinstance(entry, dict):
+                raise WorkloadError(f"{where}: expected an object, got {type(entry).__name__}")
+            if "kind" in entry:
+                try:
+                    p = Conv2dProblem.from_dict({k: v for k, v in entry.items() if k != "name"})
+                except (ProblemError, ValueError, TypeError) as e:
+                    raise WorkloadError(f"{where}: {e}") from None
+                items.append(WorkloadItem(str(entry.get("name", p.name)), p))
+            else:
+                items += _layer_problems(entry, {}, where)
+    else:
+        raise WorkloadError(f"{path}: expected an object with 'layers' or a list of problems")
+    if not items:
+        raise WorkloadError(f"{path}: no problems")
+    return items
+
+
+def dump_workload(items: Sequence[WorkloadItem], path: str | Path) -> None:
+    Path(path).write_text(json.dumps([{"name": it.layer, **it.problem.to_dict()} for it in items], indent=1))

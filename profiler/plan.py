@@ -1,0 +1,206 @@
+"""Plan what to compile and time: every valid config per problem, pruned before compiling, ranked by the cheap
+model (`heuristics.estimate_us`), cut to a budget of kernels per problem, deduplicated across problems.
+
+Kernel families:
+
+- CUTLASS 2.x implicit GEMM (`candidates.sm80_candidates`): always.
+- CUTLASS 3.x TMA + wgmma (`cutlass_byoc.sm90.sm90_candidates`): an optional module written separately; it is
+  imported inside ``try/except ImportError`` (the only optional import of the planner), and its configs join
+  when the module exists. The analytic model only knows mma.sync ceilings, so each family gets its own share
+  of the budget instead of competing on estimates the model cannot make for it.
+
+Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
+few slice counts the model ranks best for each problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+from ..candidates import sm80_candidates
+from ..config import KernelConfig, LaunchConfig
+from ..heuristics import H200_SMS, estimate_us, split_k_slice_candidates
+from ..problem import Conv2dProblem
+from ..types import KernelFamily, SplitKMode
+
+log = logging.getLogger("cutlass_byoc.profiler.plan")
+
+DEFAULT_MAX_CANDIDATES = 8  # kernels per problem
+DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
+
+
+def _sm90_enumerator() -> Optional[Callable[[Conv2dProblem], Iterable[KernelConfig]]]:
+    """The CUTLASS 3.x family's enumerator if that module is present in this build (it is optional)."""
+    try:
+        from ..sm90 import sm90_candidates  # noqa: PLC0415
+    except ImportError:
+        return None
+    return sm90_candidates
+
+
+def _import_cutlass_generator() -> None:
+    """Import cutlass_library.generator with a bare sys.argv: at import it runs argparse's parse_known_args() on
+    the process's arguments, so a `--h 56` of our CLI would be read as its `--help` (and exit)."""
+    import sys  # noqa: PLC0415
+
+    if "cutlass_library.generator" in sys.modules:
+        return
+    saved = sys.argv
+    sys.argv = saved[:1]
+    try:
+        import cutlass_library.generator  # noqa: F401, PLC0415
+    finally:
+        sys.argv = saved
+
+
+def kernel_enumerators() -> list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]]:
+    _import_cutlass_generator()
+    out: list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]] = [
+        (KernelFamily.SM80_IMPLICIT_GEMM, sm80_candidates)
+    ]
+    sm90 = _sm90_enumerator()
+    if sm90 is not None:
+        out.append((KernelFamily.SM90_TMA_WGMMA, sm90))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+    name: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    launch: LaunchConfig
+    estimate_us: float
+
+    @property
+    def name(self) -> str:
+        return self.launch.name
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemPlan:
+    problem: Conv2dProblem
+    candidates: tuple[Candidate, ...]  # launches to time, best estimate first
+    valid_kernels: int  # configs that can implement the problem (before the budget)
+    pruned: tuple[Pruned, ...]  # configs an enumerator offered that cannot implement the problem
+
+    @property
+    def kernels(self) -> tuple[KernelConfig, ...]:
+        return tuple(dict.fromkeys(c.launch.kernel for c in self.candidates))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadPlan:
+    plans: tuple[ProblemPlan, ...]
+
+    @property
+    def kernels(self) -> tuple[KernelConfig, ...]:
+        """Distinct kernels over every problem: each is compiled once and serves every problem it implements."""
+        return tuple(dict.fromkeys(k for p in self.plans for k in p.kernels))
+
+    @property
+    def launches(self) -> int:
+        return sum(len(p.candidates) for p in self.plans)
+
+
+def enumerate_kernels(problem: Conv2dProblem, arch: int = 90) -> tuple[list[KernelConfig], list[Pruned]]:
+    """Every config of every family for `problem`, split into those that can implement it and those pruned."""
+    valid: list[KernelConfig] = []
+    pruned: list[Pruned] = []
+    for family, enum_fn in kernel_enumerators():
+        try:
+            configs = list(enum_fn(problem))
+        except Exception as e:  # noqa: BLE001 - one family's bug must not hide the others
+            log.warning("%s enumerator failed on %s: %s", family.value, problem.name, e)
+            continue
+        for cfg in configs:
+            if cfg.arch != arch:
+                cfg = dataclasses.replace(cfg, arch=arch)
+            why = cfg.reject_reason(problem)
+            if why:
+                pruned.append(Pruned(cfg.name, why))
+            else:
+                valid.append(cfg)
+    return list(dict.fromkeys(valid)), pruned
+
+
+def launches_for(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS) -> list[tuple[float, LaunchConfig]]:
+    """(estimate, launch) for each slice count worth trying with `kernel`, best first."""
+    if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
+        slices = split_k_slice_candidates(problem, kernel.tile, sms)
+    else:
+        slices = [1]  # the 3.x and depthwise kernels have no split-k
+    out = []
+    for s in slices:
+        if s > 1 and kernel.split_k_mode is SplitKMode.NONE:
+            continue
+        launch = LaunchConfig(kernel, s)
+        if launch.reject_reason(problem) is None:
+            out.append((estimate_us(problem, launch, sms), launch))
+    out.sort(key=lambda t: (t[0], t[1].name))
+    return out
+
+
+def plan_problem(
+    problem: Conv2dProblem, max_candidates: int = DEFAULT_MAX_CANDIDATES, *, arch: int = 90, sms: int = H200_SMS,
+    slices_per_kernel: int = DEFAULT_SLICES_PER_KERNEL,
+) -> ProblemPlan:
+    """The launches to time for `problem`: the `max_candidates` kernels the model likes best (each family
+    getting a fair share), each with its best `slices_per_kernel` split-k counts."""
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates: expected >= 1, got {max_candidates}")
+    valid, pruned = enumerate_kernels(problem, arch)
+    by_family: dict[KernelFamily, list[tuple[float, KernelConfig, list[tuple[float, LaunchConfig]]]]] = {}
+    for kc in valid:
+        launches = launches_for(problem, kc, sms)
+        if not launches:
+            pruned.append(Pruned(kc.name, "no split-k count fits the problem"))
+            continue
+        by_family.setdefault(kc.family, []).append((launches[0][0], kc, launches))
+    for lst in by_family.values():
+        lst.sort(key=lambda t: (t[0], t[1].name))
+
+    # Budget: the families share max_candidates; 2.x first as the model is calibrated on it, the others get an
+    # equal share each (at least one kernel) because the model cannot rank them against 2.x.
+    others = [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]
+    share = {f: max(1, max_candidates // (len(others) + 1)) for f in others} if others else {}
+    chosen: list[tuple[float, KernelConfig, list[tuple[float, LaunchConfig]]]] = []
+    for f in others:
+        chosen += by_family[f][: share[f]]
+    rest = max(0, max_candidates - len(chosen))
+    chosen += by_family.get(KernelFamily.SM80_IMPLICIT_GEMM, [])[:rest]
+    if len(chosen) < max_candidates:  # fill from any family if 2.x had too few
+        taken = {id(t) for t in chosen}
+        spare = sorted((t for lst in by_family.values() for t in lst if id(t) not in taken), key=lambda t: t[0])
+        chosen += spare[: max_candidates - len(chosen)]
+
+    cands = [Candidate(l, us) for _, _, launches in chosen for us, l in launches[:slices_per_kernel]]
+    cands.sort(key=lambda c: (c.estimate_us, c.name))
+    return ProblemPlan(problem, tuple(cands), len(valid), tuple(pruned))
+
+
+def plan_workload(
+    problems: Sequence[Conv2dProblem], max_candidates: int = DEFAULT_MAX_CANDIDATES, *, arch: int = 90,
+    sms: int = H200_SMS, slices_per_kernel: int = DEFAULT_SLICES_PER_KERNEL,
+) -> WorkloadPlan:
+    return WorkloadPlan(tuple(
+        plan_problem(p, max_candidates, arch=arch, sms=sms, slices_per_kernel=slices_per_kernel)
+        for p in dict.fromkeys(problems)
+    ))
+
+
+def has_kernels(problem: Conv2dProblem, arch: int = 90) -> bool:
+    """Whether any kernel family of this build can compute `problem` (e.g. depthwise layers join the default
+    workload only once a family yields configs for them)."""
+    return bool(enumerate_kernels(problem, arch)[0])
+
+
+def iter_candidate_names(plan: WorkloadPlan) -> Iterator[str]:
+    for p in plan.plans:
+        for c in p.candidates:
+            yield f"{p.problem.name}: {c.name} ({c.estimate_us:.1f} us est.)"

@@ -1,0 +1,234 @@
+"""Tune a workload: skip what is decided, plan, compile every missing kernel in one parallel build, then check and
+time the candidates in a worker process and record each problem's winner in the decision cache.
+
+A second run of the same workload finds every decision and returns before planning: it compiles nothing and
+times nothing. Without a GPU, planning and compiling still happen (the kernel cache is then warm for a GPU
+machine sharing it, or for `cutlass-byoc cache export`), and the report says that timing needs a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..build import build
+from ..cache import KernelCache
+from ..config import LaunchConfig
+from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
+from ..problem import Conv2dProblem
+from .plan import DEFAULT_MAX_CANDIDATES, plan_workload
+from .worker import COMPILE_FAILED, CandidateResult, CandidateRunner, WorkerSettings
+
+log = logging.getLogger("cutlass_byoc.profiler.tune")
+
+# Problem outcomes
+CACHED = "cached"  # a decision was recorded before: nothing compiled or timed
+TUNED = "tuned"  # timed now; the winner is recorded
+NO_WINNER = "no_winner"  # every candidate failed (compile, crash, wrong result): nothing recorded
+NO_CANDIDATES = "no_candidates"  # no kernel of this build can compute the problem
+COMPILED = "compiled"  # no GPU: planned and compiled, not timed
+
+NO_GPU_MESSAGE = (
+    "timing needs a GPU: no CUDA device was found, so the candidates were planned and compiled into the kernel "
+    "cache but not timed, and no decision was recorded. Run `cutlass-byoc tune` again on the GPU machine (with "
+    "the same cache, or after `cutlass-byoc cache export/import`) to time them."
+)
+
+
+class TuneError(RuntimeError):
+    """Tuning cannot proceed; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemOutcome:
+    problem: Conv2dProblem
+    status: str
+    launch: Optional[LaunchConfig] = None
+    time_us: Optional[float] = None
+    results: tuple[CandidateResult, ...] = ()
+    planned: int = 0  # launches planned
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "problem": self.problem.name, "status": self.status,
+            "launch": self.launch.name if self.launch else None, "time_us": self.time_us,
+            "planned": self.planned, "message": self.message,
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneReport:
+    outcomes: tuple[ProblemOutcome, ...]
+    gpu: Optional[GpuInfo]
+    timed: bool
+    kernels_planned: int = 0
+    kernels_compiled: int = 0  # compiled by this run
+    kernels_failed: int = 0
+    launches_timed: int = 0
+    compile_s: float = 0.0
+    timing_s: float = 0.0
+    total_s: float = 0.0
+    worker_restarts: int = 0
+    log_path: Optional[Path] = None
+    message: str = ""
+
+    @property
+    def all_decided(self) -> bool:
+        return all(o.status in (CACHED, TUNED) for o in self.outcomes)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("outcomes", "gpu")}
+        d["log_path"] = str(self.log_path) if self.log_path else None
+        d["gpu"] = self.gpu.tag if self.gpu else None
+        d["outcomes"] = [o.to_dict() for o in self.outcomes]
+        return d
+
+
+def _log_file(cache: KernelCache) -> Path:
+    d = cache.root / "logs"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"tune-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
+
+
+def pick_winner(results: Sequence[CandidateResult]) -> Optional[CandidateResult]:
+    """The fastest candidate that ran, matched the reference and has a valid time; None if there is none."""
+    ok = [r for r in results if r.ok and r.median_us is not None and r.median_us > 0]
+    return min(ok, key=lambda r: (r.median_us, r.launch.name)) if ok else None
+
+
+def tune_workload(
+    problems: Sequence[Conv2dProblem],
+    *,
+    jobs: Optional[int] = None,
+    max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    progress: bool = False,
+    arch: int = 90,
+    force: bool = False,
+    compile_only: bool = False,
+    cache: Optional[KernelCache] = None,
+    store: Optional[DecisionStore] = None,
+    settings: WorkerSettings = WorkerSettings(),
+    gpu: Optional[GpuInfo] = None,
+) -> TuneReport:
+    """Decide a launch for every problem (see the module docstring). `force` re-times decided problems;
+    `compile_only` stops after the build even with a GPU."""
+    t_start = time.perf_counter()
+    cache = cache or KernelCache()
+    store = store or DecisionStore(cache.root)
+    problems = list(dict.fromkeys(problems))
+    gpu = gpu if gpu is not None else (None if compile_only else current_gpu())
+    if gpu is not None and gpu.arch != arch:
+        raise TuneError(
+            f"the GPU is {gpu.tag} but kernels are built for sm_{arch}a; run with --arch {gpu.arch} "
+            f"(this build generates sm_90a kernels: an H100/H200 is needed to time them)"
+        )
+
+    outcomes: dict[Conv2dProblem, ProblemOutcome] = {}
+    todo: list[Conv2dProblem] = []
+    for p in problems:
+        dec = lookup(p, gpu=gpu, store=store) if (gpu is not None and not force) else None
+        if dec is not None:
+            outcomes[p] = ProblemOutcome(p, CACHED, dec.launch, dec.time_us, message="decision cache")
+        else:
+            todo.append(p)
+    if not todo:
+        return TuneReport(tuple(outcomes[p] for p in problems), gpu, gpu is not None,
+                          total_s=time.perf_counter() - t_start, message="every problem was decided before")
+
+    plan = plan_workload(todo, max_candidates, arch=arch)
+    kernels = plan.kernels
+    log.info("planned %d launches of %d distinct kernels for %d problems", plan.launches, len(kernels), len(todo))
+    t0 = time.perf_counter()
+    builds = build(kernels, jobs=jobs, cache=cache, progress=progress)
+    compile_s = time.perf_counter() - t0
+    compiled_now = sum(1 for r in builds.values() if r.built_now and r.ok)
+    failed = sum(1 for r in builds.values() if not r.ok)
+
+    log_path = _log_file(cache)
+    timed = gpu is not None and not compile_only
+    timing_s, launches_timed, restarts = 0.0, 0, 0
+    with open(log_path, "a") as logf:
+        def emit(rec: dict) -> None:
+            logf.write(json.dumps(rec, sort_keys=True) + "\n")
+            logf.flush()
+
+        emit({"event": "plan", "problems": len(todo), "kernels": len(kernels), "launches": plan.launches,
+              "compiled_now": compiled_now, "compile_failed": failed, "compile_s": compile_s,
+              "gpu": gpu.tag if gpu else None})
+        for kc, r in builds.items():
+            if not r.ok:
+                emit({"event": "compile_failed", "kernel": kc.name, "entry": str(r.entry.path)})
+
+        if not timed:
+            for pp in plan.plans:
+                n_ok = sum(1 for c in pp.candidates if builds[c.launch.kernel].ok)
+                status = COMPILED if pp.candidates else NO_CANDIDATES
+                outcomes[pp.problem] = ProblemOutcome(
+                    pp.problem, status, planned=len(pp.candidates),
+                    message=f"{n_ok} of {len(pp.candidates)} launches compiled; not timed",
+                )
+        else:
+            t1 = time.perf_counter()
+            bar = None
+            if progress:
+                from tqdm import tqdm  # noqa: PLC0415
+
+                bar = tqdm(total=len(plan.plans), desc="timing", unit="problem")
+            with CandidateRunner(settings) as runner:
+                for pp in plan.plans:
+                    p = pp.problem
+                    runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
+                    results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
+                               for c in pp.candidates if not builds[c.launch.kernel].ok]
+                    if runnable:
+                        results += runner.evaluate(p, runnable)
+                    launches_timed += sum(1 for r in results if r.median_us is not None)
+                    for r in results:
+                        emit({"event": "candidate", "problem": p.name, **r.to_dict()})
+                    win = pick_winner(results)
+                    if not pp.candidates:
+                        outcomes[p] = ProblemOutcome(p, NO_CANDIDATES, message="no kernel family computes it")
+                    elif win is None:
+                        counts: dict[str, int] = {}
+                        for r in results:
+                            counts[r.status] = counts.get(r.status, 0) + 1
+                        outcomes[p] = ProblemOutcome(p, NO_WINNER, results=tuple(results), planned=len(pp.candidates),
+                                                     message="no candidate passed: " + ", ".join(
+                                                         f"{n} {s}" for s, n in sorted(counts.items())))
+                    else:
+                        others = sorted((r for r in results if r.ok and r is not win), key=lambda r: r.median_us)
+                        record_decision(
+                            p, win.launch, win.median_us, gpu=gpu, store=store,
+                            candidates_timed=sum(1 for r in results if r.ok),
+                            runner_up=others[0].launch.name if others else None,
+                            runner_up_us=others[0].median_us if others else None, max_error=win.max_error,
+                        )
+                        outcomes[p] = ProblemOutcome(p, TUNED, win.launch, win.median_us, tuple(results),
+                                                     len(pp.candidates))
+                    emit({"event": "decision", **{k: v for k, v in outcomes[p].to_dict().items() if k != "results"}})
+                    if bar is not None:
+                        bar.update(1)
+                restarts = runner.restarts
+            if bar is not None:
+                bar.close()
+            timing_s = time.perf_counter() - t1
+
+    return TuneReport(
+        tuple(outcomes[p] for p in problems), gpu, timed, len(kernels), compiled_now, failed, launches_timed,
+        compile_s, timing_s, time.perf_counter() - t_start, restarts, log_path,
+        "" if timed else NO_GPU_MESSAGE,
+    )
+
+
+def tune_problem(problem: Conv2dProblem, **kwargs) -> Optional[LaunchConfig]:
+    """Tune one problem (see `tune_workload`); its winning launch, or None (no GPU, or no candidate passed)."""
+    report = tune_workload([problem], **kwargs)
+    o = report.outcomes[0]
+    return o.launch if o.status in (CACHED, TUNED) else None
