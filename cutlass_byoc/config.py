@@ -182,6 +182,23 @@ class KernelConfig:
                 return "CUTLASS 3.x conv kernels have no split-k"
             if self.element_a.nbytes * self.align_a < 16 or self.element_b.nbytes * self.align_b < 16:
                 return "TMA needs 16-byte aligned operands"
+            if self.element_kernel_out.nbytes * self.align_c != 16:
+                return f"align_c: the TMA epilogue stores 16 bytes per access, got {self.align_c} x {self.element_out.value}"
+            if self.element_a.bits != 16:
+                return f"element_a: the sm90 family is built for f16/bf16 inputs, got {self.element_a.value}"
+            if self.schedule not in (None, "implicit_tma_ws"):
+                return f"schedule: sm90 conv has only 'implicit_tma_ws' (KernelImplicitTmaWarpSpecializedSm90), got {self.schedule!r}"
+            if self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED:
+                return "stride_support: the 3.x dgrad kernel has no strided variant"
+            m, n, k = self.tile
+            if m % 64 or not 64 <= m <= 256 or n % 16 or not 16 <= n <= 256 or (k * self.element_a.nbytes) % 64:
+                return f"tile {self.tile}: wgmma needs M in 64..256 (multiple of 64), N in 16..256 (multiple of 16), 64-byte K"
+            if len(self.cluster) != 3 or self.cluster[2] != 1 or any(x not in (1, 2, 4) for x in self.cluster) \
+                    or self.cluster[0] * self.cluster[1] > 4:
+                return f"cluster {self.cluster}: expected (1|2|4, 1|2|4, 1) with at most 4 CTAs"
+            epi = min(64, m) * min(32, n) * 6 * self.element_out.nbytes + 1024  # TMA epilogue: <= 4 C + 2 D stages
+            if self.stages * (self.smem_bytes // self.stages + 16) + epi > 232448:
+                return f"stages {self.stages}: mainloop + epilogue exceed the 227 KiB of shared memory of an sm90 CTA"
         return None
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
@@ -224,6 +241,8 @@ class KernelConfig:
                 return "stride: the 3.x dgrad kernel ignores stride; strided dgrad runs on 2.x"
             if max(problem.pad_h, problem.pad_w) > 256:
                 return "padding: TMA im2col takes padding up to 256"
+            if problem.epilogue.source.value == "bias":
+                return "source: sm90 kernels do not broadcast a bias yet (zero-stride C through TMA is unverified)"
         return None
 
 

@@ -1,0 +1,151 @@
+"""Candidate configs of the CUTLASS 3.x Hopper family (TMA im2col loads + wgmma, warp-specialized).
+
+What CUTLASS 4.2 offers for sm90 conv (BRIEF.md, read in the wheel's headers): one kernel schedule,
+``KernelImplicitTmaWarpSpecializedSm90`` (one producer warp group issuing TMA, one consumer warp group issuing
+wgmma; the Cooperative and Pingpong schedules hit a ``static_assert`` for conv), no split-k, operands that TMA can
+load (16-byte aligned channel extents, so C and K multiples of 8 for 16-bit types), groups == 1, padding <= 256, and
+no strided dgrad (the collective ignores the stride). This module only proposes configs; the rules are in
+``KernelConfig.static_error`` / ``reject_reason`` and in the compiled kernel's ``cb_can_implement``.
+
+Tile shapes come from ``cutlass_library.generator.GenerateSM90_Conv3x`` (the tiles CUTLASS generates and tests for
+sm90 conv with 16-bit inputs), restricted to:
+
+* tile K = 64 for 16-bit inputs (4 wgmma k-steps of 16; the generator also lists K = 32, which only halves the bytes
+  per TMA transaction), and
+* tiles whose fp32 accumulator fits one consumer warp group: M x N <= 128 x 128, i.e. at most 128 accumulator
+  registers per thread. The generator's 128x256 and 256x128 tiles are meant for two consumer warp groups
+  (Cooperative), which conv cannot use; with one warp group they spill.
+
+plus 128x64 (hardware-legal, not in the generator's list because CUTLASS prefers 64x128 for GEMM; convs with
+K < 128 output channels want it). Cluster shapes are 1x1x1 and 2x1x1 (2x1x1 multicasts B across the pair).
+The generator also cannot describe fp16-in / fp32-accumulate / fp16-out sm90 convs (its accumulator follows the
+output type, BRIEF.md), so the element types are always the problem's own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, Optional
+
+from .config import KernelConfig, Shape3
+from .problem import Conv2dProblem
+from .types import ConvKind, DType, KernelFamily, SplitKMode, StrideSupport
+
+#: The only CUTLASS 3.x conv schedule on sm90 (cutlass::conv::KernelImplicitTmaWarpSpecializedSm90).
+SCHEDULE = "implicit_tma_ws"
+
+#: One consumer warp group (4 warps) computes the whole CTA tile in this schedule; recorded in KernelConfig.warps.
+WARPS: Shape3 = (4, 1, 1)
+
+CLUSTERS: tuple[Shape3, ...] = ((1, 1, 1), (2, 1, 1))
+
+#: cutlass::gemm::collective::detail::sm90_smem_capacity_bytes
+SMEM_CAPACITY = 232448
+
+#: Tiles added to the generator's list (see the module docstring).
+EXTRA_TILES: tuple[Shape3, ...] = ((128, 64, 64),)
+
+MAX_ACCUMULATOR_ELEMENTS = 128 * 128
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.operations: list = []
+        self.kernel_filter = "*"
+
+    def append(self, op) -> None:
+        self.operations.append(op)
+
+    def get_instantiation_level(self, *args, **kwargs) -> str:
+        return "0"
+
+
+@functools.lru_cache(maxsize=None)
+def generator_tiles() -> tuple[Shape3, ...]:
+    """Distinct CTA tiles that cutlass_library generates for 2-D sm90 conv with 16-bit inputs."""
+    from cutlass_library import generator  # noqa: PLC0415
+
+    collector = _Collector()
+    generator.GenerateSM90_Conv3x(collector, "13.0")
+    tiles = set()
+    for op in collector.operations:
+        td = op.tile_description
+        if td.math_instruction.element_a.name not in ("f16", "bf16"):
+            continue
+        tiles.add(tuple(int(t) for t in td.tile_shape))
+    return tuple(sorted(tiles))
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_tiles() -> tuple[Shape3, ...]:
+    """The tiles proposed for 16-bit inputs: the generator's, filtered as the module docstring says, plus extras."""
+    try:
+        gen = generator_tiles()
+    except Exception:  # pragma: no cover - a cutlass_library without GenerateSM90_Conv3x
+        gen = ((64, 64, 64), (64, 128, 64), (128, 128, 64))
+    keep = [t for t in gen if t[2] == 64 and t[0] * t[1] <= MAX_ACCUMULATOR_ELEMENTS]
+    return tuple(sorted(set(keep) | set(EXTRA_TILES)))
+
+
+def epilogue_smem_bytes(tile: Shape3, element_out: DType) -> int:
+    """An upper bound on the TMA epilogue's shared memory: an epilogue tile of 64 x 32, up to 4 stages of C and 2 of D
+    (sm90_get_tma_dispatch_policy), plus barriers."""
+    epi = min(64, tile[0]) * min(32, tile[1])
+    return (4 + 2) * epi * element_out.nbytes + 1024
+
+
+def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: DType) -> int:
+    """What StageCountAutoCarveout would choose, with the epilogue bound above carved out, at most 8."""
+    m, n, k = tile
+    per_stage = m * k * element_a.nbytes + n * k * element_b.nbytes + 16  # + the stage's pipeline barriers
+    return max(2, min(8, (SMEM_CAPACITY - epilogue_smem_bytes(tile, element_out)) // per_stage))
+
+
+def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1)) -> KernelConfig:
+    """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid)."""
+    p = problem
+    return KernelConfig(
+        family=KernelFamily.SM90_TMA_WGMMA, kind=p.kind,
+        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
+        tile=tile, warps=WARPS, stages=stage_count(tile, p.element_a, p.element_b, p.element_out),
+        stride_support=StrideSupport.UNITY,
+        align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // p.element_out.nbytes,
+        split_k_mode=SplitKMode.SERIAL, activation=p.epilogue.activation,
+        cluster=cluster, schedule=SCHEDULE,
+    )
+
+
+def sm90_applicable(problem: Conv2dProblem) -> Optional[str]:
+    """Why no sm90 config can compute `problem` (checked before enumerating), or None."""
+    if problem.element_a.bits != 16:
+        return f"element_a: the sm90 family is built for f16/bf16 inputs, got {problem.element_a.value}"
+    if problem.groups != 1:
+        return f"groups: sm90 kernels need groups == 1, got {problem.groups}"
+    if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+        return "stride: the sm90 dgrad kernel ignores stride; strided dgrad runs on the sm80 family"
+    for name, extent, dt in zip(("A", "B", "output"), problem.channel_dims,
+                                (problem.element_a, problem.element_b, problem.element_out)):
+        if (extent * dt.nbytes) % 16:
+            return f"alignment: {name}'s channel extent {extent} ({dt.value}) is not a multiple of 16 bytes (TMA)"
+    return None
+
+
+def sm90_candidates(
+    problem: Conv2dProblem,
+    *,
+    tile_filter: Optional[Callable[[Shape3], bool]] = None,
+    clusters: tuple[Shape3, ...] = CLUSTERS,
+) -> Iterator[KernelConfig]:
+    """Every sm90 config that can implement `problem` (before compiling): tiles x clusters, pruned by reject_reason."""
+    if sm90_applicable(problem) is not None:
+        return
+    for tile in sm90_tiles():
+        if tile_filter and not tile_filter(tile):
+            continue
+        for cluster in clusters:
+            try:
+                cfg = sm90_config(problem, tile, cluster)
+            except ValueError:
+                continue
+            if cfg.reject_reason(problem) is None:
+                yield cfg

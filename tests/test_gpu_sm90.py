@@ -1,0 +1,141 @@
+"""The CUTLASS 3.x Hopper family on a GPU: fprop, dgrad and wgrad against a float64 PyTorch reference.
+
+Needs an sm_90 GPU (H100/H200), torch and nvcc (each kernel compiles on first use, ~60 s; set
+CUTLASS_BYOC_CACHE_DIR to reuse a cache). Every output is filled with NaN before the run, so an element the kernel
+fails to write shows up as an error.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
+
+from cutlass_byoc.config import LaunchConfig  # noqa: E402
+from cutlass_byoc.ops import UnsupportedConvError, run_problem  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.sm90 import sm90_candidates, sm90_config  # noqa: E402
+from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the sm90 kernels need an H100/H200"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+        reason="the sm90 TMA + wgmma kernels are built for sm_90a and run only on compute capability 9.0",
+    ),
+]
+
+CL = torch.channels_last
+TOL = {"f16": 1e-2, "bf16": 2e-2, "f32": 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())
+
+
+def tensor(shape, dtype, scale=1.0):
+    return (torch.randn(shape, device="cuda") * scale).to(getattr(torch, dtype)).contiguous(memory_format=CL)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=getattr(torch, dtype)).contiguous(memory_format=CL)
+
+
+def nchw(shape):
+    """NHWC/KRSC shape -> the PyTorch (N, C, H, W) shape of the same tensor."""
+    return (shape[0], shape[3], shape[1], shape[2])
+
+
+def run(p: Conv2dProblem, tile=(128, 128, 64), cluster=(1, 1, 1), source=None):
+    """Run `p` on the sm90 config with this tile; returns (out, a, b)."""
+    cfg = sm90_config(p, tile, cluster)
+    assert cfg.reject_reason(p) is None, cfg.reject_reason(p)
+    a = tensor(nchw(p.a_shape), p.element_a.value)
+    b = tensor(nchw(p.b_shape), p.element_b.value)
+    out = poisoned(nchw(p.out_shape), p.element_out.value)
+    run_problem(p, a, b, out, source, config=LaunchConfig(cfg))
+    torch.cuda.synchronize()
+    return out, a, b
+
+
+def reference(p: Conv2dProblem, a, b):
+    conv = dict(stride=(p.stride_h, p.stride_w), padding=(p.pad_h, p.pad_w), dilation=(p.dilation_h, p.dilation_w))
+    a64, b64 = a.double().cpu(), b.double().cpu()
+    if p.kind is ConvKind.FPROP:
+        return torch.nn.functional.conv2d(a64, b64, **conv)
+    if p.kind is ConvKind.DGRAD:
+        return torch.nn.grad.conv2d_input((p.n, p.c, p.h, p.w), b64, a64, **conv)
+    return torch.nn.grad.conv2d_weight(b64, (p.k, p.c, p.r, p.s), a64, **conv)
+
+
+def check(p: Conv2dProblem, **kw):
+    out, a, b = run(p, **kw)
+    assert not torch.isnan(out).any(), "the kernel left output elements unwritten"
+    err = rel_err(out, reference(p, a, b))
+    assert err < TOL[p.element_out.value], f"{p.name}: relative error {err:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_basic(kind):
+    check(Conv2dProblem.make(kind, 2, 64, 16, 16, 128, 3, padding=1))
+
+
+@pytest.mark.parametrize("kind", ["fprop", "wgrad"])
+def test_strided(kind):
+    check(Conv2dProblem.make(kind, 2, 64, 17, 15, 64, 3, stride=2, padding=1))
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_odd_sizes_and_1x1(kind):
+    # M and N not multiples of the tile; 1x1 filter without padding.
+    check(Conv2dProblem.make(kind, 3, 24, 7, 9, 40, 1))
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_other_tiles_and_cluster(kind):
+    p = Conv2dProblem.make(kind, 2, 64, 14, 14, 128, 3, padding=1)
+    check(p, tile=(64, 128, 64), cluster=(2, 1, 1))
+
+
+def test_bf16_fp32_output():
+    check(Conv2dProblem.make("fprop", 2, 64, 16, 16, 128, 3, padding=1, dtype="bf16", out_dtype="f32"))
+
+
+def test_fprop_relu():
+    p = Conv2dProblem.make("fprop", 2, 64, 16, 16, 128, 3, padding=1, epilogue=Epilogue(Activation.RELU))
+    out, a, b = run(p)
+    ref = torch.relu(reference(p, a, b))
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-2
+    assert (out >= 0).all()
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_residual(kind):
+    p = Conv2dProblem.make(kind, 2, 64, 16, 16, 128, 3, padding=1, epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    res = tensor(nchw(p.out_shape), p.element_out.value)
+    out, a, b = run(p, source=res)
+    ref = reference(p, a, b) + res.double().cpu()
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_bias_is_refused():
+    p = Conv2dProblem.make("fprop", 2, 64, 16, 16, 128, 3, padding=1, epilogue=Epilogue(source=SourceKind.BIAS))
+    cfg = sm90_config(p.replace(epilogue=Epilogue()), (128, 128, 64))
+    a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
+    out, bias = poisoned(nchw(p.out_shape), "f16"), torch.randn(p.k, device="cuda").half()
+    with pytest.raises(UnsupportedConvError, match="bias"):
+        run_problem(p, a, b, out, bias, config=LaunchConfig(cfg))
+
+
+def test_strided_dgrad_is_refused():
+    p = Conv2dProblem.make("dgrad", 2, 64, 16, 16, 64, 3, padding=1, stride=2)
+    assert list(sm90_candidates(p)) == []
+    cfg = sm90_config(p.replace(stride_h=1, stride_w=1), (128, 128, 64))
+    a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
+    with pytest.raises(UnsupportedConvError, match="stride"):
+        run_problem(p, a, b, poisoned(nchw(p.out_shape), "f16"), config=LaunchConfig(cfg))

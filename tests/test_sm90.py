@@ -1,0 +1,247 @@
+"""The CUTLASS 3.x Hopper family (TMA + wgmma): candidates, config rules, rendering, and one nvcc build.
+
+No GPU needed. The compile test (`-m compile`, ~60 s, ~3.5 GB of memory) also loads the library and asks its
+`cb_can_implement`, which is host code only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import shutil
+
+import pytest
+
+from cutlass_byoc.config import KernelConfig, LaunchConfig
+from cutlass_byoc.problem import Conv2dProblem, Epilogue
+from cutlass_byoc.render import render
+from cutlass_byoc.sm90 import CLUSTERS, SCHEDULE, sm90_applicable, sm90_candidates, sm90_config, sm90_tiles
+from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
+
+KINDS = ("fprop", "dgrad", "wgrad")
+
+
+def problem(kind="fprop", n=2, c=64, h=16, w=16, k=128, r=3, **kw) -> Conv2dProblem:
+    kw.setdefault("padding", 1)
+    return Conv2dProblem.make(kind, n, c, h, w, k, r, **kw)
+
+
+def one(p: Conv2dProblem, tile=(128, 128, 64), cluster=(1, 1, 1)) -> KernelConfig:
+    return sm90_config(p, tile, cluster)
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+def test_tiles_come_from_the_generator_filtered():
+    tiles = sm90_tiles()
+    assert (128, 128, 64) in tiles and (64, 128, 64) in tiles and (128, 64, 64) in tiles
+    assert all(m * n <= 128 * 128 and k == 64 for m, n, k in tiles)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_candidates_are_valid_sm90_configs(kind):
+    p = problem(kind)
+    cands = list(sm90_candidates(p))
+    assert len(cands) == len(sm90_tiles()) * len(CLUSTERS)
+    for cfg in cands:
+        assert cfg.family is KernelFamily.SM90_TMA_WGMMA
+        assert cfg.schedule == SCHEDULE and cfg.cluster in CLUSTERS
+        assert cfg.reject_reason(p) is None
+        assert (cfg.align_a, cfg.align_b, cfg.align_c) == (8, 8, 8)
+        assert cfg.split_k_mode is SplitKMode.SERIAL
+    assert len({c.name for c in cands}) == len(cands)
+
+
+def test_candidates_fp32_output_aligns_c_to_four():
+    cfg = next(sm90_candidates(problem(out_dtype="f32")))
+    assert (cfg.align_a, cfg.align_b, cfg.align_c) == (8, 8, 4)
+
+
+def test_candidates_follow_the_activation():
+    p = problem(epilogue=Epilogue(Activation.RELU))
+    assert {c.activation for c in sm90_candidates(p)} == {Activation.RELU}
+
+
+@pytest.mark.parametrize(
+    "p, why",
+    [
+        (problem(c=4), "alignment"),  # 8 bytes of channels: TMA needs 16
+        (problem(k=36), "alignment"),
+        (problem("dgrad", stride=2), "stride"),
+        (problem(groups=2), "groups"),
+        (problem(dtype="f32"), "element_a"),
+    ],
+)
+def test_no_candidates_where_sm90_cannot_run(p, why):
+    assert why in sm90_applicable(p)
+    assert list(sm90_candidates(p)) == []
+
+
+def test_strided_fprop_and_wgrad_have_candidates():
+    assert list(sm90_candidates(problem("fprop", stride=2)))
+    assert list(sm90_candidates(problem("wgrad", stride=2)))
+
+
+def test_bias_is_refused_by_the_config_rules():
+    p = problem(epilogue=Epilogue(source=SourceKind.BIAS))
+    assert "bias" in one(problem()).reject_reason(p)
+    assert list(sm90_candidates(p)) == []
+    assert list(sm90_candidates(problem(epilogue=Epilogue(source=SourceKind.RESIDUAL))))
+
+
+def test_tile_filter():
+    cands = list(sm90_candidates(problem(), tile_filter=lambda t: t == (64, 128, 64), clusters=((1, 1, 1),)))
+    assert [c.tile for c in cands] == [(64, 128, 64)]
+
+
+# ---------------------------------------------------------------------------------------------- config rules
+def test_static_rules():
+    cfg = one(problem())
+    bad = {
+        "split_k_mode": SplitKMode.PARALLEL,
+        "align_a": 4,
+        "align_c": 4,
+        "schedule": "cooperative",
+        "tile": (32, 128, 64),
+        "cluster": (3, 1, 1),
+        "stages": 12,
+    }
+    for field, value in bad.items():
+        with pytest.raises(ValueError):
+            dataclasses.replace(cfg, **{field: value})
+    with pytest.raises(ValueError):
+        dataclasses.replace(one(problem("dgrad")), stride_support=StrideSupport.STRIDED)
+    with pytest.raises(ValueError):
+        LaunchConfig(cfg, split_k_slices=2)
+
+
+def test_reject_reason_strided_dgrad_and_padding():
+    cfg = one(problem("dgrad"))
+    assert "stride" in cfg.reject_reason(problem("dgrad", stride=2))
+    assert "padding" in one(problem()).reject_reason(problem(padding=300, h=8, w=8))
+
+
+def test_config_roundtrip():
+    cfg = one(problem("wgrad"), cluster=(2, 1, 1))
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert "c2x1x1_implicit_tma_ws" in cfg.name
+
+
+# ---------------------------------------------------------------------------------------------- render
+@pytest.mark.parametrize("kind", KINDS)
+def test_render_header_and_api(kind):
+    cfg = one(problem(kind))
+    src = render(cfg, "nvcc -DX kernel.cu -o kernel.so")
+    assert src.startswith(f"// {cfg.name}\n")
+    assert "templates/conv2d_sm90_tma_wgmma.cu.j2" in src
+    assert "// Compile: nvcc -DX kernel.cu -o kernel.so" in src
+    assert "//   tile            [128, 128, 64]" in src and "//   cluster         [1, 1, 1]" in src
+    for fn in ("cb_abi_version", "cb_kernel_name", "cb_config_json", "cb_can_implement", "cb_workspace_size", "cb_run"):
+        assert f" {fn}(" in src
+    # The API struct must not be in the anonymous namespace, or the extern "C" functions taking it lose linkage.
+    assert src.index("struct CbConv2dArgs") < src.index("\nnamespace {\n")
+    assert f"cutlass::conv::Operator::k{cfg.kind.cutlass}" in src
+    assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90" in src
+    assert "cutlass::epilogue::TmaWarpSpecialized" in src
+    assert f"StageCount<{cfg.stages}>" in src
+    assert cfg.to_json() in src
+    # Headers in the order BRIEF.md found necessary.
+    assert src.index('"cute/tensor.hpp"') < src.index('"cutlass/kernel_hardware_info.hpp"') \
+        < src.index('"cutlass/conv/collective/collective_builder.hpp"') \
+        < src.index('"cutlass/conv/device/conv_universal_adapter.hpp"')
+
+
+def test_render_kind_specifics():
+    fprop = render(one(problem("fprop")), "nvcc")
+    dgrad = render(one(problem("dgrad")), "nvcc")
+    wgrad = render(one(problem("wgrad")), "nvcc")
+    assert "using TileShape = Shape<_128, _128, Shape<_64>>;" in fprop
+    assert "using TileShape = Shape<_128, Shape<_128>, Shape<_64>>;" in wgrad
+    assert "TensorKCSR" in wgrad and "TensorKCSR" not in fprop
+    assert "ignores the conv stride" in dgrad and "ignores the conv stride" not in fprop
+    assert "the sm90 wgrad kernel has no per-output-channel broadcast" in wgrad
+    assert "does not broadcast a bias" in fprop
+
+
+@pytest.mark.parametrize(
+    "act, functor",
+    [(Activation.IDENTITY, "fusion::LinearCombination<"), (Activation.RELU, "thread::ReLu"),
+     (Activation.GELU, "thread::GELU"), (Activation.SILU, "thread::SiLu")],
+)
+def test_render_activation(act, functor):
+    src = render(one(problem(epilogue=Epilogue(act))), "nvcc")
+    assert functor in src
+    if act is not Activation.IDENTITY:
+        assert "LinCombEltAct<" in src
+
+
+def test_render_types():
+    src = render(one(problem(dtype="bf16", out_dtype="f32")), "nvcc")
+    assert "using ElementA = cutlass::bfloat16_t;" in src
+    assert "using ElementOutput = float;" in src
+    assert "constexpr int kAlignC = 4;" in src
+
+
+def test_render_cluster():
+    assert "using ClusterShape = Shape<_2, _1, _1>;" in render(one(problem(), cluster=(2, 1, 1)), "nvcc")
+
+
+# ---------------------------------------------------------------------------------------------- compile
+@pytest.mark.compile
+@pytest.mark.timeout(900)
+def test_compile_one_fprop_kernel(tmp_path):
+    if not shutil.which("nvcc"):
+        from cutlass_byoc.toolchain import ToolchainError, nvcc_path  # noqa: PLC0415
+
+        try:
+            nvcc_path()
+        except ToolchainError as e:
+            pytest.skip(f"nvcc missing: {e}")
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.cache import KernelCache  # noqa: PLC0415
+    from cutlass_byoc.runtime import CbConv2dArgs, make_args  # noqa: PLC0415
+
+    p = problem()
+    cfg = one(p)
+    result = build([cfg], jobs=1, cache=KernelCache(tmp_path))[cfg]
+    assert result.ok, result.error_report()
+    assert "error" not in result.entry.log.lower()
+
+    lib = ctypes.CDLL(str(result.library))
+    lib.cb_config_json.restype = ctypes.c_char_p
+    lib.cb_kernel_name.restype = ctypes.c_char_p
+    lib.cb_abi_version.restype = ctypes.c_int64
+    lib.cb_can_implement.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.cb_workspace_size.argtypes = [ctypes.POINTER(CbConv2dArgs)]
+    lib.cb_workspace_size.restype = ctypes.c_int64
+    assert KernelConfig.from_dict(__import__("json").loads(lib.cb_config_json())) == cfg
+    assert lib.cb_kernel_name().decode() == cfg.name
+    for fn in ("cb_can_implement", "cb_workspace_size", "cb_run"):
+        assert hasattr(lib, fn), f"{fn} is not exported"
+
+    # cb_can_implement and cb_workspace_size run on the host only: check them without a GPU.
+    fake = dict(a=0x10000, b=0x20000, d=0x30000)
+
+    def why(q, **kw):
+        args = make_args(q, **{**fake, **kw})
+        buf = ctypes.create_string_buffer(512)
+        rc = lib.cb_can_implement(ctypes.byref(args), buf, len(buf))
+        return rc, buf.value.decode()
+
+    assert why(p) == (0, "")
+    assert lib.cb_workspace_size(ctypes.byref(make_args(p, **fake))) == 0
+    assert why(problem(stride=2, h=17, w=17)) == (0, "")
+    assert why(problem(epilogue=Epilogue(source=SourceKind.RESIDUAL)), source=0x40000) == (0, "")
+    rc, msg = why(p, split_k_slices=2)
+    assert rc and "split-k" in msg
+    rc, msg = why(problem(epilogue=Epilogue(source=SourceKind.BIAS)), source=0x40000)
+    assert rc and "bias" in msg
+    rc, msg = why(problem(c=4))  # 8-byte channel rows: TMA cannot load them
+    assert rc and "alignment" in msg
+    rc, msg = why(p, b=0x20008)
+    assert rc and "B address" in msg
+    rc, msg = why(problem(padding=300))
+    assert rc and "padding" in msg
+    args = make_args(p, **fake)
+    args.p = 7
+    buf = ctypes.create_string_buffer(512)
+    assert lib.cb_can_implement(ctypes.byref(args), buf, len(buf)) and b"output size" in buf.value
