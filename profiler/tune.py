@@ -21,6 +21,7 @@ from ..cache import KernelCache
 from ..config import LaunchConfig
 from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
 from ..problem import Conv2dProblem
+from ..types import KernelFamily
 from .plan import DEFAULT_MAX_CANDIDATES, plan_workload
 from .worker import COMPILE_FAILED, CandidateResult, CandidateRunner, WorkerSettings
 
@@ -146,7 +147,9 @@ def tune_workload(
     kernels = plan.kernels
     log.info("planned %d launches of %d distinct kernels for %d problems", plan.launches, len(kernels), len(todo))
     t0 = time.perf_counter()
-    builds = build(kernels, jobs=jobs, cache=cache, progress=progress)
+    # Slowest first (3.x kernels take ~5x a 2.x one to compile), so the long compiles do not finish last alone.
+    order = sorted(kernels, key=lambda k: k.family is KernelFamily.SM80_IMPLICIT_GEMM)
+    builds = build(order, jobs=jobs, cache=cache, progress=progress)
     compile_s = time.perf_counter() - t0
     compiled_now = sum(1 for r in builds.values() if r.built_now and r.ok)
     failed = sum(1 for r in builds.values() if not r.ok)

@@ -15,10 +15,9 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import queue
 import time
 import traceback
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..config import LaunchConfig
 from ..problem import Conv2dProblem
@@ -184,6 +183,16 @@ def _worker_main(tasks, results, settings: WorkerSettings) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- parent side
+class _Sender:
+    """The worker's end of the result pipe, with a queue's `put` (sends synchronously)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, msg) -> None:
+        self.conn.send(msg)
+
+
 class WorkerError(RuntimeError):
     """The worker could not start (no GPU, no CUDA in torch); the message says why."""
 
@@ -191,8 +200,11 @@ class WorkerError(RuntimeError):
 class CandidateRunner:
     """Owns one worker process; restarts it when it dies. Use as a context manager."""
 
-    def __init__(self, settings: WorkerSettings = WorkerSettings()):
+    def __init__(self, settings: WorkerSettings = WorkerSettings(), target: Optional[Callable] = None):
+        """`target` replaces the worker's main function (tests inject a fake GPU worker; it must be importable
+        by module and name, as spawn requires)."""
         self.settings = settings
+        self._target = target or _worker_main
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._tasks = None
@@ -209,13 +221,20 @@ class CandidateRunner:
         self.close()
 
     def _start(self) -> None:
-        self._tasks, self._results = self._ctx.Queue(), self._ctx.Queue()
-        self._proc = self._ctx.Process(target=_worker_main, args=(self._tasks, self._results, self.settings),
+        # Results come back through a pipe: each send is written before the worker goes on, so a result sent just
+        # before the worker dies is not lost in a queue's feeder thread.
+        self._tasks = self._ctx.Queue()
+        self._results, child_end = self._ctx.Pipe(duplex=False)
+        self._proc = self._ctx.Process(target=self._target, args=(self._tasks, _Sender(child_end), self.settings),
                                        name="cutlass-byoc-tuner", daemon=True)
         self._proc.start()
+        child_end.close()
         try:
-            msg = self._results.get(timeout=self.settings.start_timeout_s)
-        except queue.Empty:
+            msg = self._get(self.settings.start_timeout_s)
+        except EOFError as e:
+            self._kill()
+            raise WorkerError(f"the tuning worker died while starting ({e})") from None
+        if msg is None:
             self._kill()
             raise WorkerError(f"the tuning worker did not start within {self.settings.start_timeout_s:.0f} s") from None
         if msg[0] != "hello":
@@ -229,10 +248,11 @@ class CandidateRunner:
             if self._proc.is_alive():
                 self._proc.kill()
             self._proc.join(timeout=10)
-        for q in (self._tasks, self._results):
-            if q is not None:
-                q.cancel_join_thread()
-                q.close()
+        if self._tasks is not None:
+            self._tasks.cancel_join_thread()
+            self._tasks.close()
+        if self._results is not None:
+            self._results.close()
         self._proc = self._tasks = self._results = None
 
     def close(self) -> None:
@@ -249,16 +269,20 @@ class CandidateRunner:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    # drain what it managed to send before dying
+                if self._results.poll(min(1.0, max(0.01, deadline - time.monotonic()))):
+                    return self._results.recv()
+            except (EOFError, OSError):
+                self._proc.join(timeout=5)
+                raise EOFError(f"worker exited with code {self._proc.exitcode}") from None
+            if not self._proc.is_alive():
+                if self._results.poll(0):  # what it sent just before dying
                     try:
-                        return self._results.get(timeout=0.5)
-                    except queue.Empty:
-                        raise EOFError(f"worker exited with code {self._proc.exitcode}") from None
-                if time.monotonic() >= deadline:
-                    return None
+                        return self._results.recv()
+                    except (EOFError, OSError):
+                        pass
+                raise EOFError(f"worker exited with code {self._proc.exitcode}") from None
+            if time.monotonic() >= deadline:
+                return None
 
     def evaluate(self, problem: Conv2dProblem, launches: Sequence[LaunchConfig]) -> list[CandidateResult]:
         """Check and time every launch on `problem`; one result per launch, in order."""

@@ -1,0 +1,175 @@
+"""The decision cache: every key field matters, stale formats are ignored, writers race safely, select uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+
+import pytest
+
+from cutlass_byoc import decisions as dec_mod
+from cutlass_byoc.decisions import (
+    DECISIONS_FORMAT, Decision, DecisionKey, DecisionStore, GpuInfo, lookup_decision, record_decision,
+)
+from cutlass_byoc.heuristics import default_launch
+from cutlass_byoc.problem import Conv2dProblem, Epilogue
+from cutlass_byoc.types import Activation, DType, SourceKind
+
+GPU = GpuInfo("NVIDIA H200", 90)
+PROBLEM = Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 3, padding=1)
+
+
+@pytest.fixture
+def store(tmp_cache):
+    return DecisionStore(tmp_cache.root)
+
+
+@pytest.fixture(scope="module")
+def launch():
+    return default_launch(PROBLEM)
+
+
+def test_roundtrip(store, launch):
+    record_decision(PROBLEM, launch, 12.5, gpu=GPU, store=store, candidates_timed=7, runner_up="x", runner_up_us=13.0)
+    assert lookup_decision(PROBLEM, gpu=GPU, store=store) == launch
+    d = dec_mod.lookup(PROBLEM, gpu=GPU, store=store)
+    assert d.time_us == 12.5 and d.candidates_timed == 7 and d.runner_up == "x"
+    assert lookup_decision(PROBLEM, gpu=GPU, store=DecisionStore(store.root)) == launch  # another process's view
+
+
+PROBLEM_CHANGES = [
+    dict(n=16), dict(h=57), dict(w=55), dict(c=128), dict(k=32), dict(r=1, s=1, pad_h=0, pad_w=0), dict(s=1, pad_w=0),
+    dict(pad_h=2), dict(pad_w=0), dict(stride_h=2), dict(stride_w=2), dict(dilation_h=2), dict(dilation_w=2),
+    dict(element_a=DType.BF16, element_b=DType.BF16, element_out=DType.BF16), dict(element_out=DType.F32),
+    dict(element_acc=DType.F16), dict(epilogue=Epilogue(Activation.RELU)), dict(epilogue=Epilogue(source=SourceKind.BIAS)),
+]
+
+
+@pytest.mark.parametrize("change", PROBLEM_CHANGES, ids=lambda c: ",".join(c))
+def test_changing_a_problem_field_misses(store, launch, change):
+    record_decision(PROBLEM, launch, 10.0, gpu=GPU, store=store)
+    other = PROBLEM.replace(**change)
+    assert DecisionKey.for_problem(other, GPU).digest != DecisionKey.for_problem(PROBLEM, GPU).digest
+    assert lookup_decision(other, gpu=GPU, store=store) is None
+    assert lookup_decision(PROBLEM, gpu=GPU, store=store) == launch
+
+
+def test_kind_changes_the_key():
+    a = DecisionKey.for_problem(PROBLEM, GPU).digest
+    b = DecisionKey.for_problem(PROBLEM.replace(kind="dgrad"), GPU).digest
+    assert a != b
+
+
+@pytest.mark.parametrize("field,value", [
+    ("gpu_name", "NVIDIA H100 80GB HBM3"), ("gpu_arch", 100), ("cutlass_version", "4.3.0 (wheel 4.3.0.0)"),
+    ("template_hash", "0" * 64), ("format", DECISIONS_FORMAT + 1),
+])
+def test_changing_an_environment_field_misses(store, launch, field, value):
+    record_decision(PROBLEM, launch, 10.0, gpu=GPU, store=store)
+    key = DecisionKey.for_problem(PROBLEM, GPU)
+    other = dataclasses.replace(key, **{field: value})
+    assert other.digest != key.digest
+    assert store.lookup(other) is None
+    assert store.lookup(key) is not None
+
+
+def test_template_and_cutlass_version_come_from_the_environment(store, launch, monkeypatch):
+    record_decision(PROBLEM, launch, 10.0, gpu=GPU, store=store)
+    monkeypatch.setattr(dec_mod, "template_hash", lambda: "f" * 64)
+    assert lookup_decision(PROBLEM, gpu=GPU, store=store) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(dec_mod, "_cutlass_version", lambda: "9.9.9")
+    assert lookup_decision(PROBLEM, gpu=GPU, store=store) is None
+
+
+def test_template_hash_covers_the_templates():
+    h = dec_mod.template_hash()
+    assert len(h) == 64 and h == dec_mod.template_hash()
+
+
+def test_stale_format_and_garbage_are_ignored(store, launch):
+    record_decision(PROBLEM, launch, 10.0, gpu=GPU, store=store)
+    key = DecisionKey.for_problem(PROBLEM, GPU)
+    path = store.path(key.digest)
+    d = json.loads(path.read_text())
+    d["format"] = DECISIONS_FORMAT - 1
+    path.write_text(json.dumps(d))
+    assert DecisionStore(store.root).lookup(key) is None
+    path.write_text("{not json")
+    assert DecisionStore(store.root).lookup(key) is None
+    # a file whose fields do not match its key (hand-edited) is not trusted
+    other = Decision(DecisionKey.for_problem(PROBLEM.replace(n=8), GPU), launch, 1.0)
+    path.write_text(json.dumps(other.to_dict()))
+    assert DecisionStore(store.root).lookup(key) is None
+
+
+def test_no_gpu_means_no_decision(store, launch, monkeypatch):
+    monkeypatch.setattr(dec_mod, "current_gpu", lambda: None)
+    assert lookup_decision(PROBLEM, store=store) is None
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        record_decision(PROBLEM, launch, 1.0, store=store)
+
+
+def test_record_refuses_a_launch_that_cannot_compute_the_problem(store, launch):
+    with pytest.raises(ValueError, match="cannot compute"):
+        record_decision(PROBLEM.replace(c=7), launch, 1.0, gpu=GPU, store=store)
+
+
+def _writer(root: str, worker: int, n: int) -> None:
+    st = DecisionStore(root)
+    launch = default_launch(PROBLEM)
+    for i in range(n):
+        record_decision(PROBLEM, launch, float(worker * 1000 + i + 1), gpu=GPU, store=st)  # one shared key
+        p = PROBLEM.replace(n=100 + worker * n + i)  # and keys of its own
+        record_decision(p, default_launch(p), 1.0, gpu=GPU, store=st)
+
+
+def _reader(root: str, n: int, q) -> None:
+    st = DecisionStore(root)
+    key = DecisionKey.for_problem(PROBLEM, GPU)
+    bad = 0
+    for _ in range(n):
+        try:
+            raw = st.path(key.digest).read_text()
+        except FileNotFoundError:
+            continue
+        try:
+            json.loads(raw)
+        except ValueError:
+            bad += 1
+    q.put(bad)
+
+
+def test_concurrent_writers(tmp_cache):
+    root = str(tmp_cache.root)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(root, w, 15)) for w in range(4)]
+    procs.append(ctx.Process(target=_reader, args=(root, 400, q)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert q.get(timeout=5) == 0  # a reader never saw a torn file
+    st = DecisionStore(root)
+    d = dec_mod.lookup(PROBLEM, gpu=GPU, store=st)
+    assert d is not None and d.time_us % 1000 in set(range(1, 16))  # one writer's decision, whole
+    assert sum(1 for _ in st.iter_files()) == 1 + 4 * 15
+    assert all(d is not None for _, d, _ in st.entries())
+    assert not list(st.dir.glob("*/*.tmp"))  # no leftovers
+
+
+def test_select_uses_the_decision(tmp_cache, monkeypatch):
+    from cutlass_byoc.select import SelectMode, choose
+
+    monkeypatch.setattr(dec_mod, "current_gpu", lambda: GPU)
+    monkeypatch.setattr("cutlass_byoc.decisions.current_gpu", lambda: GPU)
+    default = default_launch(PROBLEM)
+    assert choose(PROBLEM) == default  # nothing recorded: the model's pick
+    other = [l for _, l in __import__("cutlass_byoc.heuristics", fromlist=["rank"]).rank(
+        PROBLEM, __import__("cutlass_byoc.candidates", fromlist=["x"]).sm80_candidates(PROBLEM)) if l != default][0]
+    record_decision(PROBLEM, other, 3.0, gpu=GPU)
+    assert choose(PROBLEM) == other
+    assert choose(PROBLEM, SelectMode.HEURISTIC) == default

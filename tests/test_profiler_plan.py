@@ -1,0 +1,127 @@
+"""Planning on the CPU: enumeration of every family, pruning before compiling, ranking and the candidate budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cutlass_byoc.config import KernelConfig, LaunchConfig
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.profiler import plan as plan_mod
+from cutlass_byoc.profiler.plan import enumerate_kernels, plan_problem, plan_workload
+from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
+from cutlass_byoc.workloads import default_workload
+
+
+@pytest.fixture(scope="module")
+def workload_plan():
+    return plan_workload([it.problem for it in default_workload()], 8)
+
+
+def test_default_workload_plan_fits_budget(workload_plan):
+    assert len(workload_plan.plans) == 48
+    for pp in workload_plan.plans:
+        assert pp.candidates, pp.problem.name
+        assert len(pp.kernels) <= 8
+        for c in pp.candidates:  # everything planned can implement its problem
+            assert c.launch.reject_reason(pp.problem) is None, (pp.problem.name, c.name)
+    # kernels are keyed by config and shared across problems: far fewer than 48 x 8
+    n = len(workload_plan.kernels)
+    assert 40 <= n <= 200, n
+    assert len(set(workload_plan.kernels)) == n
+
+
+def test_split_k_is_a_launch_parameter_not_a_kernel(workload_plan):
+    wgrad = [pp for pp in workload_plan.plans if pp.problem.kind is ConvKind.WGRAD and pp.problem.c == 64
+             and pp.problem.r == 3][0]
+    slices = {c.launch.split_k_slices for c in wgrad.candidates}
+    assert max(slices) > 1  # early wgrad needs split-k
+    assert len(wgrad.kernels) < len(wgrad.candidates)  # one kernel, several slice counts
+
+
+def test_strided_dgrad_only_strided_kernels_and_no_split_k():
+    p = Conv2dProblem.make("dgrad", 32, 128, 56, 56, 128, 3, stride=2, padding=1)
+    pp = plan_problem(p, 8)
+    assert pp.candidates
+    for c in pp.candidates:
+        assert c.launch.split_k_slices == 1
+        if c.launch.kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
+            assert c.launch.kernel.stride_support is StrideSupport.STRIDED
+        assert c.launch.kernel.family is not KernelFamily.SM90_TMA_WGMMA  # 3.x dgrad ignores stride
+
+
+def test_odd_channels_get_narrow_alignment():
+    p = Conv2dProblem.make("fprop", 32, 7, 56, 56, 33, 3, padding=1)
+    valid, _ = enumerate_kernels(p)
+    assert valid
+    for k in valid:
+        assert k.align_a == 1 and k.align_c == 1
+        assert k.family is KernelFamily.SM80_IMPLICIT_GEMM  # TMA needs 16-byte channels
+
+
+def test_pruning_happens_before_compiling(monkeypatch):
+    """Configs an enumerator offers that cannot implement the problem are pruned with a reason."""
+    p = Conv2dProblem.make("fprop", 8, 12, 16, 16, 16, 3, padding=1)  # C=12: alignment 4 at most
+    good = next(k for k in enumerate_kernels(p)[0] if k.iterator is IteratorAlgorithm.OPTIMIZED)
+    bad_align = dataclasses.replace(good, align_a=8, align_b=8)
+    wrong_kind = dataclasses.replace(good, kind=ConvKind.WGRAD, stride_support=StrideSupport.STRIDED)
+    monkeypatch.setattr(plan_mod, "kernel_enumerators",
+                        lambda: [(KernelFamily.SM80_IMPLICIT_GEMM, lambda prob: [good, bad_align, wrong_kind])])
+    valid, pruned = enumerate_kernels(p)
+    assert valid == [good]
+    reasons = {x.name: x.reason for x in pruned}
+    assert "alignment" in reasons[bad_align.name]
+    assert "kind" in reasons[wrong_kind.name]
+    pp = plan_problem(p, 8)
+    assert {c.launch.kernel for c in pp.candidates} == {good}
+    assert len(pp.pruned) == 2
+
+
+def test_max_candidates_keeps_the_models_best():
+    p = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
+    big = plan_problem(p, 64, slices_per_kernel=1)
+    one = plan_problem(p, 1, slices_per_kernel=1)
+    assert len(one.kernels) == 1
+    assert len(big.kernels) > 8
+    sm80_best = min((c for c in big.candidates if c.launch.kernel.family is KernelFamily.SM80_IMPLICIT_GEMM),
+                    key=lambda c: c.estimate_us)
+    if not any(c.launch.kernel.family is not KernelFamily.SM80_IMPLICIT_GEMM for c in big.candidates):
+        assert one.candidates[0].launch == sm80_best.launch
+    with pytest.raises(ValueError, match="max_candidates"):
+        plan_problem(p, 0)
+
+
+def test_other_families_get_a_share(monkeypatch):
+    """A family the model cannot rank against 2.x (3.x) still gets part of the budget."""
+    p = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
+    base = next(iter(plan_mod.sm80_candidates(p)))
+    sm90 = KernelConfig(
+        family=KernelFamily.SM90_TMA_WGMMA, kind=p.kind, element_a=p.element_a, element_b=p.element_b,
+        element_out=p.element_out, element_acc=p.element_acc, tile=(128, 128, 64), warps=(4, 1, 1), stages=4,
+        stride_support=StrideSupport.UNITY, align_a=8, align_b=8, align_c=8, split_k_mode=SplitKMode.SERIAL,
+        schedule="implicit_tma_ws",
+    )
+    monkeypatch.setattr(plan_mod, "_sm90_enumerator", lambda: (lambda prob: [sm90]))
+    pp = plan_problem(p, 4)
+    fams = [k.family for k in pp.kernels]
+    assert KernelFamily.SM90_TMA_WGMMA in fams and KernelFamily.SM80_IMPLICIT_GEMM in fams
+    assert len(pp.kernels) == 4
+    assert all(c.launch.split_k_slices == 1 for c in pp.candidates if c.launch.kernel == sm90)
+    assert base.family is KernelFamily.SM80_IMPLICIT_GEMM
+
+
+def test_few_channel_iterators_for_the_stem():
+    p = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
+    valid, _ = enumerate_kernels(p)
+    its = {k.iterator for k in valid}
+    assert IteratorAlgorithm.FEW_CHANNELS in its
+    assert all(k.align_a <= 1 or 3 % k.align_a == 0 for k in valid)
+
+
+def test_plan_ranks_by_estimate():
+    p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 3, padding=1)
+    pp = plan_problem(p, 8)
+    est = [c.estimate_us for c in pp.candidates]
+    assert est == sorted(est)
+    assert all(isinstance(c.launch, LaunchConfig) for c in pp.candidates)
