@@ -1,0 +1,134 @@
+"""The ``cutlass_byoc`` torch.compile backend: Inductor with the cutlass_byoc partitioner run on the joint graph.
+
+``torch.compile(model, backend="cutlass_byoc", options={"select": "tune"})`` (registered through the
+``torch_dynamo_backends`` entry point, and by importing this module) compiles exactly as ``torch.compile`` with
+Inductor does (AOTAutograd, decompositions, min-cut partitioning, fusion, cudagraphs if asked), with one addition:
+the partitioner runs as Inductor's ``joint_custom_pre_pass``, i.e. on the aten-level joint forward+backward graph
+(the inference graph when no gradient is needed), before AOTAutograd splits it into the forward and backward graphs.
+Offloading there rather than in separate forward and backward compilers keeps layouts consistent: when an NCHW
+model's convs become channels_last, the activations saved for the backward are channels_last in both graphs, so no
+transpose is needed around any conv. Everything not offloaded is compiled by Inductor.
+
+Options (a dict or keyword arguments, see :class:`OffloadOptions`): ``select`` = ``"tune"`` (profile on the first
+call of each new problem), ``"cached"`` (recorded decisions, else the heuristic; the default) or ``"heuristic"``;
+switches for fprop/dgrad/wgrad/transposed offload and epilogue/cast fusion; ``require_cuda``.
+
+The report of each compiled graph is logged (logger ``cutlass_byoc.offload``) and kept: :func:`last_report`,
+:func:`reports`, or ``backend.reports`` of a :func:`make_backend` instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from .partition import partition
+from .patterns import OffloadOptions
+from .report import OffloadReport
+
+log = logging.getLogger("cutlass_byoc.offload")
+
+BACKEND_NAME = "cutlass_byoc"
+_REPORTS: list[OffloadReport] = []
+_lock = threading.Lock()
+
+
+def reports() -> list[OffloadReport]:
+    """Reports of every graph partitioned in this process, oldest first."""
+    with _lock:
+        return list(_REPORTS)
+
+
+def last_report() -> Optional[OffloadReport]:
+    with _lock:
+        return _REPORTS[-1] if _REPORTS else None
+
+
+def clear_reports() -> None:
+    with _lock:
+        _REPORTS.clear()
+
+
+class OffloadPass:
+    """The partitioner as an Inductor graph pass (a plain callable on torch.fx.Graph: Inductor then bypasses its FX
+    graph cache for these graphs, so the pass, and its report, runs on every compilation)."""
+
+    def __init__(self, options: OffloadOptions, sink: Optional[list[OffloadReport]] = None) -> None:
+        self.options = options
+        self.sink = sink if sink is not None else []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        with _lock:
+            name = f"graph{len(_REPORTS)}"
+        has_backward = any(n.target is torch.ops.aten.convolution_backward.default for n in graph.nodes)
+        report = partition(graph, self.options, name=f"{name}({'joint' if has_backward else 'forward'})")
+        self.sink.append(report)
+        with _lock:
+            _REPORTS.append(report)
+
+
+def compile_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions,
+                         sink: Optional[list[OffloadReport]] = None) -> Callable:
+    """Inductor's compile_fx with the offload pass added to its joint-graph passes."""
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
+
+    ours = OffloadPass(options, sink)
+    existing = inductor_config.joint_custom_pre_pass
+    if existing is None:
+        passes: Any = ours
+    else:
+        passes = [*(existing if isinstance(existing, (list, tuple)) else [existing]), ours]
+    return compile_fx(gm, list(example_inputs), config_patches={"joint_custom_pre_pass": passes})
+
+
+def cutlass_byoc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[dict] = None,
+                         **kwargs: Any) -> Callable:
+    """The torch.compile backend (entry point ``torch_dynamo_backends: cutlass_byoc``)."""
+    if kwargs.pop("mode", None) is not None:
+        log.info("cutlass_byoc: torch.compile's mode is ignored; pass options instead")
+    opts = OffloadOptions.from_any(options, **kwargs)
+    return compile_with_offload(gm, example_inputs, opts)
+
+
+class CutlassByocBackend:
+    """A configured backend object: ``torch.compile(model, backend=make_backend(select="heuristic"))``; its
+    reports list holds the report of every graph it compiled."""
+
+    def __init__(self, options: OffloadOptions) -> None:
+        self.options = options
+        self.reports: list[OffloadReport] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return compile_with_offload(gm, example_inputs, self.options, self.reports)
+
+    def report(self) -> OffloadReport:
+        """All graphs' reports merged."""
+        out = OffloadReport("all graphs")
+        for r in self.reports:
+            out = out.merge(r)
+        return out
+
+
+def make_backend(options: Optional[dict | OffloadOptions] = None, **kwargs: Any) -> CutlassByocBackend:
+    return CutlassByocBackend(OffloadOptions.from_any(options, **kwargs))
+
+
+def register() -> None:
+    """Make ``backend="cutlass_byoc"`` work without the installed entry point (an idempotent no-op with it)."""
+    try:
+        from torch._dynamo.backends import registry  # noqa: PLC0415
+
+        registry._lazy_import()
+        if BACKEND_NAME in registry._COMPILER_FNS or registry._BACKENDS.get(BACKEND_NAME) is not None:
+            return  # registered, or the entry point will load this function on first lookup
+        registry.register_backend(cutlass_byoc_backend, name=BACKEND_NAME)
+    except Exception as e:  # noqa: BLE001 - private registry API; the entry point still works
+        log.debug("cutlass_byoc: could not register the backend directly: %s", e)
+
+
+register()

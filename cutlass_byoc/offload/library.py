@@ -1,0 +1,243 @@
+"""The torch.library custom ops an offloaded graph calls: ``cutlass_byoc::conv2d_fprop``, ``::conv2d_dgrad`` and
+``::conv2d_wgrad``, with fake (meta) implementations so Inductor and AOTAutograd can trace and compile around them.
+
+Layout contract (the design decision of the offload):
+
+* Every op *returns* a channels_last-contiguous tensor (NHWC activations, KRSC filters), because that is what the
+  kernels write. The fake implementations declare exactly these strides, so the compiled graph around an op sees the
+  true layout and the graph stays channels_last from one conv to the next without transposes.
+* Every op *expects* channels_last-contiguous 4-D operands. The partitioner inserts one ``aten.clone(...,
+  memory_format=torch.channels_last)`` where a graph value is not channels_last (an NCHW model's input and weights),
+  and the ops carry ``needs_fixed_stride_order`` so Inductor keeps that stride order. The CUDA path still checks and
+  converts (a copy) if it is handed anything else: a wrong layout must never reach a kernel.
+* On CUDA the ops call :mod:`cutlass_byoc.ops`; if the kernel library cannot run a call (no kernel, a launch or
+  compile error, no CUDA toolchain), the call falls back to the PyTorch reference and the reason is logged and
+  recorded in :data:`RUNTIME`. On any other device the reference runs: it computes in fp32 and casts once to the
+  output type, i.e. what the kernels compute (fp32 accumulation, epilogue in fp32, one rounding at the store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..types import Activation
+
+log = logging.getLogger("cutlass_byoc.offload")
+
+NAMESPACE = "cutlass_byoc"
+_TAGS = (torch.Tag.needs_fixed_stride_order,)
+CL = torch.channels_last
+
+
+# ---------------------------------------------------------------------------------------------- runtime record
+@dataclasses.dataclass
+class RuntimeRecord:
+    """What the ops did at run time, per call site signature: kernel launches, fallbacks and their reasons."""
+
+    kernel_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
+    reference_calls: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def kernel(self, key: str) -> None:
+        with self._lock:
+            self.kernel_calls[key] = self.kernel_calls.get(key, 0) + 1
+
+    def fallback(self, key: str, reason: str) -> None:
+        with self._lock:
+            if key not in self.fallbacks:
+                log.warning("cutlass_byoc: %s falls back to PyTorch: %s", key, reason)
+            self.fallbacks[key] = reason
+
+    def reference(self) -> None:
+        with self._lock:
+            self.reference_calls += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self.kernel_calls.clear()
+            self.fallbacks.clear()
+            self.reference_calls = 0
+
+
+RUNTIME = RuntimeRecord()
+
+#: Set to False to force the PyTorch reference even on CUDA (debugging, A/B checks).
+use_kernels = True
+
+
+def _kernel_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions meaning "the kernel library cannot run this call", which fall back to the reference."""
+    errs: list[type[BaseException]] = [ImportError, OSError]
+    from ..ops import UnsupportedConvError  # noqa: PLC0415
+
+    errs.append(UnsupportedConvError)
+    for mod, name in (("..runtime", "KernelLaunchError"), ("..build", "CompileError"), ("..toolchain", "ToolchainError")):
+        try:
+            import importlib  # noqa: PLC0415
+
+            errs.append(getattr(importlib.import_module(mod, __package__), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
+
+
+def _cl(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None or t.dim() != 4 or t.is_contiguous(memory_format=CL):
+        return t
+    return t.contiguous(memory_format=CL)
+
+
+def _pair(v: Sequence[int]) -> list[int]:
+    v = list(v)
+    return v * 2 if len(v) == 1 else v
+
+
+def conv_out_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
+    return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def apply_activation(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """The epilogue activations with PyTorch's definitions (GELU exact, as F.gelu's default)."""
+    act = Activation(activation)
+    return {
+        Activation.IDENTITY: lambda t: t, Activation.RELU: F.relu, Activation.SIGMOID: torch.sigmoid,
+        Activation.SILU: F.silu, Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu,
+    }[act](y)
+
+
+# ---------------------------------------------------------------------------------------------- references
+def reference_fprop(input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype):
+    """act(conv2d(x, w) + bias + residual) in fp32, one cast to out_dtype, channels_last output."""
+    f32 = torch.float32
+    y = F.conv2d(input.to(f32), weight.to(f32), bias.to(f32) if bias is not None else None,
+                 _pair(stride), _pair(padding), _pair(dilation), groups)
+    if residual is not None:
+        y = y + residual.to(f32)
+    y = apply_activation(y, activation)
+    return y.to(out_dtype or input.dtype).contiguous(memory_format=CL)
+
+
+def reference_dgrad(grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype):
+    f32 = torch.float32
+    gi = torch.nn.grad.conv2d_input(list(input_size), weight.to(f32), grad_output.to(f32), _pair(stride),
+                                    _pair(padding), _pair(dilation), groups)
+    return gi.to(out_dtype or grad_output.dtype).contiguous(memory_format=CL)
+
+
+def reference_wgrad(grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype):
+    f32 = torch.float32
+    gw = torch.nn.grad.conv2d_weight(input.to(f32), list(weight_size), grad_output.to(f32), _pair(stride),
+                                     _pair(padding), _pair(dilation), groups)
+    return gw.to(out_dtype or grad_output.dtype).contiguous(memory_format=CL)
+
+
+# ---------------------------------------------------------------------------------------------- fprop
+@torch.library.custom_op(
+    f"{NAMESPACE}::conv2d_fprop", mutates_args=(), tags=_TAGS,
+    schema="(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int[] stride, int[] padding, "
+           "int[] dilation, int groups, str activation, ScalarType? out_dtype, str select) -> Tensor",
+)
+def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 residual: Optional[torch.Tensor], stride: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int], groups: int, activation: str, out_dtype: Optional[torch.dtype],
+                 select: str) -> torch.Tensor:
+    """``act(conv2d(input, weight) + bias | residual)`` stored as out_dtype, channels_last."""
+    args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
+    if input.is_cuda and use_kernels:
+        key = f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}"
+        try:
+            from .. import ops  # noqa: PLC0415
+
+            y = ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
+                           _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
+                           residual=_cl(residual), out_dtype=out_dtype or input.dtype, select=select)
+            RUNTIME.kernel(key)
+            return y
+        except _kernel_errors() as e:
+            RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
+    RUNTIME.reference()
+    return reference_fprop(*args)
+
+
+@conv2d_fprop.register_fake
+def _conv2d_fprop_fake(input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype,
+                       select):
+    n, _, h, w = input.shape
+    k, _, r, s = weight.shape
+    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
+    p, q = conv_out_size(h, r, sh, ph, dh), conv_out_size(w, s, sw, pw, dw)
+    return input.new_empty((n, k, p, q), dtype=out_dtype or input.dtype).contiguous(memory_format=CL)
+
+
+# ---------------------------------------------------------------------------------------------- dgrad
+@torch.library.custom_op(
+    f"{NAMESPACE}::conv2d_dgrad", mutates_args=(), tags=_TAGS,
+    schema="(Tensor grad_output, Tensor weight, SymInt[] input_size, int[] stride, int[] padding, int[] dilation, "
+           "int groups, ScalarType? out_dtype, str select) -> Tensor",
+)
+def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Sequence[int], stride: Sequence[int],
+                 padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
+                 select: str) -> torch.Tensor:
+    """grad_input of conv2d (also the forward of a transposed conv), channels_last."""
+    args = (grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype)
+    if grad_output.is_cuda and use_kernels:
+        key = f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} {grad_output.dtype}"
+        try:
+            from .. import ops  # noqa: PLC0415
+
+            y = ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride), _pair(padding),
+                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, select=select)
+            RUNTIME.kernel(key)
+            return y
+        except _kernel_errors() as e:
+            RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
+    RUNTIME.reference()
+    return reference_dgrad(*args)
+
+
+@conv2d_dgrad.register_fake
+def _conv2d_dgrad_fake(grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype, select):
+    return grad_output.new_empty(list(input_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
+
+
+# ---------------------------------------------------------------------------------------------- wgrad
+@torch.library.custom_op(
+    f"{NAMESPACE}::conv2d_wgrad", mutates_args=(), tags=_TAGS,
+    schema="(Tensor grad_output, Tensor input, SymInt[] weight_size, int[] stride, int[] padding, int[] dilation, "
+           "int groups, ScalarType? out_dtype, str select) -> Tensor",
+)
+def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Sequence[int], stride: Sequence[int],
+                 padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
+                 select: str) -> torch.Tensor:
+    """grad_weight of conv2d accumulated in fp32, stored as out_dtype (fp32 for fp32 master weights), KRSC."""
+    args = (grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype)
+    if grad_output.is_cuda and use_kernels:
+        key = f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} {input.dtype}->{out_dtype}"
+        try:
+            from .. import ops  # noqa: PLC0415
+
+            y = ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride), _pair(padding),
+                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, select=select)
+            RUNTIME.kernel(key)
+            return y
+        except _kernel_errors() as e:
+            RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
+    RUNTIME.reference()
+    return reference_wgrad(*args)
+
+
+@conv2d_wgrad.register_fake
+def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype, select):
+    return input.new_empty(list(weight_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
+
+
+FPROP = torch.ops.cutlass_byoc.conv2d_fprop.default
+DGRAD = torch.ops.cutlass_byoc.conv2d_dgrad.default
+WGRAD = torch.ops.cutlass_byoc.conv2d_wgrad.default

@@ -1,0 +1,541 @@
+"""The partitioner: replaces each match of the pattern table in an aten-level FX graph with a call into the
+cutlass_byoc custom ops and leaves everything else to PyTorch, recording every decision in an OffloadReport.
+
+It works on any functional aten graph carrying FakeTensor metadata (``node.meta['val']``): AOTAutograd's joint,
+forward and backward graphs (as the torch.compile backend sees them), make_fx traces and torch.export programs.
+
+Steps of :func:`partition`:
+
+1. fprop: for each pattern of :func:`patterns.fprop_patterns`, largest first, torch.fx's ``SubgraphMatcher`` finds
+   the self-contained matches (no intermediate value used outside); the predicates decide; an accepted match becomes
+   one ``cutlass_byoc::conv2d_fprop`` (or, for a transposed conv, ``::conv2d_dgrad`` plus the bias add), a rejected one
+   gives way to smaller patterns on the same convolution.
+2. backward: each ``aten.convolution_backward`` is split by its output mask into ``::conv2d_dgrad`` and
+   ``::conv2d_wgrad`` (fusing a trailing cast of grad_weight to fp32), grad_bias becomes an fp32-accumulated sum of
+   grad_output that Inductor fuses, and whatever cannot be offloaded stays in a convolution_backward with a reduced
+   mask.
+3. layout: the new ops return channels_last; the metadata of everything downstream is re-derived (fake execution), so
+   an NCHW model's activations become channels_last from the first conv on. Only then are operands that are still
+   not channels_last given one ``aten.clone(memory_format=channels_last)`` right after their producer (shared by all
+   uses: the network input and NCHW weights), and graph outputs whose layout changed get their original layout back,
+   so the values returned to PyTorch (user outputs and parameter gradients) keep eager's strides.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.utils.matcher_utils import InternalMatch
+from torch.utils import _pytree as pytree
+
+from ..types import Activation, ConvKind, SourceKind
+from . import library
+from .patterns import (
+    CONV,
+    CONV_BACKWARD,
+    ConvPattern,
+    OffloadOptions,
+    PatternMatcher,
+    Reject,
+    backward_pattern,
+    check_dtypes,
+    check_tensor,
+    conv_params,
+    exact_cast,
+    fprop_patterns,
+    kernel_for,
+    make_problem,
+    pair,
+    static_shape,
+    val,
+    wgrad_cast_patterns,
+)
+from .patterns import Epilogue
+from .report import OffloadEntry, OffloadReport, Pass
+
+log = logging.getLogger("cutlass_byoc.offload")
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+CL = torch.channels_last
+NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD)
+#: the tensor arguments of each new op that must be channels_last (positions in its args)
+CL_ARGS = {library.FPROP: (0, 1, 3), library.DGRAD: (0, 1), library.WGRAD: (0, 1)}
+
+
+class _Rewriter:
+    """State of one partitioning run over one graph."""
+
+    def __init__(self, graph: fx.Graph, options: OffloadOptions, report: OffloadReport) -> None:
+        self.graph = graph
+        self.options = options
+        self.report = report
+        self.fake_mode = self._detect_fake_mode()
+        self.new_nodes: list[fx.Node] = []
+        self.cl_cache: dict[fx.Node, fx.Node] = {}
+        self.rejections: dict[fx.Node, list[tuple[ConvPattern, str]]] = {}
+        self.changed: set[fx.Node] = set()  # new nodes whose layout differs from the value they replaced
+        self.orig_outputs = [a.meta.get("val") if isinstance(a, fx.Node) else None
+                             for a in pytree.tree_leaves(self.output_node.args)]
+
+    # ------------------------------------------------------------------ fake execution
+    def _detect_fake_mode(self):
+        from torch._guards import detect_fake_mode  # noqa: PLC0415
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+
+        vals = [n.meta.get("val") for n in self.graph.nodes]
+        mode = detect_fake_mode([v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
+        return mode or FakeTensorMode(allow_non_fake_inputs=True)
+
+    def _fake(self, v):
+        from torch._subclasses.fake_tensor import FakeTensor  # noqa: PLC0415
+
+        if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor):
+            return self.fake_mode.from_tensor(v)
+        return v
+
+    def run_fake(self, node: fx.Node):
+        """node's value computed on its inputs' metadata (the fake implementation of custom ops)."""
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        args, kwargs = pytree.tree_map(self._fake, (args, kwargs))
+        with self.fake_mode:
+            return node.target(*args, **kwargs)
+
+    def set_val(self, node: fx.Node) -> fx.Node:
+        v = self.run_fake(node)
+        node.meta["val"] = v
+        if isinstance(v, torch.Tensor):
+            from torch.fx.passes.shape_prop import _extract_tensor_metadata  # noqa: PLC0415
+
+            node.meta["tensor_meta"] = _extract_tensor_metadata(v)
+        return node
+
+    def call(self, target, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs or {})
+        return self.set_val(node)
+
+    @property
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    # ------------------------------------------------------------------ fprop
+    def run_fprop(self) -> None:
+        present = {n.target for n in self.graph.nodes if n.op == "call_function"}
+        if CONV not in present or not (self.options.fprop or self.options.transposed):
+            for n in self.graph.nodes:
+                if n.target is CONV:
+                    self._conv_entry(n, False, reason="fprop offload is off")
+            return
+        for pat in fprop_patterns():
+            if not pat.targets <= present:
+                continue
+            matcher = PatternMatcher(pat.gm.graph)
+            for m in matcher.match(self.graph):
+                conv = m.nodes_map[pat.conv]
+                if conv.graph is not self.graph or conv._erased:  # consumed by an earlier pattern
+                    continue
+                if any(gn._erased for pn, gn in m.nodes_map.items()
+                       if isinstance(gn, fx.Node) and pn.op != "placeholder"):
+                    continue
+                try:
+                    self._rewrite_fprop(pat, m)
+                except Reject as e:
+                    self.rejections.setdefault(conv, []).append((pat, str(e)))
+        for n in list(self.graph.nodes):
+            if n.target is CONV:
+                rej = self.rejections.get(n, [])
+                reason = rej[-1][1] if rej else "no pattern matched"
+                self._conv_entry(n, False, reason=reason)
+
+    def _conv_entry(self, conv: fx.Node, offloaded: bool, **kw) -> OffloadEntry:
+        transposed = len(conv.args) > 6 and conv.args[6] is True
+        entry = OffloadEntry(node=conv.name, kind=Pass.TRANSPOSED_FPROP if transposed else Pass.FPROP,
+                             offloaded=offloaded, **kw)
+        for pat, why in self.rejections.get(conv, []):
+            if offloaded and pat.size > 1:
+                entry.notes.append(f"not fused {'+'.join(pat.steps)}: {why}")
+        return self.report.add(entry)
+
+    def _rewrite_fprop(self, pat: ConvPattern, m: InternalMatch) -> None:
+        nm = m.nodes_map
+        opts = self.options
+        conv = nm[pat.conv]
+        last = nm[next(iter(pat.gm.graph.find_nodes(op="output"))).args[0]]
+        bound = {k: nm[p] for k, p in pat.inputs.items()}
+        x, w, b = bound["x"], bound["w"], bound["b"]
+        stride, padding, dilation, groups, transposed = conv_params(bound)
+        xv, wv, yv = val(x), val(w), val(conv)
+        check_tensor(xv, "input", opts)
+        check_tensor(wv, "weight", opts)
+        check_dtypes(xv, wv, opts)
+        x_shape, w_shape, y_shape = static_shape(xv, "input"), static_shape(wv, "weight"), static_shape(yv, "output")
+        if b is not None:
+            bv = val(b)
+            if bv.dim() != 1:
+                raise Reject(f"bias: expected 1-d, got shape {tuple(bv.shape)}")
+        if transposed:
+            self._rewrite_transposed(pat, conv, x, w, b, stride, padding, dilation, groups, bound, x_shape, w_shape,
+                                     y_shape)
+            return
+        if not opts.fprop:
+            raise Reject("fprop offload is off")
+        if any(pair(bound["output_padding"], "output_padding")):
+            raise Reject(f"output_padding: {bound['output_padding']} on a non-transposed conv")
+        if pat.size > 1 and not opts.fuse_epilogue and pat.steps != ("cast",):
+            raise Reject("epilogue fusion is off")
+        out_v = val(last)
+        out_dtype = out_v.dtype
+        fused: list[str] = []
+        k = w_shape[0]
+        bias_nodes: list[fx.Node] = [b] if b is not None else []
+        if b is not None:
+            fused.append("bias")
+        residual = None
+        if pat.add is not None:
+            other = nm[pat.other]
+            ov = val(other)
+            oshape = static_shape(ov, "add operand")
+            if oshape == y_shape:
+                residual = other
+                fused.append("residual")
+            elif oshape in ((k, 1, 1), (1, k, 1, 1)) and ov.dtype in (torch.float16, torch.bfloat16, torch.float32):
+                bias_nodes.append(other)
+                if "bias" not in fused:
+                    fused.append("bias")
+            else:
+                raise Reject(f"add: operand of shape {oshape} is neither a per-channel bias of {k} channels nor a "
+                             f"residual of shape {y_shape}")
+        if pat.activation is not Activation.IDENTITY:
+            fused.append(pat.activation.value)
+        if pat.cast is not None:
+            if not opts.fuse_casts:
+                raise Reject("cast fusion is off")
+            dt = nm[pat.cast_dtype]
+            if not isinstance(dt, torch.dtype) or dt not in (torch.float16, torch.bfloat16, torch.float32):
+                raise Reject(f"cast: to {dt!r}; kernels store float16, bfloat16 or float32")
+            fused.append(f"cast({str(dt).replace('torch.', '')})")
+        for s in bias_nodes + ([residual] if residual is not None else []):
+            sv = val(s)
+            if not exact_cast(sv.dtype, out_dtype):
+                raise Reject(f"dtype: epilogue source {s.name} is {sv.dtype}; storing {out_dtype} would round it "
+                             f"before the add")
+        source = SourceKind.RESIDUAL if residual is not None else SourceKind.BIAS if bias_nodes else SourceKind.NONE
+        problem = make_problem(ConvKind.FPROP, x_shape, w_shape, stride, padding, dilation, groups, xv.dtype,
+                               out_dtype, Epilogue(pat.activation, source))
+        launch = kernel_for(problem, opts)
+        # accepted: build the replacement before `last` (every operand is defined before it)
+        with self.graph.inserting_before(last):
+            bias_arg = None
+            if bias_nodes:
+                flat = [self._cast(self.call(aten.view.default, (bn, [k])) if val(bn).dim() != 1 else bn, out_dtype)
+                        for bn in bias_nodes]
+                bias_arg = flat[0]
+                for extra in flat[1:]:
+                    bias_arg = self.call(aten.add.Tensor, (bias_arg, extra))
+            res_arg = self._cast(residual, out_dtype) if residual is not None else None
+            if res_arg is not None and bias_arg is not None:
+                # the kernel adds one source: fold the bias into the residual (PyTorch/Inductor does this add)
+                res_arg = self.call(aten.add.Tensor, (res_arg, self.call(aten.view.default, (bias_arg, [1, k, 1, 1]))))
+                bias_arg = None
+            new = self.call(library.FPROP, (x, w, bias_arg, res_arg, list(stride), list(padding), list(dilation),
+                                            groups, pat.activation.value, out_dtype, opts.select.value))
+        self._replace(pat.gm.graph, nm, last, new)
+        entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(launch),
+                                 pattern=pat.name, fused=tuple(fused))
+        entry.node = conv.name
+
+    def _rewrite_transposed(self, pat, conv, x, w, b, stride, padding, dilation, groups, bound, x_shape, w_shape,
+                            y_shape) -> None:
+        opts = self.options
+        if not opts.transposed:
+            raise Reject("transposed: offload of transposed convs is off")
+        if pat.size > 1:
+            raise Reject("transposed: runs as dgrad, whose epilogue takes no bias, activation, residual or cast")
+        # conv_transpose2d(x, w) with w (Cin, Cout/g, R, S) is the dgrad of a conv from y-shaped inputs to x
+        problem = make_problem(ConvKind.DGRAD, y_shape, w_shape, stride, padding, dilation, groups, val(x).dtype,
+                               val(conv).dtype)
+        if (problem.n, problem.k, problem.p, problem.q) != tuple(x_shape):
+            raise Reject(f"transposed: output_padding {bound['output_padding']} gives an output the dgrad of "
+                         f"input {x_shape} does not produce")
+        launch = kernel_for(problem, opts)
+        with self.graph.inserting_before(conv):
+            new = self.call(library.DGRAD, (x, w, list(y_shape), list(stride), list(padding), list(dilation), groups,
+                                            val(conv).dtype, opts.select.value))
+            if b is not None:
+                bias4 = self.call(aten.view.default, (b, [1, y_shape[1], 1, 1]))
+                new2 = self.call(aten.add.Tensor, (new, bias4))
+            else:
+                new2 = new
+        self.new_nodes.append(new)
+        self._substitute(conv, new2)
+        self.graph.erase_node(conv)
+        self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(launch), pattern=pat.name,
+                         fused=(), notes=["bias added by PyTorch"] if b is not None else [])
+
+    def _cast(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+        if val(node).dtype == dtype:
+            return node
+        return self.call(prims.convert_element_type.default, (node, dtype))
+
+    def _substitute(self, old: fx.Node, new: fx.Node) -> None:
+        """Route old's uses to new (a new op's output, or a value computed from one)."""
+        if _layout_differs(old.meta.get("val"), new.meta.get("val")):
+            self.changed.add(new)
+        old.replace_all_uses_with(new)
+
+    def _replace(self, pattern_graph: fx.Graph, nm: dict, last: fx.Node, new: fx.Node) -> None:
+        self._substitute(last, new)
+        self.new_nodes.append(new)
+        for pn in reversed(list(pattern_graph.nodes)):
+            if pn.op in ("placeholder", "output"):
+                continue
+            gn = nm[pn]
+            if not gn._erased:
+                self.graph.erase_node(gn)
+
+    def _kernel_name(self, launch) -> str:
+        from ..select import SelectMode  # noqa: PLC0415
+
+        if self.options.select is SelectMode.TUNE:
+            return f"tuned at first call (heuristic: {launch.name})"
+        return launch.name
+
+    # ------------------------------------------------------------------ backward
+    def run_backward(self) -> None:
+        if not any(n.target is CONV_BACKWARD for n in self.graph.nodes):
+            return
+        casts: dict[fx.Node, fx.Node] = {}
+        for gm, cb_ph, gi_pn, cast_pn in wgrad_cast_patterns():
+            for m in PatternMatcher(gm.graph).match(self.graph):
+                cb = m.nodes_map[cb_ph]
+                if isinstance(cb, fx.Node) and cb.target is CONV_BACKWARD:
+                    casts[cb] = m.nodes_map[cast_pn]
+        gm, cb_pn = backward_pattern()
+        for m in PatternMatcher(gm.graph).match(self.graph):
+            self._rewrite_backward(m.nodes_map[cb_pn], casts.get(m.nodes_map[cb_pn]))
+
+    def _rewrite_backward(self, cb: fx.Node, cast: Optional[fx.Node]) -> None:
+        opts = self.options
+        (go, inp, w, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask) = cb.args
+        getitems = {}
+        for u in cb.users:
+            if u.target is not operator.getitem or not isinstance(u.args[1], int):
+                for kind in (Pass.DGRAD, Pass.WGRAD):
+                    self.report.add(OffloadEntry(cb.name, kind, False, reason=f"result used by {u.name}, not unpacked"))
+                return
+            getitems.setdefault(u.args[1], []).append(u)
+        mask = list(mask)
+        done = [False, False]
+        common: dict[str, Any] = {}
+        try:
+            (stride, padding, dilation, groups, transposed) = conv_params(
+                dict(stride=stride, padding=padding, dilation=dilation, groups=groups, transposed=transposed))
+            if transposed:
+                raise Reject("transposed: the backward of a transposed conv is not offloaded")
+            gov, xv, wv = val(go), val(inp), val(w)
+            for t, what in ((gov, "grad_output"), (xv, "input"), (wv, "weight")):
+                check_tensor(t, what, opts)
+            check_dtypes(gov, wv, opts)
+            check_dtypes(gov, xv, opts)
+            common = dict(x_shape=static_shape(xv, "input"), w_shape=static_shape(wv, "weight"))
+            static_shape(gov, "grad_output")
+        except Reject as e:
+            for i, kind in ((0, Pass.DGRAD), (1, Pass.WGRAD)):
+                if mask[i] and getitems.get(i):
+                    self.report.add(OffloadEntry(cb.name, kind, False, reason=str(e)))
+            return
+        args = (list(stride), list(padding), list(dilation), groups)
+        # dgrad
+        if mask[0] and getitems.get(0):
+            try:
+                if not opts.dgrad:
+                    raise Reject("dgrad offload is off")
+                out_dtype = val(getitems[0][0]).dtype
+                problem = make_problem(ConvKind.DGRAD, common["x_shape"], common["w_shape"], stride, padding,
+                                       dilation, groups, gov.dtype, out_dtype)
+                launch = kernel_for(problem, opts)
+                with self.graph.inserting_before(cb):
+                    new = self.call(library.DGRAD, (go, w, list(common["x_shape"]), *args, out_dtype,
+                                                    opts.select.value))
+                self.new_nodes.append(new)
+                for g in getitems[0]:
+                    self._substitute(g, new)
+                    self.graph.erase_node(g)
+                done[0] = True
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(launch),
+                                             "convolution_backward[grad_input]"))
+            except Reject as e:
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
+        # wgrad
+        if mask[1] and getitems.get(1):
+            try:
+                if not opts.wgrad:
+                    raise Reject("wgrad offload is off")
+                fuse_cast = None
+                notes = []
+                if cast is not None and len(getitems[1]) == 1 and len(getitems[1][0].users) == 1:
+                    dt = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
+                    if not opts.fuse_casts:
+                        notes.append("cast not fused: cast fusion is off")
+                    elif dt in (torch.float16, torch.bfloat16, torch.float32):
+                        fuse_cast = cast
+                out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
+                out_dtype = val(out_node).dtype
+                problem = make_problem(ConvKind.WGRAD, common["x_shape"], common["w_shape"], stride, padding,
+                                       dilation, groups, gov.dtype, out_dtype)
+                launch = kernel_for(problem, opts)
+                with self.graph.inserting_before(cb):
+                    new = self.call(library.WGRAD, (go, inp, list(common["w_shape"]), *args, out_dtype,
+                                                    opts.select.value))
+                self.new_nodes.append(new)
+                if fuse_cast is not None:
+                    self._substitute(fuse_cast, new)
+                    self.graph.erase_node(fuse_cast)
+                    self.graph.erase_node(getitems[1][0])
+                else:
+                    for g in getitems[1]:
+                        self._substitute(g, new)
+                        self.graph.erase_node(g)
+                done[1] = True
+                fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(launch),
+                                             "convolution_backward[grad_weight]", fused, notes=notes))
+            except Reject as e:
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
+        if not any(done):
+            return
+        # grad_bias: an fp32-accumulated reduction of grad_output, left to PyTorch / Inductor
+        if mask[2] and getitems.get(2):
+            with self.graph.inserting_before(cb):
+                s = self.call(aten.sum.dim_IntList, (go, [0, 2, 3]), {"dtype": torch.float32})
+                gb = self.call(prims.convert_element_type.default, (s, val(getitems[2][0]).dtype))
+            for g in getitems[2]:
+                g.replace_all_uses_with(gb)
+                self.graph.erase_node(g)
+        rest = [mask[0] and not done[0] and bool(getitems.get(0)), mask[1] and not done[1] and bool(getitems.get(1)),
+                False]
+        if any(rest):
+            cb.update_arg(10, rest)
+            self.set_val(cb)
+        elif not cb.users:
+            self.graph.erase_node(cb)
+
+    # ------------------------------------------------------------------ layout
+    def fix_layouts(self) -> None:
+        """Re-derive metadata downstream of the new ops, then make their operands channels_last and restore the
+        layout of graph outputs that changed."""
+        self._refresh_downstream()
+        for node in self.new_nodes:
+            if node._erased:
+                continue
+            for i in CL_ARGS[node.target]:
+                a = node.args[i]
+                if isinstance(a, fx.Node):
+                    v = a.meta.get("val")
+                    if isinstance(v, torch.Tensor) and v.dim() == 4 and not v.is_contiguous(memory_format=CL):
+                        node.update_arg(i, self._channels_last(a))
+        out = self.output_node
+        leaves, spec = pytree.tree_flatten(out.args)
+        if len(leaves) != len(self.orig_outputs):
+            return
+        restored = False
+        for i, (n, orig) in enumerate(zip(leaves, self.orig_outputs)):
+            v = n.meta.get("val") if isinstance(n, fx.Node) else None
+            if not isinstance(v, torch.Tensor) or not isinstance(orig, torch.Tensor) or v.dim() != 4:
+                continue
+            if tuple(v.stride()) == tuple(orig.stride()) or tuple(v.shape) != tuple(orig.shape):
+                continue
+            fmt = (torch.contiguous_format if orig.is_contiguous()
+                   else CL if orig.is_contiguous(memory_format=CL) else None)
+            if fmt is None:
+                continue
+            with self.graph.inserting_before(out):
+                leaves[i] = self.call(aten.clone.default, (n,), {"memory_format": fmt})
+            restored = True
+            self.report.output_restrides += 1
+        if restored:
+            out.args = pytree.tree_unflatten(leaves, spec)
+
+    def _channels_last(self, node: fx.Node) -> fx.Node:
+        if node in self.cl_cache:
+            return self.cl_cache[node]
+        if node.op == "placeholder":
+            anchor = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        else:
+            anchor = node
+        with self.graph.inserting_after(anchor):
+            c = self.call(aten.clone.default, (node,), {"memory_format": CL})
+        self.cl_cache[node] = c
+        self.report.layout_conversions += 1
+        return c
+
+    def _refresh_downstream(self) -> None:
+        dirty = {n for n in self.changed if not n._erased}
+        if not dirty:
+            return
+        for n in self.graph.nodes:
+            if n.op != "call_function" or n in dirty or n.target in NEW_OPS:
+                continue
+            if not any(a in dirty for a in n.all_input_nodes):
+                continue
+            old = n.meta.get("val")
+            try:
+                new = self.run_fake(n)
+            except Exception as e:  # noqa: BLE001 - keep the traced metadata of what cannot re-run on fakes
+                log.debug("cannot re-derive metadata of %s: %s", n.name, e)
+                continue
+            if _layout_differs(old, new):
+                n.meta["val"] = new
+                if isinstance(new, torch.Tensor) and "tensor_meta" in n.meta:
+                    from torch.fx.passes.shape_prop import _extract_tensor_metadata  # noqa: PLC0415
+
+                    n.meta["tensor_meta"] = _extract_tensor_metadata(new)
+                dirty.add(n)
+
+
+def _layout_differs(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(la) != len(lb):
+        return True
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return True
+        if isinstance(x, torch.Tensor) and (tuple(x.shape) != tuple(y.shape) or tuple(x.stride()) != tuple(y.stride())
+                                            or x.dtype != y.dtype):
+            return True
+    return False
+
+
+def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict | None = None,
+              name: str = "graph") -> OffloadReport:
+    """Offload every convolution of `graph` that CUTLASS can take, in place; return the report."""
+    options = OffloadOptions.from_any(options)
+    gm = graph if isinstance(graph, fx.GraphModule) else graph.owning_module
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    report = OffloadReport(name)
+    rw = _Rewriter(g, options, report)
+    rw.run_fprop()
+    rw.run_backward()
+    if rw.new_nodes:
+        rw.fix_layouts()
+        g.lint()
+        if gm is not None:
+            gm.recompile()
+    log.info("%s", report.summary())
+    return report
+
+
+def offloaded_calls(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:
+    """The calls into cutlass_byoc ops in a partitioned graph."""
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return [n for n in g.nodes if n.target in NEW_OPS]
+
+
+def count_targets(graph: fx.Graph | fx.GraphModule, targets: Iterable) -> int:
+    g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    targets = tuple(targets)
+    return sum(1 for n in g.nodes if n.target in targets)

@@ -1,0 +1,94 @@
+"""The offload report: for every convolution in a partitioned graph, whether it went to a CUTLASS kernel, with which
+kernel and fused epilogue, or why it stayed with PyTorch."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import Optional
+
+log = logging.getLogger("cutlass_byoc.offload")
+
+
+class Pass(str, enum.Enum):
+    """Which convolution pass a report entry is about."""
+
+    FPROP = "fprop"
+    DGRAD = "dgrad"
+    WGRAD = "wgrad"
+    TRANSPOSED_FPROP = "transposed_fprop"  # forward of a transposed conv, run as dgrad
+
+
+@dataclasses.dataclass
+class OffloadEntry:
+    """One conv pass found in the graph."""
+
+    node: str  # the graph node it came from (aten.convolution / aten.convolution_backward)
+    kind: Pass
+    offloaded: bool
+    problem: Optional[str] = None  # Conv2dProblem.name when one could be built
+    kernel: Optional[str] = None  # LaunchConfig.name chosen at compile time (or the heuristic's pick when tuning)
+    pattern: Optional[str] = None  # the pattern that matched (what was fused)
+    fused: tuple[str, ...] = ()  # fused epilogue steps: bias, residual, activation, cast
+    reason: Optional[str] = None  # why it was not offloaded
+    notes: list[str] = dataclasses.field(default_factory=list)  # layout conversions, epilogue steps left out and why
+
+    def line(self) -> str:
+        if self.offloaded:
+            fused = "+".join(self.fused) or "plain"
+            s = f"[offloaded] {self.kind.value:16s} {self.node}: {self.problem} fused={fused} kernel={self.kernel}"
+        else:
+            s = f"[pytorch]   {self.kind.value:16s} {self.node}: {self.reason}"
+        if self.notes:
+            s += " (" + "; ".join(self.notes) + ")"
+        return s
+
+
+@dataclasses.dataclass
+class OffloadReport:
+    """All entries of one partitioned graph."""
+
+    graph: str = "graph"
+    entries: list[OffloadEntry] = dataclasses.field(default_factory=list)
+    layout_conversions: int = 0  # aten.clone(channels_last) inserted before offloaded convs
+    output_restrides: int = 0  # clones restoring a graph output's original layout
+
+    def add(self, entry: OffloadEntry) -> OffloadEntry:
+        self.entries.append(entry)
+        if entry.offloaded:
+            log.info("offload %s", entry.line())
+        else:
+            log.info("not offloaded %s", entry.line())
+        return entry
+
+    @property
+    def offloaded(self) -> list[OffloadEntry]:
+        return [e for e in self.entries if e.offloaded]
+
+    @property
+    def rejected(self) -> list[OffloadEntry]:
+        return [e for e in self.entries if not e.offloaded]
+
+    def count(self, kind: Pass | str | None = None, offloaded: Optional[bool] = True) -> int:
+        return sum(1 for e in self.entries
+                   if (kind is None or e.kind is Pass(kind)) and (offloaded is None or e.offloaded == offloaded))
+
+    def by_node(self, node: str) -> list[OffloadEntry]:
+        return [e for e in self.entries if e.node == node]
+
+    def summary(self) -> str:
+        kinds = [k for k in Pass if self.count(k, None)]
+        head = ", ".join(f"{k.value} {self.count(k)}/{self.count(k, None)}" for k in kinds) or "no convolutions"
+        lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded; "
+                 f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides"]
+        lines += ["  " + e.line() for e in self.entries]
+        return "\n".join(lines)
+
+    def merge(self, other: "OffloadReport") -> "OffloadReport":
+        return OffloadReport(f"{self.graph}+{other.graph}", self.entries + other.entries,
+                             self.layout_conversions + other.layout_conversions,
+                             self.output_restrides + other.output_restrides)
+
+    def __str__(self) -> str:
+        return self.summary()
