@@ -241,8 +241,8 @@ class KernelConfig:
                 return "stride: the 3.x dgrad kernel ignores stride; strided dgrad runs on 2.x"
             if max(problem.pad_h, problem.pad_w) > 256:
                 return "padding: TMA im2col takes padding up to 256"
-            if problem.epilogue.source.value == "bias":
-                return "source: sm90 kernels do not broadcast a bias yet (zero-stride C through TMA is unverified)"
+            if problem.epilogue.source.value == "bias" and self.kind is ConvKind.WGRAD:
+                return "source: the sm90 wgrad kernel cannot broadcast a bias (its output channel is the GEMM's M)"
         return None
 
 
