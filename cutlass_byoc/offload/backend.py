@@ -86,6 +86,38 @@ def compile_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
     return compile_fx(gm, list(example_inputs), config_patches={"joint_custom_pre_pass": passes})
 
 
+def compile_eager_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions,
+                               sink: Optional[list[OffloadReport]] = None) -> Callable:
+    """AOTAutograd with Inductor's decompositions and partitioner, the offload pass on the joint (or inference)
+    graph, and the resulting forward and backward graphs run eagerly instead of being compiled by Inductor.
+
+    For debugging and for checks that isolate the kernels from Inductor (and for CPU tests: no C++ compiler)."""
+    import torch._inductor.lowering  # noqa: F401, PLC0415 - some of Inductor's decompositions consult its lowerings
+    from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
+    from torch._functorch.aot_autograd import make_boxed_func  # noqa: PLC0415
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: PLC0415
+    from torch._inductor.decomposition import select_decomp_table  # noqa: PLC0415
+
+    ours = OffloadPass(options, sink)
+
+    def partition_fn(joint: fx.GraphModule, joint_inputs, **kwargs):
+        ours(joint.graph)
+        joint.recompile()
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+    def run_eagerly(g: fx.GraphModule, _inputs):
+        return make_boxed_func(g.forward)
+
+    def inference(g: fx.GraphModule, _inputs):
+        ours(g.graph)
+        g.recompile()
+        return make_boxed_func(g.forward)
+
+    backend = aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly, inference_compiler=inference,
+                           partition_fn=partition_fn, decompositions=select_decomp_table())
+    return backend(gm, list(example_inputs))
+
+
 def cutlass_byoc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[dict] = None,
                          **kwargs: Any) -> Callable:
     """The torch.compile backend (entry point ``torch_dynamo_backends: cutlass_byoc``)."""
@@ -99,12 +131,14 @@ class CutlassByocBackend:
     """A configured backend object: ``torch.compile(model, backend=make_backend(select="heuristic"))``; its
     reports list holds the report of every graph it compiled."""
 
-    def __init__(self, options: OffloadOptions) -> None:
+    def __init__(self, options: OffloadOptions, inductor: bool = True) -> None:
         self.options = options
+        self.inductor = inductor
         self.reports: list[OffloadReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        return compile_with_offload(gm, example_inputs, self.options, self.reports)
+        compile_fn = compile_with_offload if self.inductor else compile_eager_with_offload
+        return compile_fn(gm, example_inputs, self.options, self.reports)
 
     def report(self) -> OffloadReport:
         """All graphs' reports merged."""
@@ -114,8 +148,10 @@ class CutlassByocBackend:
         return out
 
 
-def make_backend(options: Optional[dict | OffloadOptions] = None, **kwargs: Any) -> CutlassByocBackend:
-    return CutlassByocBackend(OffloadOptions.from_any(options, **kwargs))
+def make_backend(options: Optional[dict | OffloadOptions] = None, *, inductor: bool = True,
+                 **kwargs: Any) -> CutlassByocBackend:
+    """A backend with these options; ``inductor=False`` runs the partitioned graphs eagerly (no Inductor)."""
+    return CutlassByocBackend(OffloadOptions.from_any(options, **kwargs), inductor=inductor)
 
 
 def register() -> None:

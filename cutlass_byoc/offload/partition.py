@@ -449,8 +449,12 @@ class _Rewriter:
                 continue
             if tuple(v.stride()) == tuple(orig.stride()) or tuple(v.shape) != tuple(orig.shape):
                 continue
-            fmt = (torch.contiguous_format if orig.is_contiguous()
-                   else CL if orig.is_contiguous(memory_format=CL) else None)
+            if orig.is_contiguous():
+                fmt = None if v.is_contiguous() else torch.contiguous_format
+            elif orig.is_contiguous(memory_format=CL):
+                fmt = None if v.is_contiguous(memory_format=CL) else CL
+            else:
+                fmt = None  # an unusual layout: the values are right, only insignificant strides may differ
             if fmt is None:
                 continue
             with self.graph.inserting_before(out):
