@@ -2,6 +2,7 @@
 # The whole GPU round, the same every session: install, gpu tests, tune, bench. Run on the H200 machine from the
 # repository root (the device tool does), with the nvidia-cutlass (+ platformdirs) wheels in .whl/ beside it:
 #   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload]     (no argument: all four)
+# GPU_TESTS="test_a.py test_b.py" narrows the tests step (paths relative to tests/).
 # Logs and machine-readable results go to $OUT (default ./out).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -30,7 +31,7 @@ for step in "${steps[@]}"; do
     tests)
       # run from tests/ so the installed package (not the source tree) is what gets imported
       (cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
-        --timeout=900 . 2>&1 | tee "$OUT/gpu-tests.log") || rc=1
+        --timeout=900 ${GPU_TESTS:-.} 2>&1 | tee "$OUT/gpu-tests.log") || rc=1
       python3 - <<'PY' | tee "$OUT/compile-times.txt"
 import json, os, pathlib, statistics
 root = pathlib.Path(os.environ["CUTLASS_BYOC_CACHE_DIR"]) / "kernels"

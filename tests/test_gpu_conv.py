@@ -64,10 +64,8 @@ def all_configs():
 def prebuilt(shared_cache, monkeypatch_module):
     """Compile every kernel of this module in one parallel build (and make ops use that cache)."""
     monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    results = build(all_configs(), cache=shared_cache, progress=True)
-    failed = [r.error_report() for r in results.values() if not r.ok]
-    assert not failed, "\n\n".join(failed)
-    return results
+    # A kernel that fails to compile fails its own tests (load_kernel raises with the compile report).
+    return build(all_configs(), cache=shared_cache, progress=True)
 
 
 @pytest.fixture(scope="module")

