@@ -418,6 +418,9 @@ class _Rewriter:
                 self.graph.erase_node(g)
         rest = [mask[0] and not done[0] and bool(getitems.get(0)), mask[1] and not done[1] and bool(getitems.get(1)),
                 False]
+        for u in list(cb.users):  # unpacked but unused results (make_fx keeps them)
+            if not u.users:
+                self.graph.erase_node(u)
         if any(rest):
             cb.update_arg(10, rest)
             self.set_val(cb)

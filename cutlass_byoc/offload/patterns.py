@@ -388,6 +388,8 @@ def kernel_for(problem: Conv2dProblem, options: OffloadOptions) -> LaunchConfig:
         raise Reject(f"depthwise: groups == C == K == {problem.c}; no depthwise kernels yet, left to PyTorch")
     if problem.groups != 1:
         raise Reject(f"groups: grouped conv (groups={problem.groups}); implicit-GEMM kernels need groups == 1")
+    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
+        raise Reject(f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}")
     why = problem.int32_overflow
     if why:
         raise Reject(f"size: {why}")

@@ -1,0 +1,361 @@
+"""CPU tests of the offload pattern table, predicates and partitioner on small hand-built blocks traced to aten graphs
+on fake tensors; the partitioned graphs run with the ops' PyTorch reference and must compute what eager computes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cutlass_byoc.offload import OffloadOptions, Pass, partition
+from cutlass_byoc.offload import library
+from cutlass_byoc.offload.partition import offloaded_calls
+from cutlass_byoc.offload.patterns import (
+    ACTIVATION_OPS,
+    PatternMatcher,
+    Reject,
+    activation_forms,
+    check_dtypes,
+    fprop_patterns,
+)
+from cutlass_byoc.offload.trace import explain, trace
+from cutlass_byoc.types import Activation
+
+CPU = OffloadOptions(require_cuda=False)
+aten = torch.ops.aten
+
+
+def run(gm, model, *xs):
+    """Run a traced graph on the model's real parameters (its backward is in the graph: no autograd needed)."""
+    with torch.no_grad():
+        return gm(dict(model.named_parameters()), dict(model.named_buffers()), *xs)
+
+
+def close(a, b, tol=1e-4):
+    a, b = a.float(), b.float()
+    return (a - b).norm() / b.norm().clamp_min(1e-12) < tol
+
+
+class Lambda(nn.Module):
+    """conv(s) plus a functional tail, for blocks written inline."""
+
+    def __init__(self, fn, *convs: nn.Module):
+        super().__init__()
+        self.convs = nn.ModuleList(convs)
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(self.convs, *xs)
+
+
+def x_(n=2, c=8, h=8, w=8, cl=False, dtype=torch.float32):
+    t = torch.randn(n, c, h, w, dtype=dtype)
+    return t.contiguous(memory_format=torch.channels_last) if cl else t
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def test_pattern_table_is_ordered_and_has_every_activation_form():
+    pats = fprop_patterns()
+    sizes = [p.size for p in pats]
+    assert sizes == sorted(sizes, reverse=True)
+    assert pats[-1].size == 1 and pats[-1].name == "conv"
+    for act in ACTIVATION_OPS:
+        forms = activation_forms(act)
+        assert any(any(n.target is ACTIVATION_OPS[act] for n in f.graph.nodes) for f in forms)
+        if act in (Activation.SILU, Activation.HARDSWISH, Activation.GELU):
+            assert len(forms) > 1, f"{act}: decomposed forms missing"
+    assert {p.activation for p in pats} == {Activation.IDENTITY, *ACTIVATION_OPS}
+
+
+def test_matcher_binds_one_value_to_two_placeholders():
+    def f(x, w):
+        return torch.relu(F.conv2d(x, w) + x)  # the residual is the conv's own input
+
+    gm = trace(Lambda(lambda convs, x: f(x, convs[0].weight), nn.Conv2d(8, 8, 1, bias=False)), x_(),
+               decompositions=None)
+    pat = next(p for p in fprop_patterns() if p.name == "conv+add(conv_first)+relu")
+    assert len(PatternMatcher(pat.gm.graph).match(gm.graph)) == 1
+
+
+# ---------------------------------------------------------------------------------------------- fprop epilogues
+@pytest.mark.parametrize("decomp", [None, "inductor", "core"])
+@pytest.mark.parametrize("act", ["relu", "sigmoid", "silu", "hardswish", "gelu"])
+def test_conv_bias_activation_fused(act, decomp):
+    fn = {"relu": torch.relu, "sigmoid": torch.sigmoid, "silu": F.silu, "hardswish": F.hardswish, "gelu": F.gelu}[act]
+    m = Lambda(lambda convs, x: fn(convs[0](x)), nn.Conv2d(8, 16, 3, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=decomp)
+    (e,) = rep.entries
+    assert e.offloaded and e.kind is Pass.FPROP
+    assert e.fused == ("bias", act), rep.summary()
+    assert f"_bias+{act}" in e.problem and e.kernel.startswith("cb_")
+    (call,) = offloaded_calls(gm)
+    assert call.args[8] == act
+    assert not [n for n in gm.graph.nodes if n.target is aten.convolution.default]
+    assert close(run(gm, m, x), m(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_fused_in_16bit_inductor_form(dtype):
+    """Inductor decomposes silu on 16-bit tensors as convert(f32) -> x*sigmoid(x) -> convert back; it fuses too."""
+    m = Lambda(lambda convs, x: F.silu(convs[0](x)), nn.Conv2d(8, 16, 3, padding=1, bias=False)).to(dtype)
+    gm, rep = explain(m, x_(dtype=dtype), options=CPU)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("silu",), rep.summary()
+    assert len(gm.graph.nodes) == len([n for n in gm.graph.nodes if n.op in ("placeholder", "output")]) + 1 + \
+        len([n for n in gm.graph.nodes if n.target is aten.clone.default])
+
+
+@pytest.mark.parametrize("order", ["conv_first", "other_first"])
+def test_residual_add_relu_fused(order):
+    def fn(convs, x, r):
+        y = convs[0](x)
+        return torch.relu(y + r if order == "conv_first" else r + y)
+
+    m = Lambda(fn, nn.Conv2d(8, 16, 3, padding=1, bias=False))
+    x, r = x_(), torch.randn(2, 16, 8, 8)
+    gm, rep = explain(m, x, r, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("residual", "relu")
+    (call,) = offloaded_calls(gm)
+    assert call.args[2] is None and call.args[3] is not None
+    assert close(run(gm, m, x, r), m(x, r))
+
+
+def test_bias_and_residual_fold_the_bias_into_the_residual():
+    m = Lambda(lambda convs, x, r: torch.relu(convs[0](x) + r), nn.Conv2d(8, 16, 3, padding=1))
+    x, r = x_(), torch.randn(2, 16, 8, 8)
+    gm, rep = explain(m, x, r, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "residual", "relu")
+    (call,) = offloaded_calls(gm)
+    assert call.args[2] is None, "the kernel takes one source: the bias must be folded into the residual"
+    res = call.args[3]
+    res = res.args[0] if res.target is aten.clone.default else res  # NCHW residual: made channels_last
+    assert res.target is aten.add.Tensor
+    assert close(run(gm, m, x, r), m(x, r))
+
+
+def test_separate_per_channel_bias_add_is_a_bias():
+    m = Lambda(lambda convs, x: F.gelu(convs[0](x) + convs[1].bias.view(1, -1, 1, 1)),
+               nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(1, 16, 1))  # the second conv only lends its bias
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "gelu")
+    assert close(run(gm, m, x), m(x))
+
+
+def test_broadcast_add_that_is_neither_bias_nor_residual_is_left():
+    m = Lambda(lambda convs, x, s: torch.relu(convs[0](x) + s), nn.Conv2d(8, 16, 3, padding=1, bias=False))
+    x, s = x_(), torch.randn(2, 1, 1, 1)
+    gm, rep = explain(m, x, s, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ()
+    assert any("neither a per-channel bias" in note for note in e.notes)
+    assert close(run(gm, m, x, s), m(x, s))
+
+
+def test_activation_whose_input_is_used_elsewhere_is_not_fused():
+    m = Lambda(lambda convs, x: (lambda y: (torch.relu(y), y * 2))(convs[0](x)), nn.Conv2d(8, 16, 3, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias",)
+    for a, b in zip(run(gm, m, x), m(x)):
+        assert close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- casts
+@pytest.mark.parametrize("decomp", [None, "inductor"])
+def test_fp32_conv_cast_to_fp16_stores_fp16(decomp):
+    m = Lambda(lambda convs, x: torch.relu(convs[0](x)).half(), nn.Conv2d(8, 16, 3, padding=1, bias=False))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=decomp)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("relu", "cast(float16)")
+    assert "f32f32_f16_accf32" in e.problem
+    (call,) = offloaded_calls(gm)
+    assert call.args[9] == torch.float16 and call.meta["val"].dtype == torch.float16
+    out = run(gm, m, x)
+    assert out.dtype == torch.float16 and close(out, m(x), 2e-3)
+
+
+def test_cast_not_fused_when_it_would_round_an_fp32_bias():
+    """The kernel's epilogue source has the output type: an fp32 bias would be rounded to fp16 before the add,
+    which eager does not do (and which loses the result where bias and conv cancel)."""
+    m = Lambda(lambda convs, x: torch.relu(convs[0](x)).half(), nn.Conv2d(8, 16, 3, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "relu")
+    assert any("would round it" in n for n in e.notes)
+    assert close(run(gm, m, x), m(x), 2e-3)
+
+
+def test_cast_not_fused_when_it_would_round_an_fp32_residual():
+    m = Lambda(lambda convs, x, r: (convs[0](x) + r).half(), nn.Conv2d(8, 16, 3, padding=1, bias=False))
+    x, r = x_(), torch.randn(2, 16, 8, 8)
+    gm, rep = explain(m, x, r, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("residual",)
+    assert any("would round it" in n for n in e.notes)
+    assert close(run(gm, m, x, r), m(x, r), 2e-3)
+
+
+def test_wgrad_cast_to_fp32_master_weights_is_one_kernel():
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+    gm, rep = explain(m, x_(), training=True, autocast=torch.bfloat16, options=CPU)
+    wg = [e for e in rep.entries if e.kind is Pass.WGRAD]
+    assert len(wg) == 2 and all(e.offloaded and e.fused == ("cast(float32)",) for e in wg), rep.summary()
+    assert all("bf16bf16_f32_accf32" in e.problem for e in wg)
+    calls = [n for n in offloaded_calls(gm) if n.target is library.WGRAD]
+    assert all(n.meta["val"].dtype == torch.float32 for n in calls)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+def test_backward_split_by_output_mask_and_numerics():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, stride=2, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, training=True, options=CPU, decompositions=None)
+    assert rep.count(Pass.FPROP) == 2 and rep.count(Pass.WGRAD) == 2
+    # the network input needs no gradient: only the second conv has a dgrad
+    assert rep.count(Pass.DGRAD, None) == 1 and rep.count(Pass.DGRAD) == 1
+    assert not [n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]
+    loss, grads = run(gm, m, x)
+    ref_loss = m(x).sum()
+    ref = torch.autograd.grad(ref_loss, list(m.parameters()))
+    assert close(loss, ref_loss, 1e-5)
+    for g, r in zip(grads, ref):  # conv biases' grads come from the fp32 sum left to PyTorch
+        assert close(g, r, 1e-4)
+
+
+def test_dilated_conv_dgrad_left_with_reason():
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=2, dilation=2), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=2,
+                                                                                      dilation=2))
+    x = x_()
+    gm, rep = explain(m, x, training=True, options=CPU, decompositions=None)
+    (dg,) = [e for e in rep.entries if e.kind is Pass.DGRAD]
+    assert not dg.offloaded and "dilation" in dg.reason
+    assert rep.count(Pass.WGRAD) == 2 and rep.count(Pass.FPROP) == 2
+    # the convolution_backward left for the dgrad computes only grad_input
+    (cb,) = [n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]
+    assert list(cb.args[10]) == [True, False, False]
+    loss, grads = run(gm, m, x)
+    ref = torch.autograd.grad(m(x).sum(), list(m.parameters()))
+    for g, r in zip(grads, ref):
+        assert close(g, r, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- transposed
+def test_transposed_conv_runs_as_dgrad():
+    torch.manual_seed(0)
+    m = Lambda(lambda convs, x: torch.relu(convs[0](x)), nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1,
+                                                                             output_padding=1))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.kind is Pass.TRANSPOSED_FPROP and e.problem.startswith("dgrad_")
+    assert any("not fused" in n for n in e.notes), "relu stays with PyTorch: dgrad has no activation epilogue"
+    (call,) = offloaded_calls(gm)
+    assert call.target is library.DGRAD and list(call.args[2]) == [2, 16, 16, 16]
+    assert close(run(gm, m, x), m(x))
+
+
+# ---------------------------------------------------------------------------------------------- left to PyTorch
+def test_depthwise_and_grouped_left_with_reason(caplog):
+    m = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 16, 3, padding=1, groups=2))
+    x = x_()
+    with caplog.at_level(logging.INFO, logger="cutlass_byoc.offload"):
+        gm, rep = explain(m, x, options=CPU, decompositions=None)
+    dw, grouped = rep.entries
+    assert not dw.offloaded and dw.reason.startswith("depthwise")
+    assert not grouped.offloaded and grouped.reason.startswith("groups")
+    assert "depthwise" in caplog.text
+    assert len([n for n in gm.graph.nodes if n.target is aten.convolution.default]) == 2
+    assert close(run(gm, m, x), m(x))
+
+
+def test_cpu_tensors_are_left_when_cuda_is_required():
+    m = nn.Conv2d(8, 16, 3)
+    gm, rep = explain(m, x_(), options=OffloadOptions())
+    (e,) = rep.entries
+    assert not e.offloaded and e.reason.startswith("device")
+
+
+def test_fp32_without_tf32_is_left():
+    gm, rep = explain(nn.Conv2d(8, 16, 3), x_(), options=OffloadOptions(require_cuda=False, allow_tf32=False))
+    assert "allow_tf32" in rep.entries[0].reason
+    with pytest.raises(Reject, match="operands differ"):
+        check_dtypes(torch.empty(1, dtype=torch.float16), torch.empty(1), CPU)
+
+
+def test_conv1d_and_dynamic_shapes_are_left():
+    _, rep = explain(nn.Conv1d(8, 16, 3), torch.randn(2, 8, 16), options=CPU, decompositions=None)
+    assert "conv2d" in rep.entries[0].reason
+    gm = trace(nn.Conv2d(8, 16, 3), x_(), decompositions=None, tracing_mode="symbolic")
+    rep = partition(gm, CPU)
+    assert rep.entries[0].reason.startswith("dynamic shape")
+
+
+def test_switches_turn_off_each_pass():
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1))
+    _, rep = explain(m, x_(), training=True, options=OffloadOptions(require_cuda=False, wgrad=False, fprop=False))
+    assert rep.count(Pass.FPROP) == 0 and rep.count(Pass.WGRAD) == 0 and rep.count(Pass.DGRAD) == 1
+    assert all("off" in e.reason for e in rep.rejected)
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def test_nchw_block_becomes_channels_last_without_transposes_between_convs():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.Conv2d(16, 8, 3, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, training=True, options=CPU)
+    clones = [n for n in gm.graph.nodes if n.target is aten.clone.default
+              and n.kwargs.get("memory_format") == torch.channels_last]
+    # the input and the three 3x3 weights, plus the loss gradient (an expand of ones, strides 0): nothing between
+    # the convs, neither in the forward nor in the backward
+    assert rep.layout_conversions == len(clones) == 5, rep.summary()
+    assert sorted(c.args[0].op if c.args[0].op == "placeholder" else str(c.args[0].target) for c in clones) == [
+        "aten.expand.default"] + ["placeholder"] * 4
+    for call in offloaded_calls(gm):
+        for i in (0, 1):
+            assert call.args[i].meta["val"].is_contiguous(memory_format=torch.channels_last)
+    loss, grads = run(gm, m, x)
+    ref_loss = m(x).float().sum()
+    ref = torch.autograd.grad(ref_loss, list(m.parameters()))
+    assert close(loss, ref_loss, 1e-5)
+    for g, r, p in zip(grads, ref, m.parameters()):
+        assert g.shape == p.shape
+        if r.norm() > 1e-3:  # biases before BN have ~0 gradient: only noise to compare
+            assert close(g, r, 1e-3)
+    # parameter gradients come back in the parameters' (NCHW) layout
+    assert all(g.is_contiguous() for g in grads)
+
+
+def test_channels_last_model_needs_no_conversion():
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1)).to(
+        memory_format=torch.channels_last)
+    gm, rep = explain(m, x_(cl=True), training=True, options=CPU)
+    clones = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    # only the gradient of the loss (sum: an expand of ones, strides 0) is made dense
+    assert [str(c.args[0].target) for c in clones] == ["aten.expand.default"] == ["aten.expand.default"] * \
+        rep.layout_conversions
+    assert rep.output_restrides == 0
+    assert rep.count(Pass.FPROP) == 2 and rep.count(Pass.WGRAD) == 2 and rep.count(Pass.DGRAD) == 1
+
+
+def test_export_program_partitions():
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 16, 1, groups=16))
+    x = x_()
+    ep = torch.export.export(m, (x,)).run_decompositions()
+    rep = partition(ep.graph_module, CPU, name="export")
+    assert rep.count(Pass.FPROP) == 1 and rep.entries[0].fused == ("bias", "silu")
+    assert rep.rejected[0].reason.startswith("depthwise")
+    assert close(ep.module()(x), m(x))
