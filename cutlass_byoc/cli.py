@@ -151,12 +151,12 @@ def cmd_tune(args) -> int:
     from .profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
     from .profiler.tune import CACHED, COMPILED, TUNED, tune_workload  # noqa: PLC0415
 
-    items = _items_from_args(args)
-    mc = args.max_candidates or DEFAULT_MAX_CANDIDATES
+    mc = DEFAULT_MAX_CANDIDATES if args.max_candidates is None else args.max_candidates
     if mc < 1:
         raise UsageError(f"--max-candidates: expected >= 1, got {mc}")
     if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"--jobs: expected >= 1, got {args.jobs}")
+    items = _items_from_args(args)
     names = {it.problem: it.layer for it in items}
     report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
                            progress=not args.no_progress and sys.stderr.isatty(), arch=args.arch, force=args.force,
