@@ -159,7 +159,7 @@ def cmd_tune(args) -> int:
     items = _items_from_args(args)
     names = {it.problem: it.layer for it in items}
     report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
-                           progress=not args.no_progress and sys.stderr.isatty(), arch=args.arch, force=args.force,
+                           progress=not args.no_progress, arch=args.arch, force=args.force,
                            compile_only=args.compile_only)
     rows = [("layer", "kind", "status", "time us", "ok/planned", "launch")]
     for o in report.outcomes:
@@ -208,7 +208,7 @@ def cmd_bench(args) -> int:
         return EXIT_NO_GPU
     from .bench import bench_workload  # noqa: PLC0415
 
-    report = bench_workload(items, progress=not args.no_progress and sys.stderr.isatty())
+    report = bench_workload(items, progress=not args.no_progress)
     print({"table": report.table, "json": report.to_json, "csv": report.to_csv}[args.format]())
     if args.json_out:
         Path(args.json_out).write_text(report.to_json())

@@ -184,7 +184,7 @@ def tune_workload(
                 from tqdm import tqdm  # noqa: PLC0415
 
                 bar = tqdm(total=len(plan.plans), desc="timing", unit="problem")
-            with CandidateRunner(settings) as runner:
+            with CandidateRunner(dataclasses.replace(settings, cache_root=str(cache.root))) as runner:
                 for pp in plan.plans:
                     p = pp.problem
                     runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]

@@ -66,6 +66,7 @@ class WorkerSettings:
     start_timeout_s: float = 180.0
     seed: int = 1234
     device: int = 0
+    cache_root: Optional[str] = None  # the kernel cache the worker loads from (default: the environment's)
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -137,6 +138,8 @@ def make_problem_sets(problem: Conv2dProblem, settings: WorkerSettings):
 
 def _worker_main(tasks, results, settings: WorkerSettings) -> None:
     logging.basicConfig(level=logging.WARNING)
+    if settings.cache_root:
+        os.environ["CUTLASS_BYOC_CACHE_DIR"] = settings.cache_root
     try:
         import torch  # noqa: PLC0415
 
