@@ -393,10 +393,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001
         from .profiler.tune import TuneError  # noqa: PLC0415
+        from .profiler.worker import WorkerError  # noqa: PLC0415
 
         if isinstance(e, TuneError):
             print(f"cutlass-byoc {args.cmd}: {e}", file=sys.stderr)
             return EXIT_USAGE
+        if isinstance(e, WorkerError):
+            print(f"cutlass-byoc {args.cmd}: {e}; the kernels are compiled and cached, timing needs a working GPU "
+                  "(check nvidia-smi and that PyTorch sees the device)", file=sys.stderr)
+            return EXIT_NO_GPU
         if args.verbose:
             raise
         print(f"cutlass-byoc {args.cmd}: internal error: {type(e).__name__}: {e} (run with -v for the traceback)",

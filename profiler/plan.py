@@ -194,10 +194,22 @@ def plan_workload(
     ))
 
 
+def kernel_problem(problem: Conv2dProblem) -> Conv2dProblem:
+    """The problem a kernel computes when `ops.run_problem` runs `problem`: the same one, except for strided
+    dgrad of channel counts too narrow for any strided-dgrad kernel, which ops zero-pads to whole 16-byte vectors
+    (C=3 stem dgrad runs as C=8). Tuning plans and records decisions for this problem, since it is the one
+    `select.choose` is asked about on the shipped path; its candidates are still timed through `run_problem` on
+    the original problem, padding included."""
+    from ..ops import _strided_dgrad_padding  # noqa: PLC0415 - ops owns the padding rule
+
+    padded = _strided_dgrad_padding(problem)
+    return problem if padded is None else problem.replace(c=padded[0], k=padded[1])
+
+
 def has_kernels(problem: Conv2dProblem, arch: int = 90) -> bool:
     """Whether any kernel family of this build can compute `problem` (e.g. depthwise layers join the default
     workload only once a family yields configs for them)."""
-    return bool(enumerate_kernels(problem, arch)[0])
+    return bool(enumerate_kernels(kernel_problem(problem), arch)[0])
 
 
 def iter_candidate_names(plan: WorkloadPlan) -> Iterator[str]:

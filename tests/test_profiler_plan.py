@@ -9,14 +9,14 @@ import pytest
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import plan as plan_mod
-from cutlass_byoc.profiler.plan import enumerate_kernels, plan_problem, plan_workload
+from cutlass_byoc.profiler.plan import enumerate_kernels, kernel_problem, plan_problem, plan_workload
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 from cutlass_byoc.workloads import default_workload
 
 
 @pytest.fixture(scope="module")
 def workload_plan():
-    return plan_workload([it.problem for it in default_workload()], 8)
+    return plan_workload([kernel_problem(it.problem) for it in default_workload()], 8)
 
 
 def test_default_workload_plan_fits_budget(workload_plan):
@@ -125,3 +125,12 @@ def test_plan_ranks_by_estimate():
     est = [c.estimate_us for c in pp.candidates]
     assert est == sorted(est)
     assert all(isinstance(c.launch, LaunchConfig) for c in pp.candidates)
+
+
+def test_narrow_strided_dgrad_is_planned_as_the_padded_problem_ops_runs():
+    p = Conv2dProblem.make("dgrad", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
+    kp = kernel_problem(p)
+    assert (kp.c, kp.k) == (8, 64) and kp.replace(c=3) == p
+    assert plan_problem(kp, 4).candidates
+    q = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
+    assert kernel_problem(q) is q
