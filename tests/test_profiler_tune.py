@@ -1,0 +1,126 @@
+"""The tuner's orchestration on the CPU, with the compiler and the GPU worker replaced by fakes: one build call for
+all problems, compile failures and failing candidates never win, decisions recorded for what ships, and a second
+run does nothing."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from cutlass_byoc.decisions import DecisionStore, GpuInfo, lookup
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.profiler import tune as T
+from cutlass_byoc.profiler import worker as W
+
+GPU = GpuInfo("NVIDIA H200", 90)
+PROBLEMS = [
+    Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 3, padding=1),
+    Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 3, padding=1),
+    Conv2dProblem.make("dgrad", 32, 3, 224, 224, 64, 7, stride=2, padding=3),  # runs channel-padded
+]
+
+
+class FakeRunner:
+    """Candidate i of each problem: 0 crashes, 1 is wrong, 2 has time 0 (must not win), others take 100 - i us."""
+
+    calls: list = []
+
+    def __init__(self, settings):
+        self.restarts = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def evaluate(self, problem, launches):
+        FakeRunner.calls.append((problem, list(launches)))
+        out = []
+        for i, l in enumerate(launches):
+            if i == 0:
+                out.append(W.CandidateResult(l, W.CRASHED, message="illegal address"))
+            elif i == 1:
+                out.append(W.CandidateResult(l, W.WRONG, max_error=0.9))
+            elif i == 2:
+                out.append(W.CandidateResult(l, W.OK, 0.0, 0.0, 20, 1, 0.0))
+            else:
+                out.append(W.CandidateResult(l, W.OK, 100.0 - i, 99.0 - i, 20, 2, 1e-4))
+        return out
+
+
+@pytest.fixture
+def fakes(tmp_cache, monkeypatch):
+    builds: list = []
+
+    def fake_build(configs, *, jobs=None, cache=None, progress=False):
+        configs = list(configs)
+        builds.append(configs)
+        bad = configs[-1]  # one kernel fails to compile
+        return {c: types.SimpleNamespace(ok=c is not bad, built_now=True,
+                                         entry=types.SimpleNamespace(path=tmp_cache.root / "x")) for c in configs}
+
+    FakeRunner.calls = []
+    monkeypatch.setattr(T, "build", fake_build)
+    monkeypatch.setattr(T, "CandidateRunner", FakeRunner)
+    monkeypatch.setattr(T, "current_gpu", lambda: GPU)
+    return builds, tmp_cache
+
+
+def test_tune_orchestration(fakes):
+    builds, cache = fakes
+    store = DecisionStore(cache.root)
+    rep = T.tune_workload(PROBLEMS, max_candidates=8, cache=cache, store=store)
+    assert len(builds) == 1  # every kernel of every problem in one parallel build
+    assert rep.timed and rep.kernels_failed == 1
+    for o in rep.outcomes:
+        assert o.status == T.TUNED, o.message
+        statuses = {r.launch: r.status for r in o.results}
+        assert statuses[o.launch] == W.OK
+        assert o.time_us > 0  # the time-0 candidate never wins
+        assert o.time_us == min(r.median_us for r in o.results if r.ok and r.median_us > 0)
+    # the padded dgrad is timed on the user's problem but decided for the problem the kernel computes
+    dgrad = rep.outcomes[2]
+    assert any(p == PROBLEMS[2] for p, _ in FakeRunner.calls)
+    assert lookup(PROBLEMS[2], gpu=GPU, store=store) is None
+    assert lookup(PROBLEMS[2].replace(c=8), gpu=GPU, store=store).launch == dgrad.launch
+    recs = [json.loads(l) for l in rep.log_path.read_text().splitlines()]
+    events = {r["event"] for r in recs}
+    assert {"plan", "compile_failed", "candidate", "decision"} <= events
+    assert any(r["event"] == "candidate" and r["status"] == W.CRASHED for r in recs)
+
+    # a second run: nothing planned, compiled or timed
+    n_calls = len(FakeRunner.calls)
+    again = T.tune_workload(PROBLEMS, max_candidates=8, cache=cache, store=store)
+    assert [o.status for o in again.outcomes] == [T.CACHED] * 3
+    assert len(builds) == 1 and len(FakeRunner.calls) == n_calls
+    assert [o.launch for o in again.outcomes] == [o.launch for o in rep.outcomes]
+    # --force re-times
+    T.tune_workload(PROBLEMS[:1], max_candidates=4, cache=cache, store=store, force=True)
+    assert len(builds) == 2
+
+
+def test_no_winner_records_nothing(fakes, monkeypatch):
+    _, cache = fakes
+    store = DecisionStore(cache.root)
+
+    class AllFail(FakeRunner):
+        def evaluate(self, problem, launches):
+            return [W.CandidateResult(l, W.WRONG, max_error=1.0) for l in launches]
+
+    monkeypatch.setattr(T, "CandidateRunner", AllFail)
+    rep = T.tune_workload(PROBLEMS[:1], max_candidates=2, cache=cache, store=store)
+    assert rep.outcomes[0].status == T.NO_WINNER and "wrong" in rep.outcomes[0].message
+    assert lookup(PROBLEMS[0], gpu=GPU, store=store) is None
+    assert T.tune_problem(PROBLEMS[0], cache=cache, store=store, max_candidates=2) is None
+
+
+def test_no_gpu_compiles_but_does_not_time(fakes, monkeypatch):
+    builds, cache = fakes
+    monkeypatch.setattr(T, "current_gpu", lambda: None)
+    rep = T.tune_workload(PROBLEMS, max_candidates=2, cache=cache)
+    assert not rep.timed and "timing needs a GPU" in rep.message
+    assert len(builds) == 1 and not FakeRunner.calls
+    assert {o.status for o in rep.outcomes} == {T.COMPILED}
