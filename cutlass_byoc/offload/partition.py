@@ -63,6 +63,11 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 CL = torch.channels_last
 NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD)
+#: ops whose result depends on their input's strides, not only its values: never given a changed layout
+STRIDE_SENSITIVE = {aten.as_strided.default, aten.as_strided_scatter.default, aten._reshape_alias.default,
+                    aten.as_strided_copy.default, prims.as_strided.default}
+#: node.meta key marking the layout nodes the partitioner inserts ("channels_last" or "restride")
+META_KEY = "cutlass_byoc_layout"
 #: the tensor arguments of each new op that must be channels_last (positions in its args)
 CL_ARGS = {library.FPROP: (0, 1, 3), library.DGRAD: (0, 1), library.WGRAD: (0, 1)}
 
@@ -79,6 +84,8 @@ class _Rewriter:
         self.cl_cache: dict[fx.Node, fx.Node] = {}
         self.rejections: dict[fx.Node, list[tuple[ConvPattern, str]]] = {}
         self.changed: set[fx.Node] = set()  # new nodes whose layout differs from the value they replaced
+        self.orig_val: dict[fx.Node, Any] = {}  # traced metadata of values whose layout changed
+        self.restore_cache: dict[fx.Node, fx.Node] = {}
         self.orig_outputs = [a.meta.get("val") if isinstance(a, fx.Node) else None
                              for a in pytree.tree_leaves(self.output_node.args)]
 
@@ -285,6 +292,7 @@ class _Rewriter:
         """Route old's uses to new (a new op's output, or a value computed from one)."""
         if _layout_differs(old.meta.get("val"), new.meta.get("val")):
             self.changed.add(new)
+            self.orig_val[new] = old.meta.get("val")
         old.replace_all_uses_with(new)
 
     def _replace(self, pattern_graph: fx.Graph, nm: dict, last: fx.Node, new: fx.Node) -> None:
@@ -462,6 +470,7 @@ class _Rewriter:
                 continue
             with self.graph.inserting_before(out):
                 leaves[i] = self.call(aten.clone.default, (n,), {"memory_format": fmt})
+            leaves[i].meta[META_KEY] = "restride"
             restored = True
             self.report.output_restrides += 1
         if restored:
@@ -476,32 +485,64 @@ class _Rewriter:
             anchor = node
         with self.graph.inserting_after(anchor):
             c = self.call(aten.clone.default, (node,), {"memory_format": CL})
+        c.meta[META_KEY] = "channels_last"
         self.cl_cache[node] = c
         self.report.layout_conversions += 1
         return c
 
     def _refresh_downstream(self) -> None:
+        """Re-derive the metadata of everything downstream of a layout change. An op that cannot take the new
+        layout (a view that needs the traced strides, as_strided, anything that fails on the new metadata) gets
+        its inputs back in the layout the graph was traced with, so no value is ever computed on strides the
+        graph did not expect."""
         dirty = {n for n in self.changed if not n._erased}
         if not dirty:
             return
-        for n in self.graph.nodes:
+        for n in list(self.graph.nodes):
             if n.op != "call_function" or n in dirty or n.target in NEW_OPS:
                 continue
             if not any(a in dirty for a in n.all_input_nodes):
                 continue
             old = n.meta.get("val")
-            try:
-                new = self.run_fake(n)
-            except Exception as e:  # noqa: BLE001 - keep the traced metadata of what cannot re-run on fakes
-                log.debug("cannot re-derive metadata of %s: %s", n.name, e)
+            new = None
+            if n.target not in STRIDE_SENSITIVE:
+                try:
+                    new = self.run_fake(n)
+                except Exception as e:  # noqa: BLE001 - any failure: give the op its traced layouts back
+                    log.debug("%s cannot take the new layout (%s); restoring its inputs' layout", n.name, e)
+            if new is None:
+                for a in n.all_input_nodes:
+                    if a in dirty and _layout_differs(self.orig_val.get(a), a.meta.get("val")):
+                        n.replace_input_with(a, self._restore(a, n))
                 continue
             if _layout_differs(old, new):
+                self.orig_val.setdefault(n, old)
                 n.meta["val"] = new
                 if isinstance(new, torch.Tensor) and "tensor_meta" in n.meta:
                     from torch.fx.passes.shape_prop import _extract_tensor_metadata  # noqa: PLC0415
 
                     n.meta["tensor_meta"] = _extract_tensor_metadata(new)
                 dirty.add(n)
+
+
+    def _restore(self, node: fx.Node, before: fx.Node) -> fx.Node:
+        """node's value in the layout the graph was traced with (a copy, shared by later users)."""
+        if node in self.restore_cache:
+            return self.restore_cache[node]
+        orig = self.orig_val[node]
+        with self.graph.inserting_before(before):
+            if orig.is_contiguous():
+                r = self.call(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+            elif orig.is_contiguous(memory_format=CL):
+                r = self.call(aten.clone.default, (node,), {"memory_format": CL})
+            else:
+                empty = self.call(aten.empty_strided.default, (list(orig.shape), list(orig.stride())),
+                                  {"dtype": orig.dtype, "device": orig.device})
+                r = self.call(aten.copy.default, (empty, node))
+        r.meta[META_KEY] = "restride"
+        self.restore_cache[node] = r
+        self.report.layout_restores += 1
+        return r
 
 
 def _layout_differs(a, b) -> bool:

@@ -53,6 +53,7 @@ class OffloadReport:
     entries: list[OffloadEntry] = dataclasses.field(default_factory=list)
     layout_conversions: int = 0  # aten.clone(channels_last) inserted before offloaded convs
     output_restrides: int = 0  # clones restoring a graph output's original layout
+    layout_restores: int = 0  # copies giving an op that needs the traced strides (a view) its original layout
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
         self.entries.append(entry)
@@ -81,14 +82,16 @@ class OffloadReport:
         kinds = [k for k in Pass if self.count(k, None)]
         head = ", ".join(f"{k.value} {self.count(k)}/{self.count(k, None)}" for k in kinds) or "no convolutions"
         lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded; "
-                 f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides"]
+                 f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
+                 f"{self.layout_restores} layout restores"]
         lines += ["  " + e.line() for e in self.entries]
         return "\n".join(lines)
 
     def merge(self, other: "OffloadReport") -> "OffloadReport":
         return OffloadReport(f"{self.graph}+{other.graph}", self.entries + other.entries,
                              self.layout_conversions + other.layout_conversions,
-                             self.output_restrides + other.output_restrides)
+                             self.output_restrides + other.output_restrides,
+                             self.layout_restores + other.layout_restores)
 
     def __str__(self) -> str:
         return self.summary()

@@ -1,0 +1,135 @@
+"""CPU tests of the `cutlass_byoc` torch.compile backend and its custom ops: registration, options, Inductor
+compiling around the ops (training and inference), the ops' fake implementations and PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cutlass_byoc.offload import OffloadOptions, Pass, cutlass_byoc_backend, last_report, make_backend
+from cutlass_byoc.offload import library
+from cutlass_byoc.select import SelectMode
+
+CL = torch.channels_last
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.c3 = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.c1(x)))
+        z = F.relu(self.c2(y) + y)
+        return self.c3(z).mean((2, 3))
+
+
+def _pair():
+    torch.manual_seed(0)
+    m, ref = Block(), Block()
+    ref.load_state_dict(m.state_dict())
+    return m, ref
+
+
+def test_backend_is_registered_under_its_name():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "cutlass_byoc" in list_backends(exclude_tags=())
+    assert lookup_backend("cutlass_byoc") is cutlass_byoc_backend
+
+
+def test_options():
+    o = OffloadOptions.from_any({"select": "tune"}, wgrad=False)
+    assert o.select is SelectMode.TUNE and not o.wgrad and o.compile_time_select is SelectMode.CACHED
+    assert OffloadOptions.from_any(None, select="heuristic").compile_time_select is SelectMode.HEURISTIC
+    with pytest.raises(ValueError, match="unknown"):
+        OffloadOptions.from_any({"tile": 128})
+
+
+def test_torch_compile_with_inductor_trains_like_eager():
+    """The string backend with options, Inductor compiling everything around the custom ops (CPU: the ops run
+    their reference): loss and gradients as eager, report recorded."""
+    m, ref = _pair()
+    x = torch.randn(2, 8, 8, 8).contiguous(memory_format=CL)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="cutlass_byoc", options={"require_cuda": False, "select": "heuristic"})
+    library.RUNTIME.clear()
+    loss = compiled(x).square().sum()
+    loss.backward()
+    ref_loss = ref(x).square().sum()
+    ref_loss.backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    for (n, p), r in zip(m.named_parameters(), ref.parameters()):
+        err = (p.grad - r.grad).norm() / r.grad.norm().clamp_min(1e-12)
+        assert err < 1e-4 or r.grad.norm() < 1e-5, f"{n}: {err:.2e}"
+    rep = last_report()
+    assert rep.count(Pass.FPROP) == 2 and rep.count(Pass.WGRAD) == 2 and rep.count(Pass.DGRAD) == 1
+    assert rep.count(Pass.FPROP, offloaded=False) == 1  # the depthwise conv
+    assert any(e.fused == ("bias", "residual", "relu") for e in rep.entries)
+    assert library.RUNTIME.reference_calls >= 5  # 2 fprop + 1 dgrad + 2 wgrad ran (their CPU reference)
+
+
+def test_eager_variant_inference_graph():
+    m, ref = _pair()
+    m.eval(), ref.eval()
+    backend = make_backend(require_cuda=False, inductor=False, select="heuristic")
+    torch._dynamo.reset()
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        out = torch.compile(m, backend=backend)(x)
+        assert torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
+    (rep,) = backend.reports
+    assert "forward" in rep.graph and rep.count(Pass.FPROP) == 2 and rep.count(Pass.WGRAD, None) == 0
+    assert "offloaded" in rep.summary()
+
+
+# ---------------------------------------------------------------------------------------------- the ops
+def _fprop_args(out_dtype=None, residual=False):
+    x = torch.randn(2, 8, 9, 9).contiguous(memory_format=CL)
+    w = torch.randn(16, 8, 3, 3).contiguous(memory_format=CL)
+    b = torch.randn(16, dtype=out_dtype or torch.float32)
+    r = torch.randn(2, 16, 5, 5, dtype=out_dtype or torch.float32).contiguous(memory_format=CL) if residual else None
+    return (x, w, None if residual else b, r, [2, 2], [1, 1], [1, 1], 1, "silu", out_dtype, "heuristic")
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_fprop_op_reference_and_fake(residual):
+    args = _fprop_args(residual=residual)
+    torch.library.opcheck(library.conv2d_fprop, args, test_utils=("test_schema", "test_faketensor"))
+    y = library.conv2d_fprop(*args)
+    x, w, b, r = args[:4]
+    ref = F.conv2d(x, w, b, 2, 1)
+    ref = F.silu(ref + r if r is not None else ref)
+    assert y.is_contiguous(memory_format=CL) and torch.allclose(y, ref, atol=1e-5)
+
+
+def test_fprop_op_stores_out_dtype():
+    args = _fprop_args(out_dtype=torch.float16)
+    y = library.conv2d_fprop(*args)
+    assert y.dtype == torch.float16 and y.is_contiguous(memory_format=CL)
+
+
+def test_dgrad_wgrad_ops_match_torch_grad():
+    x = torch.randn(2, 8, 9, 9).contiguous(memory_format=CL)
+    w = torch.randn(16, 8, 3, 3).contiguous(memory_format=CL)
+    dy = torch.randn(2, 16, 5, 5).contiguous(memory_format=CL)
+    dargs = (dy, w, [2, 8, 9, 9], [2, 2], [1, 1], [1, 1], 1, None, "heuristic")
+    wargs = (dy, x, [16, 8, 3, 3], [2, 2], [1, 1], [1, 1], 1, torch.float32, "heuristic")
+    for op, args in ((library.conv2d_dgrad, dargs), (library.conv2d_wgrad, wargs)):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    dx = library.conv2d_dgrad(*dargs)
+    dw = library.conv2d_wgrad(*wargs)
+    assert dx.is_contiguous(memory_format=CL) and dw.is_contiguous(memory_format=CL)
+    assert torch.allclose(dx, torch.nn.grad.conv2d_input(x.shape, w, dy, 2, 1), atol=1e-4)
+    assert torch.allclose(dw, torch.nn.grad.conv2d_weight(x, w.shape, dy, 2, 1), atol=1e-4)
+    # 16-bit inputs, fp32 gradient: accumulated and stored in fp32
+    dw16 = library.conv2d_wgrad(dy.bfloat16(), x.bfloat16(), [16, 8, 3, 3], [2, 2], [1, 1], [1, 1], 1,
+                                torch.float32, "heuristic")
+    assert dw16.dtype == torch.float32
+    exact = torch.nn.grad.conv2d_weight(x.bfloat16().double(), w.shape, dy.bfloat16().double(), 2, 1)
+    assert torch.allclose(dw16.double(), exact, rtol=1e-5, atol=1e-4)
