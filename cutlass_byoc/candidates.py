@@ -132,3 +132,22 @@ def sm80_candidates(
                         continue
                     if cfg.reject_reason(problem) is None:
                         yield cfg
+
+
+def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
+    """Why no kernel family of this project computes `problem` (naming the parameter), or None if some can."""
+    if problem.int32_overflow:
+        return f"size: {problem.int32_overflow}"
+    if problem.groups != 1:
+        what = "depthwise (groups == C == K) kernels are not built yet" if problem.is_depthwise else \
+            "implicit-GEMM kernels need groups == 1"
+        return f"groups: {what}, got groups={problem.groups}"
+    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
+        return f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}"
+    if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+        a, b, c = operand_alignments(problem)
+        if min(a * problem.element_a.nbytes, b * problem.element_b.nbytes, c * problem.element_out.nbytes) < 4:
+            return "alignment: strided dgrad needs channel counts giving >= 4-byte accesses (ops pads them)"
+    if next(sm80_candidates(problem, split_k=False), None) is None:
+        return "no sm80 candidate accepts this problem"
+    return None

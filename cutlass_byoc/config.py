@@ -13,7 +13,7 @@ import json
 from typing import Optional
 
 from .problem import ALIGNMENTS, Conv2dProblem
-from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
+from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SourceKind, SplitKMode, StrideSupport
 
 Shape3 = tuple[int, int, int]
 
@@ -232,6 +232,12 @@ class KernelConfig:
                 return "dilation: dgrad kernels take dilation 1 only"
             if strided and self.stride_support is StrideSupport.UNITY:
                 return "stride: unity-stride dgrad kernel, problem has stride > 1"
+            narrowest = min(self.align_a * self.element_a.nbytes, self.align_b * self.element_b.nbytes,
+                            self.align_c * self.element_kernel_out.nbytes)
+            if strided and self.family is KernelFamily.SM80_IMPLICIT_GEMM and narrowest < 4:
+                # Seen on the H200: CUTLASS's two-stage strided-dgrad kernel with 2-byte accesses (C=3, C=7)
+                # returned wrong results (relative error 0.7-0.96). ops.run_problem pads such channels instead.
+                return "alignment: strided dgrad needs channel counts giving >= 4-byte accesses (ops pads odd ones)"
         if self.iterator is IteratorAlgorithm.FIXED_CHANNELS and problem.c != self.align_a:
             return f"iterator fixed_channels: needs C == {self.align_a}, got C={problem.c}"
         if self.iterator is IteratorAlgorithm.FEW_CHANNELS and problem.c > 2 * self.align_a * 4:
@@ -271,6 +277,14 @@ class LaunchConfig:
             k = self.kernel
             if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
                 return "split_k_slices: strided dgrad has no split-k"
+            if k.split_k_mode is SplitKMode.SERIAL:
+                # Serial slices accumulate through the output tensor itself: a 16-bit output would round the
+                # partial sums between slices (the split-k drift TVM saw), and a broadcast bias would be re-added.
+                if k.element_out.bits < 32:
+                    return (f"split_k_slices: serial split-k keeps partial sums in the {k.element_out.value} output; "
+                            "use parallel split-k (fp32 partials) for 16-bit outputs")
+                if problem.epilogue.source is SourceKind.BIAS:
+                    return "split_k_slices: serial split-k cannot take a broadcast bias; use parallel split-k"
             gemm_k = problem.gemm_mnk[2]
             if self.split_k_slices * k.tile[2] > gemm_k:
                 return f"split_k_slices: {self.split_k_slices} slices of {k.tile[2]} exceed the reduction extent {gemm_k}"

@@ -12,11 +12,13 @@ import logging
 import threading
 from typing import Optional, Sequence
 
+from .candidates import unsupported_reason
 from .config import LaunchConfig
 from .problem import Conv2dProblem, Epilogue, ProblemError, max_alignment
 from .runtime import KernelLaunchError, load_kernel
 from .select import SelectMode, choose
-from .types import Activation, ConvKind, DType, SourceKind
+from .heuristics import default_launch
+from .types import Activation, ConvKind, DType, KernelFamily, SourceKind
 
 log = logging.getLogger("cutlass_byoc.ops")
 
@@ -102,6 +104,12 @@ def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, s
     )
     if want == (k.align_a, k.align_b, k.align_c):
         return launch
+    if k.family is not KernelFamily.SM80_IMPLICIT_GEMM:
+        # TMA kernels need 16-byte aligned operands: an offset view runs on the 2.x family instead.
+        fallback = default_launch(problem)
+        if fallback is None:
+            raise UnsupportedConvError(f"alignment: {k.name} needs 16-byte aligned operands and no 2.x kernel fits")
+        return _narrow_to_pointers(fallback, problem, a, b, d, source)
     return dataclasses.replace(launch, kernel=k.with_alignments(*want))
 
 
@@ -112,9 +120,12 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     why = problem.int32_overflow
     if why:
         raise UnsupportedConvError(f"size: {why}")
+    padded = _strided_dgrad_padding(problem)
+    if padded is not None:
+        return _run_channel_padded(problem, padded, a, b, out, source, config=config, select=select)
     launch = config or choose(problem, select)
     if launch is None:
-        raise UnsupportedConvError(f"no kernel computes {problem.name}")
+        raise UnsupportedConvError(unsupported_reason(problem) or f"no kernel computes {problem.name}")
     why = launch.reject_reason(problem)
     if why:
         raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
@@ -133,6 +144,53 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
             workspace=ws.data_ptr() if ws is not None else 0, workspace_bytes=ws.numel() if ws is not None else 0,
             stream=stream,
         )
+
+
+def _strided_dgrad_padding(problem: Conv2dProblem) -> Optional[tuple[int, int]]:
+    """(C', K') for a strided dgrad whose channel counts give sub-4-byte accesses, which no strided-dgrad kernel
+    here takes; such channels are zero-padded to a multiple of 16 bytes (else None)."""
+    if problem.kind is not ConvKind.DGRAD or (problem.stride_h == 1 and problem.stride_w == 1):
+        return None
+    if problem.groups != 1 or problem.dilation_h > 1 or problem.dilation_w > 1:
+        return None
+    def pad(extent: int, *dtypes: DType) -> int:
+        if all(max_alignment(extent, dt) * dt.nbytes >= 4 for dt in dtypes):
+            return extent
+        vec = 16 // problem.element_a.nbytes
+        return -(-extent // vec) * vec
+
+    # K is dy's channel dim; C is the filter's and dx's.
+    cp, kp = pad(problem.c, problem.element_b, problem.element_out), pad(problem.k, problem.element_a)
+    if (cp, kp) == (problem.c, problem.k):
+        return None
+    return cp, kp
+
+
+def _run_channel_padded(problem, padded, dy, w, dx, source, *, config, select) -> None:
+    """Strided dgrad of odd channel counts: zero-pad K (dy, w) and C (w, dx) to whole 16-byte vectors, run the
+    padded problem, copy the real channels out. Zero filters add nothing, so the result is exact."""
+    torch = _torch()
+    cp, kp = padded
+    n, k, pq_p, pq_q = dy.shape
+    c = problem.c
+    cl = torch.channels_last
+    big = problem.replace(c=cp, k=kp)
+    if kp != k:
+        dy_p = torch.zeros((n, kp, pq_p, pq_q), dtype=dy.dtype, device=dy.device, memory_format=cl)
+        dy_p[:, :k].copy_(dy)
+    else:
+        dy_p = dy
+    w_p = torch.zeros((kp, cp, problem.r, problem.s), dtype=w.dtype, device=w.device, memory_format=cl)
+    w_p[:k, :c].copy_(w)
+    dx_p = torch.empty((n, cp, problem.h, problem.w), dtype=dx.dtype, device=dx.device, memory_format=cl)
+    src_p = None
+    if source is not None:
+        src_p = torch.zeros_like(dx_p)
+        src_p[:, :c].copy_(source)
+    if config is not None and config.reject_reason(big) is not None:
+        config = None  # a config chosen for the unpadded problem does not apply
+    run_problem(big, dy_p, w_p, dx_p, src_p, config=config, select=select)
+    dx.copy_(dx_p[:, :c])
 
 
 # ---------------------------------------------------------------------------------------------- public ops

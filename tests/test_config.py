@@ -116,3 +116,41 @@ def test_default_launch_exists_for_every_supported_kind_and_dtype():
             launch = default_launch(p)
             assert launch is not None and launch.reject_reason(p) is None
     assert default_launch(P("fprop", 8, 64, 28, 128, 3, groups=4)) is None
+
+
+def test_serial_split_k_only_where_partials_stay_fp32():
+    p16 = P("wgrad", 32, 64, 56, 64, 3, out_dtype="f16")
+    p32 = P("wgrad", 32, 64, 56, 64, 3, out_dtype="f32")
+    serial16 = next(c for c in sm80_candidates(p16) if c.split_k_mode is SplitKMode.SERIAL)
+    serial32 = next(c for c in sm80_candidates(p32) if c.split_k_mode is SplitKMode.SERIAL)
+    assert "parallel split-k" in LaunchConfig(serial16, 4).reject_reason(p16)
+    assert LaunchConfig(serial16, 1).reject_reason(p16) is None
+    assert LaunchConfig(serial32, 4).reject_reason(p32) is None
+    from cutlass_byoc.problem import Epilogue
+    from cutlass_byoc.types import SourceKind
+
+    pb = P("fprop", 32, 256, 14, 256, 3, out_dtype="f32", epilogue=Epilogue(source=SourceKind.BIAS))
+    sb = next(c for c in sm80_candidates(pb) if c.split_k_mode is SplitKMode.SERIAL)
+    assert "bias" in LaunchConfig(sb, 2).reject_reason(pb)
+
+
+def test_strided_dgrad_of_odd_channels_is_padded_not_run_narrow():
+    from cutlass_byoc.candidates import unsupported_reason
+    from cutlass_byoc.ops import _strided_dgrad_padding
+
+    stem = P("dgrad", 32, 3, 224, 64, 7, stride=2)
+    assert not list(sm80_candidates(stem))
+    assert unsupported_reason(stem).startswith("alignment: strided dgrad")
+    assert _strided_dgrad_padding(stem) == (8, 64)
+    assert _strided_dgrad_padding(P("dgrad", 1, 7, 15, 33, 3, stride=2)) == (8, 40)
+    assert _strided_dgrad_padding(P("dgrad", 1, 7, 15, 33, 3)) is None  # unit stride runs alignment 1 directly
+    assert _strided_dgrad_padding(P("dgrad", 1, 6, 15, 10, 3, stride=2)) is None  # 4-byte accesses are fine
+
+
+def test_unsupported_reason_names_the_parameter():
+    from cutlass_byoc.candidates import unsupported_reason
+
+    assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=2)).startswith("groups:")
+    assert "depthwise" in unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16))
+    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, dilation=2)).startswith("dilation:")
+    assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3)) is None

@@ -11,10 +11,11 @@ torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.build import build  # noqa: E402
+from cutlass_byoc.candidates import sm80_candidates  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.runtime import load_kernel  # noqa: E402
-from cutlass_byoc.types import Activation, ConvKind, DType, SourceKind, SplitKMode  # noqa: E402
+from cutlass_byoc.types import Activation, ConvKind, DType, IteratorAlgorithm, SourceKind, SplitKMode  # noqa: E402
 
 from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, pick, poisoned_output, reference, rel_err  # noqa: E402
 
@@ -52,8 +53,30 @@ EPI_LAYER = ("3x3", 8, 64, 28, 64, 3, 1, 1)
 SPLIT_PROBLEMS = [make_problem(kind, ("3x3_14", 32, 256, 14, 256, 3, 1, 1), ("f16", "f16")) for kind in (ConvKind.FPROP, ConvKind.DGRAD)]
 
 
+STRIDED_DGRAD_VARIANTS = [  # (layer, iterator) beyond CASES: the alignments and iterators strided dgrad runs with
+    (("s2_c6_k10", 4, 6, 20, 10, 3, 2, 1), None),
+    (("s2_c12_k20", 4, 12, 20, 20, 3, 2, 1), None),
+    (("s2_c64_k64", 4, 64, 20, 64, 3, 2, 1), IteratorAlgorithm.ANALYTIC),
+    (("s2_c64_k64", 4, 64, 20, 64, 3, 2, 1), IteratorAlgorithm.OPTIMIZED),
+]
+
+
+def config_for(problem):
+    """The fixed pick, or None where ops pads channels first (strided dgrad of odd channel counts)."""
+    return None if ops._strided_dgrad_padding(problem) else pick(problem)
+
+
+def variant_config(layer, iterator):
+    problem = make_problem("dgrad", layer, ("f16", "f16"))
+    if iterator is None:
+        return problem, pick(problem)
+    return problem, next(c for c in sm80_candidates(problem) if c.iterator is iterator and c.tile == (64, 64, 32))
+
+
 def all_configs():
-    cfgs = [pick(make_problem(kind, layer, dt)) for kind, layer, dt in CASES]
+    cfgs = [config_for(make_problem(kind, layer, dt)) for kind, layer, dt in CASES]
+    cfgs = [c for c in cfgs if c is not None]
+    cfgs += [variant_config(*v)[1] for v in STRIDED_DGRAD_VARIANTS]
     cfgs += [pick(make_problem("fprop", EPI_LAYER, ("f16", "f16"), epilogue=e)) for e in EPILOGUES]
     cfgs += [pick(make_problem("fprop", EPI_LAYER, ("f16", "f32"), epilogue=EPILOGUES[0]))]
     cfgs += [pick(p, m) for p in SPLIT_PROBLEMS for m in (SplitKMode.SERIAL, SplitKMode.PARALLEL)]
@@ -79,7 +102,7 @@ def check(problem, cfg, seed, slices=1, tol=None):
     x, w, dy = operands(problem, seed)
     a, b = kernel_operands(problem, x, w, dy)
     out = poisoned_output(problem)
-    ops.run_problem(problem, a, b, out, config=LaunchConfig(cfg, slices))
+    ops.run_problem(problem, a, b, out, config=LaunchConfig(cfg, slices) if cfg else None, select="heuristic")
     torch.cuda.synchronize()
     err = rel_err(out, reference(problem, x, w, dy))
     bound = tol or TOLERANCE[problem.element_out]
@@ -91,7 +114,14 @@ def check(problem, cfg, seed, slices=1, tol=None):
 @pytest.mark.parametrize("kind, layer, dt", CASES, ids=[f"{k.value}-{l[0]}-{d[0]}to{d[1]}" for k, l, d in CASES])
 def test_kind_layer_dtype(kind, layer, dt):
     problem = make_problem(kind, layer, dt)
-    check(problem, pick(problem), seed=hash((kind.value, layer[0], dt)) % 2**31)
+    check(problem, config_for(problem), seed=hash((kind.value, layer[0], dt)) % 2**31)
+
+
+@pytest.mark.parametrize("layer, iterator", STRIDED_DGRAD_VARIANTS,
+                         ids=[f"{l[0]}-{i.value if i else 'default'}" for l, i in STRIDED_DGRAD_VARIANTS])
+def test_strided_dgrad_alignments_and_iterators(layer, iterator):
+    problem, cfg = variant_config(layer, iterator)
+    check(problem, cfg, seed=17)
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
