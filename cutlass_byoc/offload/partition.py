@@ -308,6 +308,7 @@ class _Rewriter:
     def _kernel_name(self, launch) -> str:
         from ..select import SelectMode  # noqa: PLC0415
 
+        self.report.launches.append(launch)
         if self.options.select is SelectMode.TUNE:
             return f"tuned at first call (heuristic: {launch.name})"
         return launch.name
@@ -574,7 +575,28 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
         if gm is not None:
             gm.recompile()
     log.info("%s", report.summary())
+    if rw.new_nodes and options.prebuild:
+        prebuild(report, options)
     return report
+
+
+def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
+    """Compile the kernels the report's ops will launch, in parallel, now rather than one by one at their first
+    call. Only where they can run (CUDA) and are known (not when tuning at the first call); failures are logged
+    (the op then falls back to PyTorch at run time, with the reason recorded)."""
+    from ..select import SelectMode  # noqa: PLC0415
+
+    if options.select is SelectMode.TUNE or not report.launches or not torch.cuda.is_available():
+        return
+    try:
+        from ..build import build  # noqa: PLC0415
+
+        results = build(dict.fromkeys(launch.kernel for launch in report.launches))
+        failed = [r for r in results.values() if not r.ok]
+        log.info("cutlass_byoc: %d kernels ready for %s (%d failed to compile)", len(results) - len(failed),
+                 report.graph, len(failed))
+    except Exception as e:  # noqa: BLE001 - building is an optimisation; the first call builds or falls back
+        log.warning("cutlass_byoc: could not prebuild the kernels of %s: %s", report.graph, e)
 
 
 def offloaded_calls(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:

@@ -76,6 +76,7 @@ class OffloadOptions:
     channels_last: bool = True  # insert channels_last conversions for non-channels_last operands (else reject)
     require_cuda: bool = True  # offload only CUDA tensors (False: any device; the ops' reference runs off CUDA)
     allow_tf32: Optional[bool] = None  # fp32 convs run as TF32; None: follow torch.backends.cudnn.allow_tf32
+    prebuild: bool = True  # compile the chosen kernels in parallel at graph compile time (CUDA, select != tune)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))

@@ -54,6 +54,7 @@ class OffloadReport:
     layout_conversions: int = 0  # aten.clone(channels_last) inserted before offloaded convs
     output_restrides: int = 0  # clones restoring a graph output's original layout
     layout_restores: int = 0  # copies giving an op that needs the traced strides (a view) its original layout
+    launches: list = dataclasses.field(default_factory=list, repr=False)  # LaunchConfigs chosen at compile time
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
         self.entries.append(entry)
@@ -91,7 +92,7 @@ class OffloadReport:
         return OffloadReport(f"{self.graph}+{other.graph}", self.entries + other.entries,
                              self.layout_conversions + other.layout_conversions,
                              self.output_restrides + other.output_restrides,
-                             self.layout_restores + other.layout_restores)
+                             self.layout_restores + other.layout_restores, self.launches + other.launches)
 
     def __str__(self) -> str:
         return self.summary()
