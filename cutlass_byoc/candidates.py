@@ -35,7 +35,13 @@ class _Collector:
 @functools.lru_cache(maxsize=None)
 def sm80_tile_specs(math: MathOp) -> tuple[TileSpec, ...]:
     """Distinct (tile, warps, stages) that cutlass_library generates for SM80 conv2d with this math op."""
-    from cutlass_library import generator  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    saved, sys.argv = sys.argv, sys.argv[:1]  # cutlass_library.generator parses sys.argv when it is imported
+    try:
+        from cutlass_library import generator  # noqa: PLC0415
+    finally:
+        sys.argv = saved
 
     collector = _Collector()
     if math is MathOp.TF32:

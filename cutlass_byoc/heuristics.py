@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 from .candidates import sm80_candidates
 from .config import KernelConfig, LaunchConfig
 from .problem import Conv2dProblem
-from .types import ConvKind, DType, IteratorAlgorithm, SplitKMode
+from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode
 
 H200_SMS = 132
 MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
@@ -68,7 +68,8 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     """Every (kernel, slice count) the problem admits, best estimate first."""
     ranked = []
     for kc in kernels:
-        for s in split_k_slice_candidates(problem, kc.tile, sms):
+        slices = split_k_slice_candidates(problem, kc.tile, sms) if kc.family is KernelFamily.SM80_IMPLICIT_GEMM else [1]
+        for s in slices:
             launch = LaunchConfig(kc, s)
             if launch.reject_reason(problem) is None:
                 ranked.append((estimate_us(problem, launch, sms), launch))

@@ -120,7 +120,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     why = problem.int32_overflow
     if why:
         raise UnsupportedConvError(f"size: {why}")
-    padded = _strided_dgrad_padding(problem)
+    padded = channel_padding(problem)
     if padded is not None:
         return _run_channel_padded(problem, padded, a, b, out, source, config=config, select=select)
     launch = config or choose(problem, select)
@@ -146,9 +146,10 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         )
 
 
-def _strided_dgrad_padding(problem: Conv2dProblem) -> Optional[tuple[int, int]]:
+def channel_padding(problem: Conv2dProblem) -> Optional[tuple[int, int]]:
     """(C', K') for a strided dgrad whose channel counts give sub-4-byte accesses, which no strided-dgrad kernel
-    here takes; such channels are zero-padded to a multiple of 16 bytes (else None)."""
+    here takes; such channels are zero-padded to a multiple of 16 bytes (else None). run_problem then runs (and the
+    profiler tunes) the padded problem."""
     if problem.kind is not ConvKind.DGRAD or (problem.stride_h == 1 and problem.stride_w == 1):
         return None
     if problem.groups != 1 or problem.dilation_h > 1 or problem.dilation_w > 1:

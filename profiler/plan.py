@@ -200,9 +200,9 @@ def kernel_problem(problem: Conv2dProblem) -> Conv2dProblem:
     (C=3 stem dgrad runs as C=8). Tuning plans and records decisions for this problem, since it is the one
     `select.choose` is asked about on the shipped path; its candidates are still timed through `run_problem` on
     the original problem, padding included."""
-    from ..ops import _strided_dgrad_padding  # noqa: PLC0415 - ops owns the padding rule
+    from ..ops import channel_padding  # noqa: PLC0415 - ops owns the padding rule
 
-    padded = _strided_dgrad_padding(problem)
+    padded = channel_padding(problem)
     return problem if padded is None else problem.replace(c=padded[0], k=padded[1])
 
 

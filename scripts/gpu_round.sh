@@ -43,7 +43,7 @@ if secs:
 PY
       ;;
     tune)
-      cutlass-byoc tune --verbose 2>&1 | tee "$OUT/tune.log" || rc=1
+      cutlass-byoc tune --verbose --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || rc=1
       cutlass-byoc tune 2>&1 | tee "$OUT/tune-again.log" || rc=1 ;;
     bench)
       cutlass-byoc bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;

@@ -136,15 +136,15 @@ def test_serial_split_k_only_where_partials_stay_fp32():
 
 def test_strided_dgrad_of_odd_channels_is_padded_not_run_narrow():
     from cutlass_byoc.candidates import unsupported_reason
-    from cutlass_byoc.ops import _strided_dgrad_padding
+    from cutlass_byoc.ops import channel_padding
 
     stem = P("dgrad", 32, 3, 224, 64, 7, stride=2)
     assert not list(sm80_candidates(stem))
     assert unsupported_reason(stem).startswith("alignment: strided dgrad")
-    assert _strided_dgrad_padding(stem) == (8, 64)
-    assert _strided_dgrad_padding(P("dgrad", 1, 7, 15, 33, 3, stride=2)) == (8, 40)
-    assert _strided_dgrad_padding(P("dgrad", 1, 7, 15, 33, 3)) is None  # unit stride runs alignment 1 directly
-    assert _strided_dgrad_padding(P("dgrad", 1, 6, 15, 10, 3, stride=2)) is None  # 4-byte accesses are fine
+    assert channel_padding(stem) == (8, 64)
+    assert channel_padding(P("dgrad", 1, 7, 15, 33, 3, stride=2)) == (8, 40)
+    assert channel_padding(P("dgrad", 1, 7, 15, 33, 3)) is None  # unit stride runs alignment 1 directly
+    assert channel_padding(P("dgrad", 1, 6, 15, 10, 3, stride=2)) is None  # 4-byte accesses are fine
 
 
 def test_unsupported_reason_names_the_parameter():

@@ -63,7 +63,7 @@ STRIDED_DGRAD_VARIANTS = [  # (layer, iterator) beyond CASES: the alignments and
 
 def config_for(problem):
     """The fixed pick, or None where ops pads channels first (strided dgrad of odd channel counts)."""
-    return None if ops._strided_dgrad_padding(problem) else pick(problem)
+    return None if ops.channel_padding(problem) else pick(problem)
 
 
 def variant_config(layer, iterator):
