@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", parents=[sub_common], help="time the chosen kernels against cuDNN")
     _problem_args(b)
     b.add_argument("--format", choices=["table", "json", "csv"], default="table", help="what goes to stdout")
+    b.add_argument("--split-k", action="store_true",
+                   help="for the wgrad layers: best split-k vs best unsplit launch vs cuDNN, timed in one run")
     b.add_argument("--json", dest="json_out", default=None, help="also write JSON here")
     b.add_argument("--csv", dest="csv_out", default=None, help="also write CSV here")
     b.add_argument("--plot", default=None, help="bar chart of the ratios (PNG; needs matplotlib)")
@@ -206,6 +208,14 @@ def cmd_bench(args) -> int:
         print("bench needs a GPU: no CUDA device is visible to PyTorch. Run it on the GPU machine (after "
               "`cutlass-byoc tune` there, or `cutlass-byoc cache import` of a tuned cache).", file=sys.stderr)
         return EXIT_NO_GPU
+    if args.split_k:
+        from .profiler.splitk import bench_split_k  # noqa: PLC0415
+
+        sk = bench_split_k(items, jobs=args.jobs, progress=not args.no_progress)
+        print(sk.to_json() if args.format == "json" else sk.table())
+        if args.json_out:
+            Path(args.json_out).write_text(sk.to_json())
+        return EXIT_OK if all(r.split_us and r.unsplit_us for r in sk.rows) else EXIT_PARTIAL
     from .bench import bench_workload  # noqa: PLC0415
 
     report = bench_workload(items, progress=not args.no_progress)
