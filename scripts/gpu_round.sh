@@ -46,7 +46,8 @@ PY
       cutlass-byoc tune --verbose --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || rc=1
       cutlass-byoc tune 2>&1 | tee "$OUT/tune-again.log" || rc=1 ;;
     bench)
-      cutlass-byoc bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+      cutlass-byoc bench --no-progress --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" || rc=1
+      cutlass-byoc bench --no-progress --split-k --json "$OUT/bench-splitk.json" 2>&1 | tee "$OUT/bench-splitk.log" || rc=1 ;;
     offload)
       python3 -m cutlass_byoc.offload.bench 2>&1 | tee "$OUT/offload-bench.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
