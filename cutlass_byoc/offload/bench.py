@@ -1,7 +1,7 @@
 """Training-step benchmark of the offload: ResNet-50 and MobileNetV2 under fp16 autocast, channels_last, run eagerly,
-with ``torch.compile`` (Inductor) and with ``torch.compile(backend="cutlass_byoc")`` in one process; step times and
-the relative errors of loss and gradients of both compiled modes against eager, on the same first batch from the
-same weights.
+with ``torch.compile`` (Inductor) and with ``torch.compile(backend="cutlass_byoc")`` in one process; step times (SGD
+with momentum and GradScaler) and the relative errors of loss and gradients of both compiled modes against eager, on
+the same first batch from the same weights (loss scaled by LOSS_SCALE so that fp16 gradients are not subnormal).
 
 ``python -m cutlass_byoc.offload.bench --models resnet50 mobilenet_v2 --batch 64 --steps 20`` prints the table;
 :func:`benchmark` returns its rows. Models come from torchvision when it is installed, else from the repository's
@@ -72,14 +72,29 @@ def model_factory(name: str) -> Callable[[], nn.Module]:
     return mod.MODELS[name]
 
 
+#: the fixed loss scale of the compared first step: fp16 gradients of an unscaled loss are mostly subnormal, and
+#: relative errors between any two implementations are then meaningless (GradScaler exists for the same reason)
+LOSS_SCALE = 2.0 ** 12
+
+
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: Optional[torch.optim.Optimizer],
-          dtype: torch.dtype) -> torch.Tensor:
-    with torch.autocast("cuda", dtype=dtype):
+          dtype: torch.dtype, scaler: Optional["torch.amp.GradScaler"] = None, autocast: bool = True) -> torch.Tensor:
+    """One training step under autocast: forward, loss, backward of the scaled loss, and (with opt) the update.
+    Without a scaler the loss is scaled by LOSS_SCALE, so the gradients left in .grad are LOSS_SCALE times the
+    gradient."""
+    with torch.autocast("cuda", dtype=dtype, enabled=autocast):
         out = model(x)
     loss = F.cross_entropy(out.float(), y)
-    loss.backward()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+    else:
+        (loss * LOSS_SCALE).backward()
     if opt is not None:
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     return loss
 
@@ -150,13 +165,14 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
             lerr, gerr, gmax = relative_errors(loss.detach(), grads, *ref)
             model.zero_grad(set_to_none=True)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
             for _ in range(warmup):
-                _step(run, x, y, opt, dtype)
+                _step(run, x, y, opt, dtype, scaler)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(steps):
-                _step(run, x, y, opt, dtype)
+                _step(run, x, y, opt, dtype, scaler)
             end.record()
             torch.cuda.synchronize()
             row = BenchRow(name, mode, start.elapsed_time(end) / steps, first, loss.item(), lerr, gerr, gmax)
