@@ -19,6 +19,7 @@ Layout contract (the design decision of the offload):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Optional, Sequence
@@ -72,6 +73,37 @@ RUNTIME = RuntimeRecord()
 use_kernels = True
 
 
+_MISSING = object()
+_LAUNCHES: dict[tuple, object] = {}
+_launch_lock = threading.Lock()
+
+
+def launch_for(kind: str, x_shape, w_shape, stride, padding, dilation, groups: int, in_dtype: torch.dtype,
+               out_dtype: torch.dtype, activation: str = "identity", source: str = "none", select: str = "cached"):
+    """The LaunchConfig for a call, chosen once per distinct problem and remembered (choosing ranks every
+    candidate: far too slow for every call of a training step), or None when no kernel takes it."""
+    key = (kind, tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), groups, in_dtype,
+           out_dtype, activation, source, select)
+    hit = _LAUNCHES.get(key, _MISSING)
+    if hit is _MISSING:
+        from ..problem import Epilogue  # noqa: PLC0415
+        from ..select import choose  # noqa: PLC0415
+        from ..types import ConvKind, SourceKind  # noqa: PLC0415
+        from .patterns import Reject, make_problem  # noqa: PLC0415
+
+        try:
+            problem = make_problem(ConvKind(kind), x_shape, w_shape, _pair(stride), _pair(padding), _pair(dilation),
+                                   groups, in_dtype, out_dtype, Epilogue(Activation(activation), SourceKind(source)))
+            hit = choose(problem, select)
+        except Reject as e:
+            log.info("no kernel for %s: %s", key, e)
+            hit = None
+        with _launch_lock:
+            _LAUNCHES[key] = hit
+    return hit
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel_errors() -> tuple[type[BaseException], ...]:
     """Exceptions meaning "the kernel library cannot run this call", which fall back to the reference."""
     errs: list[type[BaseException]] = [ImportError, OSError]
@@ -152,15 +184,20 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
     if input.is_cuda and use_kernels:
         key = f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}"
+        source = "residual" if residual is not None else "bias" if bias is not None else "none"
+        launch = launch_for("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype,
+                            out_dtype or input.dtype, activation, source, select)
         try:
+            if launch is None:
+                raise ValueError("no kernel computes this problem")
             from .. import ops  # noqa: PLC0415
 
             y = ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
                            _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
-                           residual=_cl(residual), out_dtype=out_dtype or input.dtype, select=select)
+                           residual=_cl(residual), out_dtype=out_dtype or input.dtype, config=launch)
             RUNTIME.kernel(key)
             return y
-        except _kernel_errors() as e:
+        except (ValueError, *_kernel_errors()) as e:
             RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_fprop(*args)
@@ -189,14 +226,18 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
     args = (grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
         key = f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} {grad_output.dtype}"
+        launch = launch_for("dgrad", input_size, weight.shape, stride, padding, dilation, groups, grad_output.dtype,
+                            out_dtype or grad_output.dtype, select=select)
         try:
+            if launch is None:
+                raise ValueError("no kernel computes this problem")
             from .. import ops  # noqa: PLC0415
 
             y = ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride), _pair(padding),
-                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, select=select)
+                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch)
             RUNTIME.kernel(key)
             return y
-        except _kernel_errors() as e:
+        except (ValueError, *_kernel_errors()) as e:
             RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_dgrad(*args)
@@ -220,14 +261,18 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
     args = (grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
         key = f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} {input.dtype}->{out_dtype}"
+        launch = launch_for("wgrad", input.shape, weight_size, stride, padding, dilation, groups, input.dtype,
+                            out_dtype or grad_output.dtype, select=select)
         try:
+            if launch is None:
+                raise ValueError("no kernel computes this problem")
             from .. import ops  # noqa: PLC0415
 
             y = ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride), _pair(padding),
-                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, select=select)
+                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch)
             RUNTIME.kernel(key)
             return y
-        except _kernel_errors() as e:
+        except (ValueError, *_kernel_errors()) as e:
             RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_wgrad(*args)
