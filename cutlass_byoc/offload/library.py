@@ -10,9 +10,10 @@ Layout contract (the design decision of the offload):
   memory_format=torch.channels_last)`` where a graph value is not channels_last (an NCHW model's input and weights),
   and the ops carry ``needs_fixed_stride_order`` so Inductor keeps that stride order. The CUDA path still checks and
   converts (a copy) if it is handed anything else: a wrong layout must never reach a kernel.
-* On CUDA the ops call :mod:`cutlass_byoc.ops`; if the kernel library cannot run a call (no kernel, a launch or
-  compile error, no CUDA toolchain), the call falls back to the PyTorch reference and the reason is logged and
-  recorded in :data:`RUNTIME`. On any other device the reference runs: it computes in fp32 and casts once to the
+* On CUDA the ops call :mod:`cutlass_byoc.ops` with the launch chosen once per distinct problem
+  (:func:`launch_for`; ``select`` = tune / cached / heuristic as given by the backend's options); if the kernel
+  library cannot run a call (no kernel, a launch or compile error, no CUDA toolchain), the call falls back to the
+  PyTorch reference and the reason is logged and recorded in :data:`RUNTIME`. On any other device the reference runs: it computes in fp32 and casts once to the
   output type, i.e. what the kernels compute (fp32 accumulation, epilogue in fp32, one rounding at the store).
 """
 
@@ -39,9 +40,10 @@ CL = torch.channels_last
 # ---------------------------------------------------------------------------------------------- runtime record
 @dataclasses.dataclass
 class RuntimeRecord:
-    """What the ops did at run time, per call site signature: kernel launches, fallbacks and their reasons."""
+    """What the ops did at run time: kernel launches per pass, and the calls that fell back (by signature) with
+    their reasons."""
 
-    kernel_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    kernel_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # "fprop" / "dgrad" / "wgrad" -> count
     fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
     reference_calls: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -183,7 +185,6 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """``act(conv2d(input, weight) + bias | residual)`` stored as out_dtype, channels_last."""
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
     if input.is_cuda and use_kernels:
-        key = f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}"
         source = "residual" if residual is not None else "bias" if bias is not None else "none"
         launch = launch_for("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype,
                             out_dtype or input.dtype, activation, source, select)
@@ -195,10 +196,11 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             y = ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
                            _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
                            residual=_cl(residual), out_dtype=out_dtype or input.dtype, config=launch)
-            RUNTIME.kernel(key)
+            RUNTIME.kernel("fprop")
             return y
         except (ValueError, *_kernel_errors()) as e:
-            RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
+            RUNTIME.fallback(f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} "
+                             f"{activation}", f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_fprop(*args)
 
@@ -225,7 +227,6 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
     """grad_input of conv2d (also the forward of a transposed conv), channels_last."""
     args = (grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
-        key = f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} {grad_output.dtype}"
         launch = launch_for("dgrad", input_size, weight.shape, stride, padding, dilation, groups, grad_output.dtype,
                             out_dtype or grad_output.dtype, select=select)
         try:
@@ -235,10 +236,11 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
 
             y = ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride), _pair(padding),
                                  _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch)
-            RUNTIME.kernel(key)
+            RUNTIME.kernel("dgrad")
             return y
         except (ValueError, *_kernel_errors()) as e:
-            RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
+            RUNTIME.fallback(f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} "
+                             f"{grad_output.dtype}", f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_dgrad(*args)
 
@@ -260,7 +262,6 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
     """grad_weight of conv2d accumulated in fp32, stored as out_dtype (fp32 for fp32 master weights), KRSC."""
     args = (grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
-        key = f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} {input.dtype}->{out_dtype}"
         launch = launch_for("wgrad", input.shape, weight_size, stride, padding, dilation, groups, input.dtype,
                             out_dtype or grad_output.dtype, select=select)
         try:
@@ -270,10 +271,11 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
 
             y = ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride), _pair(padding),
                                  _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch)
-            RUNTIME.kernel(key)
+            RUNTIME.kernel("wgrad")
             return y
         except (ValueError, *_kernel_errors()) as e:
-            RUNTIME.fallback(key, f"{type(e).__name__}: {e}")
+            RUNTIME.fallback(f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} "
+                             f"{input.dtype}->{out_dtype}", f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_wgrad(*args)
 
