@@ -133,3 +133,17 @@ def test_dgrad_wgrad_ops_match_torch_grad():
     assert dw16.dtype == torch.float32
     exact = torch.nn.grad.conv2d_weight(x.bfloat16().double(), w.shape, dy.bfloat16().double(), 2, 1)
     assert torch.allclose(dw16.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+def test_torch_compile_with_inductor_inference_fuses_epilogues():
+    """No gradient: Inductor's inference graph (silu decomposed as Inductor does) gets the pass too."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 16, 3, padding=1)).eval()
+    backend = make_backend(require_cuda=False)
+    torch._dynamo.reset()
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        out = torch.compile(m, backend=backend)(x)
+        assert torch.allclose(out, m(x), rtol=1e-5, atol=1e-6)
+    (rep,) = backend.reports
+    assert [e.fused for e in rep.entries] == [("bias", "silu"), ("bias",)], rep.summary()
