@@ -14,7 +14,12 @@ call of each new problem), ``"cached"`` (recorded decisions, else the heuristic;
 switches for fprop/dgrad/wgrad/transposed offload and epilogue/cast fusion; ``require_cuda``.
 
 The report of each compiled graph is logged (logger ``cutlass_byoc.offload``) and kept: :func:`last_report`,
-:func:`reports`, or ``backend.reports`` of a :func:`make_backend` instance.
+:func:`reports`, or ``backend.reports`` of a :func:`make_backend` instance; what the ops did at run time (kernel
+launches, fallbacks with reasons) is in :data:`cutlass_byoc.offload.library.RUNTIME`.
+
+Shapes: kernels are chosen per static shape, so convolutions with symbolic sizes are left to PyTorch (with the
+reason "dynamic shape"). torch.compile marks a dimension dynamic after it sees a second size (a smaller last
+batch); ``torch.compile(..., dynamic=False)`` keeps every graph static, and offloaded.
 """
 
 from __future__ import annotations
