@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from .candidates import unsupported_reason
 from .config import LaunchConfig
 from .problem import Conv2dProblem, Epilogue, ProblemError, max_alignment
-from .runtime import KernelLaunchError, load_kernel
+from .runtime import CbConv2dArgs, KernelLaunchError, KernelLibrary, load_kernel, make_args
 from .select import SelectMode, choose
 from .heuristics import default_launch
 from .types import Activation, ConvKind, DType, KernelFamily, SourceKind
@@ -113,37 +113,93 @@ def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, s
     return dataclasses.replace(launch, kernel=k.with_alignments(*want))
 
 
-def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
-                select: SelectMode | str = SelectMode.CACHED) -> None:
-    """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream."""
-    torch = _torch()
-    why = problem.int32_overflow
-    if why:
-        raise UnsupportedConvError(f"size: {why}")
-    padded = channel_padding(problem)
-    if padded is not None:
-        return _run_channel_padded(problem, padded, a, b, out, source, config=config, select=select)
-    launch = config or choose(problem, select)
-    if launch is None:
-        raise UnsupportedConvError(unsupported_reason(problem) or f"no kernel computes {problem.name}")
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A launch validated once for one problem: every later call only checks pointer alignment and launches."""
+
+    lib: KernelLibrary
+    template: CbConv2dArgs  # the problem's arguments; pointers are filled per call
+    workspace_bytes: int
+    align_bytes: tuple[int, int, int]  # what A, B and the output (and source) addresses must be multiples of
+
+    def aligned(self, pa: int, pb: int, pd: int, ps: int) -> bool:
+        aa, ab, ac = self.align_bytes
+        return not (pa % aa or pb % ab or pd % ac or ps % ac)
+
+
+_prepared: dict[tuple[Conv2dProblem, LaunchConfig], _Prepared] = {}
+_chosen: dict[tuple[Conv2dProblem, SelectMode], Optional[LaunchConfig]] = {}
+
+
+def forget_choices() -> None:
+    """Drop memoised launch choices (after recording new decisions in this process)."""
+    _chosen.clear()
+
+
+def _choose(problem: Conv2dProblem, select: SelectMode | str) -> Optional[LaunchConfig]:
+    mode = SelectMode(select)
+    key = (problem, mode)
+    if key not in _chosen:
+        _chosen[key] = choose(problem, mode)
+    return _chosen[key]
+
+
+def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
     why = launch.reject_reason(problem)
     if why:
         raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
-    launch = _narrow_to_pointers(launch, problem, a, b, out, source)
     lib = load_kernel(launch.kernel)
     why = lib.can_implement(problem, launch.split_k_slices)
     if why:
         raise UnsupportedConvError(f"{launch.name}: {why}")
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    nbytes = lib.workspace_size(problem, launch.split_k_slices)
-    ws = _workspace(a.device, stream, nbytes) if nbytes else None
-    with torch.cuda.device(a.device):
-        lib.run(
-            problem, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
-            source=source.data_ptr() if source is not None else 0, split_k_slices=launch.split_k_slices,
-            workspace=ws.data_ptr() if ws is not None else 0, workspace_bytes=ws.numel() if ws is not None else 0,
-            stream=stream,
-        )
+    k = launch.kernel
+    out_bytes = k.align_c * k.element_out.nbytes
+    return _Prepared(lib, make_args(problem, launch.split_k_slices), lib.workspace_size(problem, launch.split_k_slices),
+                     (k.align_a * k.element_a.nbytes, k.align_b * k.element_b.nbytes, out_bytes))
+
+
+def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
+                select: SelectMode | str = SelectMode.CACHED) -> None:
+    """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream.
+
+    The first call of a (problem, launch) pair validates everything (sizes, config rules, the kernel's own
+    can_implement, workspace); later calls with suitably aligned pointers go straight to the launch."""
+    torch = _torch()
+    launch = config
+    if launch is None:
+        launch = _choose(problem, select)
+    pa, pb, pd = a.data_ptr(), b.data_ptr(), out.data_ptr()
+    ps = source.data_ptr() if source is not None else 0
+    prep = _prepared.get((problem, launch)) if launch is not None else None
+    if prep is None or not prep.aligned(pa, pb, pd, ps):
+        why = problem.int32_overflow
+        if why:
+            raise UnsupportedConvError(f"size: {why}")
+        padded = channel_padding(problem)
+        if padded is not None:
+            return _run_channel_padded(problem, padded, a, b, out, source, config=config, select=select)
+        if launch is None:
+            raise UnsupportedConvError(unsupported_reason(problem) or f"no kernel computes {problem.name}")
+        why = launch.reject_reason(problem)
+        if why:
+            raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
+        narrowed = _narrow_to_pointers(launch, problem, a, b, out, source)
+        prep = _prepare(problem, narrowed)
+        if narrowed == launch:
+            _prepared[(problem, launch)] = prep
+    args = CbConv2dArgs.from_buffer_copy(prep.template)
+    args.a, args.b, args.d, args.source = pa, pb, pd, ps or None
+    device = a.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    ws_ptr = ws_len = 0
+    if prep.workspace_bytes:
+        ws = _workspace(device, stream, prep.workspace_bytes)
+        ws_ptr, ws_len = ws.data_ptr(), ws.numel()
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            prep.lib.launch(args, ws_ptr, ws_len, stream)
+    else:
+        prep.lib.launch(args, ws_ptr, ws_len, stream)
 
 
 def channel_padding(problem: Conv2dProblem) -> Optional[tuple[int, int]]:

@@ -120,24 +120,36 @@ class KernelLibrary:
         if why:
             raise KernelLaunchError(f"{self.name} cannot run {problem.name}: {why}")
         self.check_pointers(problem, a, b, d, source)
-        args = make_args(problem, split_k_slices, a, b, d, source, alpha, beta)
-        buf = ctypes.create_string_buffer(512)
-        rc = self._lib.cb_run(ctypes.byref(args), workspace or None, workspace_bytes, stream or None, buf, len(buf))
+        self.launch(make_args(problem, split_k_slices, a, b, d, source, alpha, beta), workspace, workspace_bytes, stream)
+
+    def launch(self, args: CbConv2dArgs, workspace: int, workspace_bytes: int, stream: int) -> None:
+        """The bare launch of already validated arguments (the kernel still runs its own can_implement)."""
+        buf = ctypes.create_string_buffer(256)
+        rc = self._lib.cb_run(ctypes.byref(args), workspace or None, workspace_bytes, stream or None, buf, 256)
         if rc:
-            raise KernelLaunchError(f"{self.name} on {problem.name}: {buf.value.decode()}")
+            raise KernelLaunchError(f"{self.name}: {buf.value.decode()}")
 
 
 _loaded: dict[tuple[str, KernelConfig], KernelLibrary] = {}
 _lock = threading.Lock()
 
 
+def _default_root() -> str:
+    """The default cache root as a string, without touching the file system (the loaded-kernel key)."""
+    import os  # noqa: PLC0415
+
+    import platformdirs  # noqa: PLC0415
+
+    return os.environ.get("CUTLASS_BYOC_CACHE_DIR") or platformdirs.user_cache_dir("cutlass-byoc")
+
+
 def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, build_missing: bool = True) -> KernelLibrary:
     """The loaded library of `config`, compiling it first if it is not in the cache (and `build_missing`)."""
+    key = (str(cache.root) if cache else _default_root(), config)
+    lib = _loaded.get(key)
+    if lib is not None:
+        return lib
     cache = cache or KernelCache()
-    key = (str(cache.root), config)
-    with _lock:
-        if key in _loaded:
-            return _loaded[key]
     if build_missing:
         result = build([config], cache=cache)[config]
     else:

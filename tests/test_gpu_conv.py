@@ -148,8 +148,12 @@ def test_fused_epilogues(epilogue):
 @pytest.mark.parametrize("problem", SPLIT_PROBLEMS, ids=lambda p: p.kind.value)
 @pytest.mark.parametrize("mode", [SplitKMode.SERIAL, SplitKMode.PARALLEL], ids=lambda m: m.value)
 def test_split_k_fprop_and_unit_stride_dgrad(problem, mode):
+    cfg = pick(problem, mode)
     for slices in (1, 2, 4, 8):
-        check(problem, pick(problem, mode), seed=slices, slices=slices)
+        if mode is SplitKMode.SERIAL and slices > 1:  # fp16 output: serial partials would be rounded, refused
+            assert "parallel split-k" in LaunchConfig(cfg, slices).reject_reason(problem)
+            continue
+        check(problem, cfg, seed=slices, slices=slices)
 
 
 def test_public_ops_match_pytorch():
