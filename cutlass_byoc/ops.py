@@ -233,11 +233,11 @@ def _run_channel_padded(problem, padded, dy, w, dx, source, *, config, select) -
     cl = torch.channels_last
     big = problem.replace(c=cp, k=kp)
     if kp != k:
-        dy_p = torch.zeros((n, kp, pq_p, pq_q), dtype=dy.dtype, device=dy.device, memory_format=cl)
+        dy_p = torch.empty((n, kp, pq_p, pq_q), dtype=dy.dtype, device=dy.device, memory_format=cl).zero_()
         dy_p[:, :k].copy_(dy)
     else:
         dy_p = dy
-    w_p = torch.zeros((kp, cp, problem.r, problem.s), dtype=w.dtype, device=w.device, memory_format=cl)
+    w_p = torch.empty((kp, cp, problem.r, problem.s), dtype=w.dtype, device=w.device, memory_format=cl).zero_()
     w_p[:k, :c].copy_(w)
     dx_p = torch.empty((n, cp, problem.h, problem.w), dtype=dx.dtype, device=dx.device, memory_format=cl)
     src_p = None
