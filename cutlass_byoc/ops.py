@@ -121,9 +121,13 @@ class _Prepared:
     template: CbConv2dArgs  # the problem's arguments; pointers are filled per call
     workspace_bytes: int
     align_bytes: tuple[int, int, int]  # what A, B and the output (and source) addresses must be multiples of
+    needs_source: bool
 
-    def aligned(self, pa: int, pb: int, pd: int, ps: int) -> bool:
+    def fits(self, pa: int, pb: int, pd: int, ps: int) -> bool:
+        """Whether these pointers may take the fast path (else the full checks run and say what is wrong)."""
         aa, ab, ac = self.align_bytes
+        if not (pa and pb and pd) or (self.needs_source and not ps):
+            return False
         return not (pa % aa or pb % ab or pd % ac or ps % ac)
 
 
@@ -155,7 +159,8 @@ def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
     k = launch.kernel
     out_bytes = k.align_c * k.element_out.nbytes
     return _Prepared(lib, make_args(problem, launch.split_k_slices), lib.workspace_size(problem, launch.split_k_slices),
-                     (k.align_a * k.element_a.nbytes, k.align_b * k.element_b.nbytes, out_bytes))
+                     (k.align_a * k.element_a.nbytes, k.align_b * k.element_b.nbytes, out_bytes),
+                     problem.epilogue.source is not SourceKind.NONE)
 
 
 def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
@@ -171,7 +176,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     pa, pb, pd = a.data_ptr(), b.data_ptr(), out.data_ptr()
     ps = source.data_ptr() if source is not None else 0
     prep = _prepared.get((problem, launch)) if launch is not None else None
-    if prep is None or not prep.aligned(pa, pb, pd, ps):
+    if prep is None or not prep.fits(pa, pb, pd, ps):
         why = problem.int32_overflow
         if why:
             raise UnsupportedConvError(f"size: {why}")
@@ -185,6 +190,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
             raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
         narrowed = _narrow_to_pointers(launch, problem, a, b, out, source)
         prep = _prepare(problem, narrowed)
+        prep.lib.check_pointers(problem, pa, pb, pd, ps)  # null or misaligned pointers: an error naming the operand
         if narrowed == launch:
             _prepared[(problem, launch)] = prep
     args = CbConv2dArgs.from_buffer_copy(prep.template)
@@ -313,11 +319,7 @@ def conv2d_dgrad(
     out_t = out_dtype or grad_output.dtype
     problem = _problem(ConvKind.DGRAD, n, c, h, w, k, r, s, stride, padding, dilation, groups, grad_output,
                        out_t, acc_dtype, Epilogue())
-    if tuple(grad_output.shape) != (n, k, problem.p, problem.q):
-        raise UnsupportedConvError(
-            f"grad_output: expected shape {(n, k, problem.p, problem.q)} for input_size {tuple(input_size)}, "
-            f"got {tuple(grad_output.shape)}"
-        )
+    _check_grad_output(grad_output, problem)
     out = torch.empty((n, c, h, w), dtype=out_t, device=grad_output.device, memory_format=torch.channels_last)
     run_problem(problem, grad_output, weight, out, config=config, select=select)
     return out
@@ -342,10 +344,7 @@ def conv2d_wgrad(
     source = SourceKind.RESIDUAL if accumulate_into is not None else SourceKind.NONE
     problem = _problem(ConvKind.WGRAD, n, c, h, w, k, r, s, stride, padding, dilation, groups, input,
                        out_t, DType.F32, Epilogue(Activation.IDENTITY, source))
-    if tuple(grad_output.shape) != (n, k, problem.p, problem.q):
-        raise UnsupportedConvError(
-            f"grad_output: expected shape {(n, k, problem.p, problem.q)}, got {tuple(grad_output.shape)}"
-        )
+    _check_grad_output(grad_output, problem)
     out = torch.empty((k, cg, r, s), dtype=out_t, device=input.device, memory_format=torch.channels_last)
     if accumulate_into is not None:
         _check_tensor(accumulate_into, "accumulate_into", dtype=out_t)
@@ -374,6 +373,12 @@ def convolution_backward(
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _check_grad_output(grad_output, problem: Conv2dProblem) -> None:
+    want = (problem.n, problem.k, problem.p, problem.q)
+    if tuple(grad_output.shape) != want:
+        raise UnsupportedConvError(f"grad_output: expected shape {want} for {problem.name}, got {tuple(grad_output.shape)}")
+
+
 def _problem(kind, n, c, h, w, k, r, s, stride, padding, dilation, groups, ref, out_dt, acc_dtype, epilogue):
     (sh, sw), (ph, pw), (dh, dw) = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
     el = _dtype(ref)
