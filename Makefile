@@ -19,7 +19,8 @@ setup: $(STAMP)
 
 ## Plan, compile and (with a GPU) time the embedded default workload; without a GPU it says timing was skipped.
 tune: $(STAMP)
-	$(BIN)/cutlass-byoc tune
+	@# exit code 3 = no GPU: everything short of timing was done, and the command said so
+	$(BIN)/cutlass-byoc tune || [ $$? -eq 3 ]
 
 ## The test suite: unit, render and compile-only tests here; gpu-marked tests skip with a reason without a GPU.
 test: $(STAMP)
