@@ -13,13 +13,14 @@ export CUTLASS_BYOC_CACHE_DIR=${CUTLASS_BYOC_CACHE_DIR:-/tmp/cutlass-byoc-cache}
 export CUTLASS_BYOC_TEST_CACHE_DIR=$CUTLASS_BYOC_CACHE_DIR
 export CUTLASS_BYOC_JOBS=${CUTLASS_BYOC_JOBS:-$(nproc)}
 
+# Always a fresh install (5 s): a warm machine keeps the previous call's /tmp, and a stale copy of the package
+# there once ran old code against new tests.
 site=/tmp/cb-site
-if [ ! -d "$site/cutlass_byoc" ]; then
-  t0=$(date +%s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . || exit 1
-  echo "install: $(( $(date +%s) - t0 )) s"
-fi
+rm -rf "$site" build
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . || exit 1
+echo "install: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$site
 export PATH=$site/bin:$PATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
