@@ -56,21 +56,27 @@ def make_args(
     )
 
 
+def open_library(path: Path | str) -> ctypes.CDLL:
+    """dlopen a kernel library with the signatures of its extern "C" API declared (no checks: see KernelLibrary)."""
+    lib = ctypes.CDLL(str(path))
+    lib.cb_abi_version.restype = ctypes.c_int64
+    lib.cb_config_json.restype = ctypes.c_char_p
+    lib.cb_kernel_name.restype = ctypes.c_char_p
+    lib.cb_can_implement.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_char_p, ctypes.c_int]
+    lib.cb_workspace_size.argtypes = [ctypes.POINTER(CbConv2dArgs)]
+    lib.cb_workspace_size.restype = ctypes.c_int64
+    lib.cb_run.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_char_p, ctypes.c_int]
+    return lib
+
+
 class KernelLibrary:
     """One compiled kernel, loaded. Thread-safe: each launch builds its own CUTLASS operator on the stack."""
 
     def __init__(self, config: KernelConfig, path: Path):
         self.config = config
         self.path = Path(path)
-        lib = ctypes.CDLL(str(self.path))
-        lib.cb_abi_version.restype = ctypes.c_int64
-        lib.cb_config_json.restype = ctypes.c_char_p
-        lib.cb_kernel_name.restype = ctypes.c_char_p
-        lib.cb_can_implement.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_char_p, ctypes.c_int]
-        lib.cb_workspace_size.argtypes = [ctypes.POINTER(CbConv2dArgs)]
-        lib.cb_workspace_size.restype = ctypes.c_int64
-        lib.cb_run.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_char_p, ctypes.c_int]
+        lib = open_library(self.path)
         if lib.cb_abi_version() != ABI_VERSION:
             raise KernelLaunchError(f"{self.path}: ABI {lib.cb_abi_version()}, this cutlass_byoc speaks {ABI_VERSION}")
         shipped = KernelConfig.from_dict(json.loads(lib.cb_config_json()))

@@ -198,7 +198,7 @@ def test_compile_one_fprop_kernel(tmp_path):
             pytest.skip(f"nvcc missing: {e}")
     from cutlass_byoc.build import build  # noqa: PLC0415
     from cutlass_byoc.cache import KernelCache  # noqa: PLC0415
-    from cutlass_byoc.runtime import CbConv2dArgs, make_args  # noqa: PLC0415
+    from cutlass_byoc.runtime import make_args, open_library  # noqa: PLC0415
 
     p = problem()
     cfg = one(p)
@@ -206,13 +206,7 @@ def test_compile_one_fprop_kernel(tmp_path):
     assert result.ok, result.error_report()
     assert "error" not in result.entry.log.lower()
 
-    lib = ctypes.CDLL(str(result.library))
-    lib.cb_config_json.restype = ctypes.c_char_p
-    lib.cb_kernel_name.restype = ctypes.c_char_p
-    lib.cb_abi_version.restype = ctypes.c_int64
-    lib.cb_can_implement.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_char_p, ctypes.c_int]
-    lib.cb_workspace_size.argtypes = [ctypes.POINTER(CbConv2dArgs)]
-    lib.cb_workspace_size.restype = ctypes.c_int64
+    lib = open_library(result.library)
     assert KernelConfig.from_dict(__import__("json").loads(lib.cb_config_json())) == cfg
     assert lib.cb_kernel_name().decode() == cfg.name
     for fn in ("cb_can_implement", "cb_workspace_size", "cb_run"):
