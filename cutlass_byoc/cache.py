@@ -32,9 +32,14 @@ from .toolchain import Toolchain
 CACHE_FORMAT = 1
 
 
+def cache_root_path() -> str:
+    """Where the cache lives ($CUTLASS_BYOC_CACHE_DIR, else the per-user cache dir), without touching the disk:
+    cheap enough for keys on the launch path."""
+    return os.environ.get("CUTLASS_BYOC_CACHE_DIR") or platformdirs.user_cache_dir("cutlass-byoc")
+
+
 def cache_root() -> Path:
-    env = os.environ.get("CUTLASS_BYOC_CACHE_DIR")
-    root = Path(env) if env else Path(platformdirs.user_cache_dir("cutlass-byoc"))
+    root = Path(cache_root_path())
     root.mkdir(parents=True, exist_ok=True)
     return root
 

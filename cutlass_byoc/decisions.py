@@ -141,6 +141,19 @@ class Decision:
         )
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """Bumped by every decision written or cleared in this process: memos of choices key on it."""
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
+
+
 class DecisionStore:
     """Decisions as one JSON file per key under `<root>/decisions`."""
 
@@ -210,6 +223,7 @@ class DecisionStore:
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
+        _bump()
         return p
 
     def iter_files(self) -> Iterator[Path]:
@@ -235,6 +249,7 @@ class DecisionStore:
         for p in list(self.iter_files()):
             p.unlink(missing_ok=True)
             n += 1
+        _bump()
         return n
 
     def import_file(self, src: Path, *, overwrite: bool = False) -> bool:

@@ -132,20 +132,6 @@ class _Prepared:
 
 
 _prepared: dict[tuple[Conv2dProblem, LaunchConfig], _Prepared] = {}
-_chosen: dict[tuple[Conv2dProblem, SelectMode], Optional[LaunchConfig]] = {}
-
-
-def forget_choices() -> None:
-    """Drop memoised launch choices (after recording new decisions in this process)."""
-    _chosen.clear()
-
-
-def _choose(problem: Conv2dProblem, select: SelectMode | str) -> Optional[LaunchConfig]:
-    mode = SelectMode(select)
-    key = (problem, mode)
-    if key not in _chosen:
-        _chosen[key] = choose(problem, mode)
-    return _chosen[key]
 
 
 def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
@@ -170,9 +156,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     The first call of a (problem, launch) pair validates everything (sizes, config rules, the kernel's own
     can_implement, workspace); later calls with suitably aligned pointers go straight to the launch."""
     torch = _torch()
-    launch = config
-    if launch is None:
-        launch = _choose(problem, select)
+    launch = config or choose(problem, select)
     pa, pb, pd = a.data_ptr(), b.data_ptr(), out.data_ptr()
     ps = source.data_ptr() if source is not None else 0
     prep = _prepared.get((problem, launch)) if launch is not None else None

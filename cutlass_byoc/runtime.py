@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .build import CompileError, build
-from .cache import KernelCache
+from .cache import KernelCache, cache_root_path
 from .config import KernelConfig, LaunchConfig
 from .problem import Conv2dProblem
 from .render import ABI_VERSION
@@ -140,18 +140,9 @@ _loaded: dict[tuple[str, KernelConfig], KernelLibrary] = {}
 _lock = threading.Lock()
 
 
-def _default_root() -> str:
-    """The default cache root as a string, without touching the file system (the loaded-kernel key)."""
-    import os  # noqa: PLC0415
-
-    import platformdirs  # noqa: PLC0415
-
-    return os.environ.get("CUTLASS_BYOC_CACHE_DIR") or platformdirs.user_cache_dir("cutlass-byoc")
-
-
 def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, build_missing: bool = True) -> KernelLibrary:
     """The loaded library of `config`, compiling it first if it is not in the cache (and `build_missing`)."""
-    key = (str(cache.root) if cache else _default_root(), config)
+    key = (str(cache.root) if cache else str(Path(cache_root_path())), config)
     lib = _loaded.get(key)
     if lib is not None:
         return lib

@@ -7,7 +7,8 @@ import logging
 from typing import Optional
 
 from .config import LaunchConfig
-from .decisions import lookup_decision
+from .cache import cache_root_path
+from .decisions import generation, lookup_decision
 from .heuristics import default_launch
 from .problem import Conv2dProblem
 
@@ -20,9 +21,22 @@ class SelectMode(str, enum.Enum):
     TUNE = "tune"  # profile now if no decision is recorded (needs a GPU)
 
 
+_chosen: dict[tuple, Optional[LaunchConfig]] = {}
+
+
 def choose(problem: Conv2dProblem, mode: SelectMode | str = SelectMode.CACHED) -> Optional[LaunchConfig]:
-    """The launch to use for `problem`, or None when no kernel of this project can compute it."""
+    """The launch to use for `problem`, or None when no kernel of this project can compute it.
+
+    Remembered per (problem, mode, cache root) until a decision is written or cleared in this process: choosing
+    ranks every candidate and hashes the decision key, far too slow for each call of a training step."""
     mode = SelectMode(mode)
+    key = (problem, mode, cache_root_path(), generation())
+    if key not in _chosen:
+        _chosen[key] = _choose(problem, mode)
+    return _chosen[key]
+
+
+def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
     if mode is not SelectMode.HEURISTIC:
         hit = lookup_decision(problem)
         if hit is not None:

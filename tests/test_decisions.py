@@ -173,3 +173,17 @@ def test_select_uses_the_decision(tmp_cache, monkeypatch):
     record_decision(PROBLEM, other, 3.0, gpu=GPU)
     assert choose(PROBLEM) == other
     assert choose(PROBLEM, SelectMode.HEURISTIC) == default
+
+
+def test_choice_is_remembered_until_a_decision_is_written_or_cleared(tmp_cache):
+    from cutlass_byoc import decisions, select
+    from cutlass_byoc.problem import Conv2dProblem as _P
+
+    p = _P.make("fprop", 8, 64, 28, 28, 64, 3, padding=1)
+    first = select.choose(p)
+    assert first is not None and select.choose(p) is first  # remembered: no re-ranking per call
+    keys = len(select._chosen)
+    g = decisions.generation()
+    decisions.DecisionStore(tmp_cache.root).clear()
+    assert decisions.generation() == g + 1
+    assert select.choose(p) == first and len(select._chosen) == keys + 1  # asked again after the write

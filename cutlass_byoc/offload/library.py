@@ -76,33 +76,33 @@ use_kernels = True
 
 
 _MISSING = object()
-_LAUNCHES: dict[tuple, object] = {}
-_launch_lock = threading.Lock()
+_PROBLEMS: dict[tuple, object] = {}
+_problem_lock = threading.Lock()
 
 
 def launch_for(kind: str, x_shape, w_shape, stride, padding, dilation, groups: int, in_dtype: torch.dtype,
                out_dtype: torch.dtype, activation: str = "identity", source: str = "none", select: str = "cached"):
-    """The LaunchConfig for a call, chosen once per distinct problem and remembered (choosing ranks every
-    candidate: far too slow for every call of a training step), or None when no kernel takes it."""
+    """The LaunchConfig for a call, or None when no kernel takes it. The problem is built once per distinct call
+    signature; `select.choose` remembers its choice (and forgets it when a decision is recorded)."""
+    from ..select import choose  # noqa: PLC0415
+
     key = (kind, tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), groups, in_dtype,
-           out_dtype, activation, source, select)
-    hit = _LAUNCHES.get(key, _MISSING)
-    if hit is _MISSING:
+           out_dtype, activation, source)
+    problem = _PROBLEMS.get(key, _MISSING)
+    if problem is _MISSING:
         from ..problem import Epilogue  # noqa: PLC0415
-        from ..select import choose  # noqa: PLC0415
         from ..types import ConvKind, SourceKind  # noqa: PLC0415
         from .patterns import Reject, make_problem  # noqa: PLC0415
 
         try:
             problem = make_problem(ConvKind(kind), x_shape, w_shape, _pair(stride), _pair(padding), _pair(dilation),
                                    groups, in_dtype, out_dtype, Epilogue(Activation(activation), SourceKind(source)))
-            hit = choose(problem, select)
         except Reject as e:
             log.info("no kernel for %s: %s", key, e)
-            hit = None
-        with _launch_lock:
-            _LAUNCHES[key] = hit
-    return hit
+            problem = None
+        with _problem_lock:
+            _PROBLEMS[key] = problem
+    return None if problem is None else choose(problem, select)
 
 
 @functools.lru_cache(maxsize=None)
