@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +172,19 @@ def reference_wgrad(grad_output, input, weight_size, stride, padding, dilation, 
     return gw.to(out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
+def _on_kernels(kind: str, launch, run: Callable[[], torch.Tensor], what: Callable[[], str]) -> Optional[torch.Tensor]:
+    """`run()` on this project's kernels, or None with the reason recorded (the caller then runs the reference)."""
+    try:
+        if launch is None:
+            raise ValueError("no kernel computes this problem")
+        y = run()
+        RUNTIME.kernel(kind)
+        return y
+    except (ValueError, *_kernel_errors()) as e:
+        RUNTIME.fallback(what(), f"{type(e).__name__}: {e}")
+        return None
+
+
 # ---------------------------------------------------------------------------------------------- fprop
 @torch.library.custom_op(
     f"{NAMESPACE}::conv2d_fprop", mutates_args=(), tags=_TAGS,
@@ -188,19 +201,16 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         source = "residual" if residual is not None else "bias" if bias is not None else "none"
         launch = launch_for("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype,
                             out_dtype or input.dtype, activation, source, select)
-        try:
-            if launch is None:
-                raise ValueError("no kernel computes this problem")
-            from .. import ops  # noqa: PLC0415
+        from .. import ops  # noqa: PLC0415
 
-            y = ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
-                           _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
-                           residual=_cl(residual), out_dtype=out_dtype or input.dtype, config=launch)
-            RUNTIME.kernel("fprop")
+        y = _on_kernels(
+            "fprop", launch,
+            lambda: ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
+                               _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
+                               residual=_cl(residual), out_dtype=out_dtype or input.dtype, config=launch),
+            lambda: f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}")
+        if y is not None:
             return y
-        except (ValueError, *_kernel_errors()) as e:
-            RUNTIME.fallback(f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} "
-                             f"{activation}", f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_fprop(*args)
 
@@ -229,18 +239,15 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
     if grad_output.is_cuda and use_kernels:
         launch = launch_for("dgrad", input_size, weight.shape, stride, padding, dilation, groups, grad_output.dtype,
                             out_dtype or grad_output.dtype, select=select)
-        try:
-            if launch is None:
-                raise ValueError("no kernel computes this problem")
-            from .. import ops  # noqa: PLC0415
+        from .. import ops  # noqa: PLC0415
 
-            y = ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride), _pair(padding),
-                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch)
-            RUNTIME.kernel("dgrad")
+        y = _on_kernels(
+            "dgrad", launch,
+            lambda: ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride), _pair(padding),
+                                     _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch),
+            lambda: f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} {grad_output.dtype}")
+        if y is not None:
             return y
-        except (ValueError, *_kernel_errors()) as e:
-            RUNTIME.fallback(f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} "
-                             f"{grad_output.dtype}", f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_dgrad(*args)
 
@@ -264,18 +271,16 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
     if grad_output.is_cuda and use_kernels:
         launch = launch_for("wgrad", input.shape, weight_size, stride, padding, dilation, groups, input.dtype,
                             out_dtype or grad_output.dtype, select=select)
-        try:
-            if launch is None:
-                raise ValueError("no kernel computes this problem")
-            from .. import ops  # noqa: PLC0415
+        from .. import ops  # noqa: PLC0415
 
-            y = ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride), _pair(padding),
-                                 _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch)
-            RUNTIME.kernel("wgrad")
+        y = _on_kernels(
+            "wgrad", launch,
+            lambda: ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride), _pair(padding),
+                                     _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch),
+            lambda: f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} "
+                    f"{input.dtype}->{out_dtype}")
+        if y is not None:
             return y
-        except (ValueError, *_kernel_errors()) as e:
-            RUNTIME.fallback(f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} "
-                             f"{input.dtype}->{out_dtype}", f"{type(e).__name__}: {e}")
     RUNTIME.reference()
     return reference_wgrad(*args)
 
