@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The whole GPU round, the same every session: install, gpu tests, tune, bench. Run on the H200 machine from the
-# repository root (the device tool does), with the nvidia-cutlass (+ platformdirs) wheels in .whl/ beside it:
-#   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload]     (no argument: all four)
-# GPU_TESTS="test_a.py test_b.py" narrows the tests step (paths relative to tests/).
-# Logs and machine-readable results go to $OUT (default ./out).
+# The whole GPU round, the same every session: install, gpu tests, tune, bench, offload. Run on the H200 machine from
+# the repository root (the device tool does), with the nvidia-cutlass (+ platformdirs) wheels in .whl/ beside it:
+#   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload] [offload-bench]   (no argument: the first four)
+# tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them)
+# tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
+#           that must compile and time nothing; the tuned cache is exported to $OUT/tuned.tar.gz
+# bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
+#           when the cache is empty, e.g. on a fresh machine)
+# offload:  tests/test_gpu_offload.py with its output (training-step accuracy, the benchmark table)
+# offload-bench: `python -m cutlass_byoc.offload.bench` alone
+# Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
+# machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, which nothing seeds.
+# Logs and machine-readable results go to $OUT (default ./out): at most 8 files per call come back from the device.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -11,6 +19,11 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune bench offload)
 export PYTHONUNBUFFERED=1
 export CUTLASS_BYOC_CACHE_DIR=${CUTLASS_BYOC_CACHE_DIR:-/tmp/cutlass-byoc-cache}
 export CUTLASS_BYOC_TEST_CACHE_DIR=$CUTLASS_BYOC_CACHE_DIR
+TUNE_CACHE=${CB_TUNE_CACHE:-/tmp/cutlass-byoc-tune}
+if [ -f .kcache.tar.xz ] && [ ! -e "$CUTLASS_BYOC_CACHE_DIR/.seeded" ]; then
+  mkdir -p "$CUTLASS_BYOC_CACHE_DIR" && tar -xJf .kcache.tar.xz -C "$CUTLASS_BYOC_CACHE_DIR" \
+    && touch "$CUTLASS_BYOC_CACHE_DIR/.seeded" && echo "seeded the test cache from .kcache.tar.xz"
+fi
 export CUTLASS_BYOC_JOBS=${CUTLASS_BYOC_JOBS:-$(nproc)}
 
 # Always a fresh install (5 s): a warm machine keeps the previous call's /tmp, and a stale copy of the package
@@ -23,7 +36,19 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 echo "install: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$site
 export PATH=$site/bin:$PATH
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+
+compile_times() {  # seconds per compiled kernel in a cache (meta.json records each kernel's compile time)
+  python3 - "$1" <<'PY'
+import json, os, pathlib, statistics, sys
+root = pathlib.Path(sys.argv[1]) / "kernels"
+secs = [json.loads(p.read_text()).get("compile_seconds") for p in root.glob("*/*/meta.json")]
+secs = sorted(s for s in secs if s)
+if secs:
+    print(f"{root}: kernels compiled: {len(secs)}, seconds per kernel: median {statistics.median(secs):.1f}, "
+          f"min {secs[0]:.1f}, max {secs[-1]:.1f} (parallel, {os.environ['CUTLASS_BYOC_JOBS']} jobs)")
+PY
+}
 
 rc=0
 for step in "${steps[@]}"; do
@@ -32,24 +57,28 @@ for step in "${steps[@]}"; do
     tests)
       # run from tests/ so the installed package (not the source tree) is what gets imported
       (cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
-        --timeout=900 ${GPU_TESTS:-.} 2>&1 | tee "$OUT/gpu-tests.log") || rc=1
-      python3 - <<'PY' | tee "$OUT/compile-times.txt"
-import json, os, pathlib, statistics
-root = pathlib.Path(os.environ["CUTLASS_BYOC_CACHE_DIR"]) / "kernels"
-secs = [json.loads(p.read_text()).get("compile_seconds") for p in root.glob("*/*/meta.json")]
-secs = sorted(s for s in secs if s)
-if secs:
-    print(f"kernels compiled: {len(secs)}, seconds per kernel: median {statistics.median(secs):.1f}, "
-          f"min {secs[0]:.1f}, max {secs[-1]:.1f} (parallel, {os.environ['CUTLASS_BYOC_JOBS']} jobs)")
-PY
+        --timeout=900 ${GPU_TESTS:---ignore=test_gpu_offload.py .} 2>&1 | tee "$OUT/gpu-tests.log") || rc=1
+      compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
-      cutlass-byoc tune --verbose --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || rc=1
-      cutlass-byoc tune 2>&1 | tee "$OUT/tune-again.log" || rc=1 ;;
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune --verbose --json "$OUT/tune.json" 2>&1 \
+        | tee "$OUT/tune.log" || rc=1
+      compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"
+      echo "== the second tune" | tee -a "$OUT/tune.log"
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune 2>&1 | tee -a "$OUT/tune.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1 ;;
     bench)
-      cutlass-byoc bench --no-progress --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log" || rc=1
-      cutlass-byoc bench --no-progress --split-k --json "$OUT/bench-splitk.json" 2>&1 | tee "$OUT/bench-splitk.log" || rc=1 ;;
+      if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
+        CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
+      fi
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --json "$OUT/bench.json" \
+        2>&1 | tee "$OUT/bench.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --split-k --json "$OUT/bench-splitk.json" \
+        2>&1 | tee -a "$OUT/bench.log" || rc=1 ;;
     offload)
+      (cd tests && python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+        --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
+    offload-bench)
       python3 -m cutlass_byoc.offload.bench 2>&1 | tee "$OUT/offload-bench.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

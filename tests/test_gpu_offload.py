@@ -19,8 +19,9 @@ pytestmark = [
 
 #: Randomly initialised ResNet-50 / MobileNetV2 in training mode are chaotic in their gradients: two correct fp16
 #: implementations (eager and Inductor) differ by tens of percent on the same step. So each fp16 mode is measured
-#: against an fp32 reference without TF32 (the "truth"), and the backend must be about as accurate as those two:
-#: within SLACK times the larger of eager's and Inductor's error (plus ABS) for the loss and the gradients. (Seen on
+#: against an fp32 reference without TF32 (the "truth"), and the backend must be about as accurate as eager fp16
+#: (and Inductor, where it runs): within SLACK times the larger of their errors (plus ABS) for the loss and the
+#: gradients. (Seen on
 #: the H200, batch 16: gradient errors vs truth 0.76-0.78 for all three modes on ResNet-50 and MobileNetV2; loss
 #: errors 1e-4..5e-4 on ResNet-50, and 4.2e-3 eager, 5.4e-3 Inductor, 1.0e-2 backend on MobileNetV2.)
 #: Errors against eager are printed too.
@@ -77,8 +78,10 @@ def test_training_step_matches_eager(name, record_property):
     base = MODELS[name]().cuda().to(memory_format=torch.channels_last).train()
     x = torch.randn(16, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (16,), device="cuda")
-    (loss, grads, backend, (kernel_calls, fallbacks)), errs, vs_eager = _check(name, base, x, y,
-                                                                                options={"select": "cached"})
+    # Inductor alone is left out here (its accuracy was seen equal to eager's, see SLACK): its compile of a whole
+    # training graph costs minutes of device time, and the benchmark test below runs it anyway.
+    (loss, grads, backend, (kernel_calls, fallbacks)), errs, vs_eager = _check(
+        name, base, x, y, modes=("eager", "cutlass_byoc"), options={"select": "cached"})
     record_property("rel_err_vs_fp32", errs)
     record_property("rel_err_vs_eager", vs_eager)
     print(backend.report().summary())

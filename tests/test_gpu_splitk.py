@@ -32,14 +32,18 @@ def problem(layer, batch, out):
     return Conv2dProblem.make("wgrad", batch, c, h, h, k, r, stride=s, padding=r // 2, dtype="f16", out_dtype=out)
 
 
+def used_configs():
+    """The module's kernels (one per output type and mode: a config never depends on the shape)."""
+    return [pick(problem(LAYERS[0], 32, out), mode, TILE) for out in ("f16", "f32")
+            for mode in (SplitKMode.SERIAL, SplitKMode.PARALLEL)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt(shared_cache):
     mp = pytest.MonkeyPatch()
     mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    cfgs = [pick(problem(LAYERS[0], 32, out), mode, TILE) for out in ("f16", "f32")
-            for mode in (SplitKMode.SERIAL, SplitKMode.PARALLEL)]
     if not os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):  # unset unless a warm cache was carried
-        build(cfgs, cache=shared_cache, progress=True)  # compile errors surface in the tests that load the kernel
+        build(used_configs(), cache=shared_cache, progress=True)  # compile errors surface in the tests that load the kernel
     yield
     mp.undo()
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from cutlass_byoc.offload import OffloadOptions, Pass, cutlass_byoc_backend, last_report, make_backend
 from cutlass_byoc.offload import library
+from cutlass_byoc.ops import UnsupportedConvError
 from cutlass_byoc.select import SelectMode
 
 CL = torch.channels_last
@@ -147,3 +148,32 @@ def test_torch_compile_with_inductor_inference_fuses_epilogues():
         assert torch.allclose(out, m(x), rtol=1e-5, atol=1e-6)
     (rep,) = backend.reports
     assert [e.fused for e in rep.entries] == [("bias", "silu"), ("bias",)], rep.summary()
+
+
+def test_first_call_of_a_signature_is_checked_later_calls_go_direct():
+    """A call signature's first call runs the checked public op; only once that succeeded do later calls go straight
+    to the launch; a failing first call falls back (reason recorded) and is checked again next time."""
+    sig = library._signature("fprop", (2, 16, 8, 8), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1, torch.float16,
+                             torch.float16, operand_dtypes=("test",))
+    library._VALIDATED.discard(sig)
+    library.RUNTIME.clear()
+    seen = []
+
+    def checked(launch):
+        seen.append("checked")
+        if len(seen) == 1:
+            raise UnsupportedConvError("input: planted failure")
+        return torch.zeros(1)
+
+    def direct(problem, launch):
+        seen.append("direct")
+        assert problem.n == 2 and launch is not None
+        return torch.ones(1)
+
+    what = lambda: "planted"  # noqa: E731
+    assert library._call("fprop", sig, "heuristic", checked, direct, what) is None
+    assert "planted failure" in library.RUNTIME.fallbacks["planted"]
+    assert library._call("fprop", sig, "heuristic", checked, direct, what).item() == 0
+    assert library._call("fprop", sig, "heuristic", checked, direct, what).item() == 1
+    assert seen == ["checked", "checked", "direct"]
+    library._VALIDATED.discard(sig)

@@ -10,11 +10,13 @@ Layout contract (the design decision of the offload):
   memory_format=torch.channels_last)`` where a graph value is not channels_last (an NCHW model's input and weights),
   and the ops carry ``needs_fixed_stride_order`` so Inductor keeps that stride order. The CUDA path still checks and
   converts (a copy) if it is handed anything else: a wrong layout must never reach a kernel.
-* On CUDA the ops call :mod:`cutlass_byoc.ops` with the launch chosen once per distinct problem
-  (:func:`launch_for`; ``select`` = tune / cached / heuristic as given by the backend's options); if the kernel
-  library cannot run a call (no kernel, a launch or compile error, no CUDA toolchain), the call falls back to the
-  PyTorch reference and the reason is logged and recorded in :data:`RUNTIME`. On any other device the reference runs: it computes in fp32 and casts once to the
-  output type, i.e. what the kernels compute (fp32 accumulation, epilogue in fp32, one rounding at the store).
+* On CUDA the ops call :mod:`cutlass_byoc.ops` with the launch chosen once per distinct problem (:func:`_call`;
+  ``select`` = tune / cached / heuristic as given by the backend's options): a call signature's first call goes
+  through the checked public op, later ones straight to ``ops.run_problem``. If the kernel library cannot run a call
+  (no kernel, a launch or compile error, no CUDA toolchain), the call falls back to the PyTorch reference and the
+  reason is logged and recorded in :data:`RUNTIME`. On any other device the reference runs: it computes in fp32 and
+  casts once to the output type, i.e. what the kernels compute (fp32 accumulation, epilogue in fp32, one rounding at
+  the store).
 """
 
 from __future__ import annotations
@@ -77,32 +79,58 @@ use_kernels = True
 
 _MISSING = object()
 _PROBLEMS: dict[tuple, object] = {}
+_VALIDATED: set[tuple] = set()  # call signatures whose first call passed every check of cutlass_byoc.ops
 _problem_lock = threading.Lock()
 
 
-def launch_for(kind: str, x_shape, w_shape, stride, padding, dilation, groups: int, in_dtype: torch.dtype,
-               out_dtype: torch.dtype, activation: str = "identity", source: str = "none", select: str = "cached"):
-    """The LaunchConfig for a call, or None when no kernel takes it. The problem is built once per distinct call
-    signature; `select.choose` remembers its choice (and forgets it when a decision is recorded)."""
-    from ..select import choose  # noqa: PLC0415
+def _signature(kind: str, x_shape, w_shape, stride, padding, dilation, groups: int, in_dtype: torch.dtype,
+               out_dtype: torch.dtype, activation: str = "identity", source: str = "none",
+               operand_dtypes: tuple = ()) -> tuple:
+    """Everything a call's problem and its checks depend on (operand dtypes included: the fast path trusts them)."""
+    return (kind, tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), groups, in_dtype,
+            out_dtype, activation, source, operand_dtypes)
 
-    key = (kind, tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), groups, in_dtype,
-           out_dtype, activation, source)
-    problem = _PROBLEMS.get(key, _MISSING)
+
+def problem_for(sig: tuple):
+    """The Conv2dProblem of a call signature (built once per signature), or None when no kernel takes it."""
+    problem = _PROBLEMS.get(sig, _MISSING)
     if problem is _MISSING:
         from ..problem import Epilogue  # noqa: PLC0415
         from ..types import ConvKind, SourceKind  # noqa: PLC0415
         from .patterns import Reject, make_problem  # noqa: PLC0415
 
+        kind, x_shape, w_shape, stride, padding, dilation, groups, in_dtype, out_dtype, activation, source, _ = sig
         try:
             problem = make_problem(ConvKind(kind), x_shape, w_shape, _pair(stride), _pair(padding), _pair(dilation),
                                    groups, in_dtype, out_dtype, Epilogue(Activation(activation), SourceKind(source)))
         except Reject as e:
-            log.info("no kernel for %s: %s", key, e)
+            log.info("no kernel for %s: %s", sig, e)
             problem = None
         with _problem_lock:
-            _PROBLEMS[key] = problem
-    return None if problem is None else choose(problem, select)
+            _PROBLEMS[sig] = problem
+    return problem
+
+
+def _call(kind: str, sig: tuple, select: str, checked: Callable[[object], torch.Tensor],
+          direct: Callable[[object, object], torch.Tensor], what: Callable[[], str]) -> Optional[torch.Tensor]:
+    """Run a call on the kernels: its signature's first call through the checked public op of
+    :mod:`cutlass_byoc.ops` (`checked(launch)`), later ones straight to `ops.run_problem` (`direct(problem,
+    launch)`), which still validates a (problem, launch) pair it has not seen and every pointer's alignment.
+    None (with the reason recorded) when the call must run on PyTorch."""
+    from ..select import choose  # noqa: PLC0415
+
+    problem = problem_for(sig)
+    launch = None if problem is None else choose(problem, select)
+
+    def run() -> torch.Tensor:
+        if sig in _VALIDATED:
+            return direct(problem, launch)
+        y = checked(launch)
+        with _problem_lock:
+            _VALIDATED.add(sig)
+        return y
+
+    return _on_kernels(kind, launch, run, what)
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,16 +226,28 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """``act(conv2d(input, weight) + bias | residual)`` stored as out_dtype, channels_last."""
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
     if input.is_cuda and use_kernels:
-        source = "residual" if residual is not None else "bias" if bias is not None else "none"
-        launch = launch_for("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype,
-                            out_dtype or input.dtype, activation, source, select)
         from .. import ops  # noqa: PLC0415
 
-        y = _on_kernels(
-            "fprop", launch,
-            lambda: ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
-                               _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
-                               residual=_cl(residual), out_dtype=out_dtype or input.dtype, config=launch),
+        out_t = out_dtype or input.dtype
+        src = residual if residual is not None else bias
+        sig = _signature("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype, out_t,
+                         activation, "residual" if residual is not None else "bias" if bias is not None else "none",
+                         (weight.dtype, src.dtype if src is not None else None))
+
+        def direct(problem, launch):
+            out = torch.empty((problem.n, problem.k, problem.p, problem.q), dtype=out_t, device=input.device,
+                              memory_format=CL)
+            ops.run_problem(problem, _cl(input), _cl(weight), out,
+                            _cl(residual) if residual is not None else bias.contiguous() if bias is not None else None,
+                            config=launch)
+            return out
+
+        y = _call(
+            "fprop", sig, select,
+            lambda launch: ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
+                                      _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
+                                      residual=_cl(residual), out_dtype=out_t, config=launch),
+            direct,
             lambda: f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}")
         if y is not None:
             return y
@@ -237,14 +277,22 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
     """grad_input of conv2d (also the forward of a transposed conv), channels_last."""
     args = (grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
-        launch = launch_for("dgrad", input_size, weight.shape, stride, padding, dilation, groups, grad_output.dtype,
-                            out_dtype or grad_output.dtype, select=select)
         from .. import ops  # noqa: PLC0415
 
-        y = _on_kernels(
-            "dgrad", launch,
-            lambda: ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride), _pair(padding),
-                                     _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch),
+        out_t = out_dtype or grad_output.dtype
+        sig = _signature("dgrad", input_size, weight.shape, stride, padding, dilation, groups, grad_output.dtype,
+                         out_t, operand_dtypes=(weight.dtype, tuple(grad_output.shape)))
+
+        def direct(problem, launch):
+            out = torch.empty(list(input_size), dtype=out_t, device=grad_output.device, memory_format=CL)
+            ops.run_problem(problem, _cl(grad_output), _cl(weight), out, config=launch)
+            return out
+
+        y = _call(
+            "dgrad", sig, select,
+            lambda launch: ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride),
+                                            _pair(padding), _pair(dilation), groups, out_dtype=out_t, config=launch),
+            direct,
             lambda: f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} {grad_output.dtype}")
         if y is not None:
             return y
@@ -269,14 +317,22 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
     """grad_weight of conv2d accumulated in fp32, stored as out_dtype (fp32 for fp32 master weights), KRSC."""
     args = (grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
-        launch = launch_for("wgrad", input.shape, weight_size, stride, padding, dilation, groups, input.dtype,
-                            out_dtype or grad_output.dtype, select=select)
         from .. import ops  # noqa: PLC0415
 
-        y = _on_kernels(
-            "wgrad", launch,
-            lambda: ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride), _pair(padding),
-                                     _pair(dilation), groups, out_dtype=out_dtype or grad_output.dtype, config=launch),
+        out_t = out_dtype or grad_output.dtype
+        sig = _signature("wgrad", input.shape, weight_size, stride, padding, dilation, groups, input.dtype, out_t,
+                         operand_dtypes=(grad_output.dtype, tuple(grad_output.shape)))
+
+        def direct(problem, launch):
+            out = torch.empty(list(weight_size), dtype=out_t, device=input.device, memory_format=CL)
+            ops.run_problem(problem, _cl(grad_output), _cl(input), out, config=launch)
+            return out
+
+        y = _call(
+            "wgrad", sig, select,
+            lambda launch: ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride),
+                                            _pair(padding), _pair(dilation), groups, out_dtype=out_t, config=launch),
+            direct,
             lambda: f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} "
                     f"{input.dtype}->{out_dtype}")
         if y is not None:
