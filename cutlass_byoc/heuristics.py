@@ -15,7 +15,7 @@ H200_SMS = 132
 MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
-MAX_SLICES = 64
+MAX_SLICES = 256  # one 64x64 output tile (early wgrad) needs ~2 waves of 132 SMs
 
 
 def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int], sms: int = H200_SMS) -> list[int]:
@@ -64,6 +64,19 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     return max(compute_us, memory_us) + LAUNCH_US + extra_us
 
 
+def tile_waste(tile: tuple[int, int, int], m: int, n: int) -> float:
+    """Output area the tiles cover over the GEMM's (1.0: no padding; a 128-wide tile on N=64 wastes half)."""
+    return math.ceil(m / tile[0]) * tile[0] * math.ceil(n / tile[1]) * tile[1] / (m * n)
+
+
+def order_key(problem: Conv2dProblem, estimate: float, kernel: KernelConfig, name: str = "") -> tuple:
+    """The model's order: estimate first; near-ties (memory-bound layers, where every tile moves the same bytes)
+    go to the tile that wastes least of its area on padding, then to the precomputed-offset iterators (faster than
+    analytic ones at equal tiles on the H200), then by name for a stable order."""
+    m, n, _ = problem.gemm_mnk
+    return (round(estimate, 1), tile_waste(kernel.tile, m, n), kernel.iterator is IteratorAlgorithm.ANALYTIC, name)
+
+
 def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H200_SMS) -> list[tuple[float, LaunchConfig]]:
     """Every (kernel, slice count) the problem admits, best estimate first."""
     ranked = []
@@ -73,7 +86,7 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
             launch = LaunchConfig(kc, s)
             if launch.reject_reason(problem) is None:
                 ranked.append((estimate_us(problem, launch, sms), launch))
-    ranked.sort(key=lambda t: (t[0], t[1].name))
+    ranked.sort(key=lambda t: order_key(problem, t[0], t[1].kernel, t[1].name))
     return ranked
 
 

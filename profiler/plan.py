@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ..candidates import sm80_candidates
 from ..config import KernelConfig, LaunchConfig
-from ..heuristics import H200_SMS, estimate_us, split_k_slice_candidates
+from ..heuristics import H200_SMS, estimate_us, order_key, split_k_slice_candidates
 from ..problem import Conv2dProblem
 from ..types import KernelFamily, SplitKMode
 
@@ -29,6 +29,11 @@ log = logging.getLogger("cutlass_byoc.profiler.plan")
 
 DEFAULT_MAX_CANDIDATES = 8  # kernels per problem
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
+#: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
+#: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
+#: the 2.x estimate on the H200); beyond 8x they are 3.x kernels without split-k on a wgrad of few output tiles,
+#: which ran 8-10x slower than 2.x split-k there.
+OTHER_FAMILY_CUTOFF = 8.0
 
 
 def _sm90_enumerator() -> Optional[Callable[[Conv2dProblem], Iterable[KernelConfig]]]:
@@ -142,7 +147,7 @@ def launches_for(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_S
         launch = LaunchConfig(kernel, s)
         if launch.reject_reason(problem) is None:
             out.append((estimate_us(problem, launch, sms), launch))
-    out.sort(key=lambda t: (t[0], t[1].name))
+    out.sort(key=lambda t: order_key(problem, t[0], kernel, t[1].name))
     return out
 
 
@@ -162,8 +167,15 @@ def plan_problem(
             pruned.append(Pruned(kc.name, "no split-k count fits the problem"))
             continue
         by_family.setdefault(kc.family, []).append((launches[0][0], kc, launches))
-    for lst in by_family.values():
-        lst.sort(key=lambda t: (t[0], t[1].name))
+    for fam, lst in by_family.items():
+        lst.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
+        by_family[fam] = _spread_over_tiles(lst)
+    best_2x = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM, [(None,)])[0][0]
+    if best_2x is not None:  # hopeless candidates of the other families give their share back to 2.x
+        for fam in [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]:
+            by_family[fam] = [t for t in by_family[fam] if t[0] <= OTHER_FAMILY_CUTOFF * best_2x]
+            if not by_family[fam]:
+                del by_family[fam]
 
     # Budget: the families share max_candidates; 2.x first as the model is calibrated on it, the others get an
     # equal share each (at least one kernel) because the model cannot rank them against 2.x.
@@ -182,6 +194,20 @@ def plan_problem(
     cands = [Candidate(l, us) for _, _, launches in chosen for us, l in launches[:slices_per_kernel]]
     cands.sort(key=lambda c: (c.estimate_us, c.name))
     return ProblemPlan(problem, tuple(cands), len(valid), tuple(pruned))
+
+
+def _spread_over_tiles(ranked: list) -> list:
+    """The family's kernels, best first, reordered so the best kernel of each M x N tile shape comes before any
+    second kernel of a shape. Memory-bound layers (1x1 convs of few channels) tie in the model, which cannot tell
+    a 128x64 tile from a 64x64 one although they run up to 2x apart: a budget spent on one shape's K, stage and
+    iterator variants would leave the profiler nothing to choose from."""
+    seen: set[tuple[int, int]] = set()
+    firsts, rest = [], []
+    for t in ranked:
+        shape = t[1].tile[:2]
+        (firsts if shape not in seen else rest).append(t)
+        seen.add(shape)
+    return firsts + rest
 
 
 def plan_workload(

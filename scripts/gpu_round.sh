@@ -10,7 +10,8 @@
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy, the benchmark table)
 # offload-bench: `python -m cutlass_byoc.offload.bench` alone
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
-# machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, which nothing seeds.
+# machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
+# compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
 # Logs and machine-readable results go to $OUT (default ./out): at most 8 files per call come back from the device.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -23,6 +24,10 @@ TUNE_CACHE=${CB_TUNE_CACHE:-/tmp/cutlass-byoc-tune}
 if [ -f .kcache.tar.xz ] && [ ! -e "$CUTLASS_BYOC_CACHE_DIR/.seeded" ]; then
   mkdir -p "$CUTLASS_BYOC_CACHE_DIR" && tar -xJf .kcache.tar.xz -C "$CUTLASS_BYOC_CACHE_DIR" \
     && touch "$CUTLASS_BYOC_CACHE_DIR/.seeded" && echo "seeded the test cache from .kcache.tar.xz"
+fi
+if [ -f .tune-cache.tar.xz ] && [ ! -e "$TUNE_CACHE/.seeded" ]; then  # kernels only: every problem is still timed
+  mkdir -p "$TUNE_CACHE" && tar -xJf .tune-cache.tar.xz -C "$TUNE_CACHE" && touch "$TUNE_CACHE/.seeded" \
+    && echo "seeded the tune cache with kernels compiled elsewhere from .tune-cache.tar.xz: NOT a cold tune"
 fi
 export CUTLASS_BYOC_JOBS=${CUTLASS_BYOC_JOBS:-$(nproc)}
 

@@ -134,3 +134,33 @@ def test_narrow_strided_dgrad_is_planned_as_the_padded_problem_ops_runs():
     assert plan_problem(kp, 4).candidates
     q = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
     assert kernel_problem(q) is q
+
+
+def test_memory_bound_ties_spread_over_tile_shapes():
+    """A 1x1 conv of 64 channels is memory-bound: every tile ties in the model, so the budget goes to distinct M x N
+    shapes that do not pad N=64 (not to one shape's stage and iterator variants), and the default is one of them
+    with precomputed offsets."""
+    from cutlass_byoc.heuristics import default_launch
+
+    p = Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 1)
+    pp = plan_problem(p, 8)
+    sm80 = [k for k in pp.kernels if k.family is KernelFamily.SM80_IMPLICIT_GEMM]
+    shapes = {k.tile[:2] for k in sm80}
+    assert len(shapes) == len(sm80) >= 3
+    assert sum(1 for s in shapes if s[1] <= 64) >= 3
+    d = default_launch(p).kernel
+    assert d.tile[1] <= 64 and d.iterator is not IteratorAlgorithm.ANALYTIC
+
+
+def test_hopeless_other_family_candidates_give_their_share_back():
+    """wgrad of a 64x64 filter over N*P*Q = 100352: one output tile, so only split-k fills the GPU; the 3.x kernels
+    (no split-k) are estimated far beyond the cutoff and the whole budget goes to 2.x split-k launches."""
+    p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
+    pp = plan_problem(p, 8)
+    assert len(pp.kernels) == 8
+    assert all(k.family is KernelFamily.SM80_IMPLICIT_GEMM for k in pp.kernels)
+    assert max(c.launch.split_k_slices for c in pp.candidates) > 64
+    # where the model cannot tell (compute-bound 3x3), 3.x keeps its share
+    q = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
+    fams = {k.family for k in plan_problem(q, 8).kernels}
+    assert KernelFamily.SM90_TMA_WGMMA in fams or plan_mod._sm90_enumerator() is None
