@@ -21,7 +21,7 @@ from gpu_util import TOLERANCE, kernel_operands, operands, pick, poisoned_output
 
 pytestmark = pytest.mark.gpu
 
-SLICES = (1, 2, 4, 8, 16)
+SLICES = (1, 2, 4, 8, 16, 64, 256)  # the planner goes up to 256 slices for one output tile
 # ResNet-50 wgrad layers: C -> K, R, stride, H
 LAYERS = [(64, 64, 3, 1, 56), (64, 256, 1, 1, 56), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7), (128, 128, 3, 2, 56)]
 TILE = (128, 128, 32)
@@ -62,6 +62,9 @@ def test_wgrad_split_k(layer, mode, out):
         for slices in SLICES:
             launch = LaunchConfig(cfg, slices)
             why = launch.reject_reason(p)
+            if why and "exceed the reduction extent" in why:  # 256 slices of a 7x7 layer's N*P*Q at batch 32
+                assert slices * cfg.tile[2] > p.gemm_mnk[2]
+                continue
             if mode is SplitKMode.SERIAL and out == "f16" and slices > 1:
                 # serial slices would round partial sums to fp16 in the output between slices: refused
                 assert why and "parallel split-k" in why
@@ -79,8 +82,9 @@ def test_wgrad_split_k(layer, mode, out):
         # More slices never cost accuracy: fp32 partials, one final conversion.
         assert err <= 2 * errors[(batch, 1)] + floor, f"error grows with slices: {errors}"
         if out == "f16":
-            # fp16 outputs: the output rounding dominates, flat in the batch
-            assert err <= 2 * errors[(32, slices)] + floor, f"error grows with batch: {errors}"
+            # fp16 outputs: the output rounding dominates, flat in the batch (where batch 32 had that many slices)
+            if (32, slices) in errors:
+                assert err <= 2 * errors[(32, slices)] + floor, f"error grows with batch: {errors}"
         elif batch == 128 and (32, slices // 4) in errors:
             # fp32 outputs: the tensor cores' fp32 accumulation error grows with the length of each slice's
             # reduction (seen on the H200: exactly halved per doubling of slices), so 4x the batch on 4x the
