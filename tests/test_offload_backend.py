@@ -150,10 +150,13 @@ def test_torch_compile_with_inductor_inference_fuses_epilogues():
     assert [e.fused for e in rep.entries] == [("bias", "silu"), ("bias",)], rep.summary()
 
 
-def test_first_call_of_a_signature_is_checked_later_calls_go_direct():
+def test_first_call_of_a_signature_is_checked_later_calls_go_direct(monkeypatch):
     """A call signature's first call runs the checked public op; only once that succeeded do later calls go straight
-    to the launch; a failing first call falls back (reason recorded) and is checked again next time."""
-    sig = library._signature("fprop", (2, 16, 8, 8), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1, torch.float16,
+    to ops.run_problem (output allocated from the problem, channels_last); a failing first call falls back (reason
+    recorded) and is checked again next time."""
+    from cutlass_byoc import ops
+
+    sig = library._signature("fprop", (2, 16, 8, 8), (32, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1, torch.float16,
                              torch.float16, operand_dtypes=("test",))
     library._VALIDATED.discard(sig)
     library.RUNTIME.clear()
@@ -165,15 +168,19 @@ def test_first_call_of_a_signature_is_checked_later_calls_go_direct():
             raise UnsupportedConvError("input: planted failure")
         return torch.zeros(1)
 
-    def direct(problem, launch):
+    def run_problem(problem, a, b, out, source, config):
         seen.append("direct")
-        assert problem.n == 2 and launch is not None
-        return torch.ones(1)
+        assert problem.n == 2 and config is not None and source is None
+        assert tuple(out.shape) == (2, 32, 8, 8) and out.is_contiguous(memory_format=torch.channels_last)
+        assert out.dtype == torch.float16
 
-    what = lambda: "planted"  # noqa: E731
-    assert library._call("fprop", sig, "heuristic", checked, direct, what) is None
+    monkeypatch.setattr(ops, "run_problem", run_problem)
+    x, w = torch.zeros(2, 16, 8, 8), torch.zeros(32, 16, 3, 3)
+    call = lambda: library._call("fprop", sig, "heuristic", checked, lambda: (x, w, None),  # noqa: E731
+                                 torch.float16, lambda: "planted")
+    assert call() is None
     assert "planted failure" in library.RUNTIME.fallbacks["planted"]
-    assert library._call("fprop", sig, "heuristic", checked, direct, what).item() == 0
-    assert library._call("fprop", sig, "heuristic", checked, direct, what).item() == 1
+    assert call().shape == (1,)
+    assert call().shape == (2, 32, 8, 8)
     assert seen == ["checked", "checked", "direct"]
     library._VALIDATED.discard(sig)

@@ -112,11 +112,12 @@ def problem_for(sig: tuple):
 
 
 def _call(kind: str, sig: tuple, select: str, checked: Callable[[object], torch.Tensor],
-          direct: Callable[[object, object], torch.Tensor], what: Callable[[], str]) -> Optional[torch.Tensor]:
+          operands: Callable[[], tuple], out_dtype: torch.dtype, what: Callable[[], str]) -> Optional[torch.Tensor]:
     """Run a call on the kernels: its signature's first call through the checked public op of
-    :mod:`cutlass_byoc.ops` (`checked(launch)`), later ones straight to `ops.run_problem` (`direct(problem,
-    launch)`), which still validates a (problem, launch) pair it has not seen and every pointer's alignment.
-    None (with the reason recorded) when the call must run on PyTorch."""
+    :mod:`cutlass_byoc.ops` (`checked(launch)`), later ones straight to `ops.run_problem` on `operands()` (A, B and
+    the epilogue source, channels_last), which still validates a (problem, launch) pair it has not seen and every
+    pointer's alignment. None (with the reason recorded) when the call must run on PyTorch."""
+    from .. import ops  # noqa: PLC0415
     from ..select import choose  # noqa: PLC0415
 
     problem = problem_for(sig)
@@ -124,7 +125,11 @@ def _call(kind: str, sig: tuple, select: str, checked: Callable[[object], torch.
 
     def run() -> torch.Tensor:
         if sig in _VALIDATED:
-            return direct(problem, launch)
+            a, b, source = operands()
+            n, h, w, c = problem.out_shape
+            out = torch.empty((n, c, h, w), dtype=out_dtype, device=a.device, memory_format=CL)
+            ops.run_problem(problem, a, b, out, source, config=launch)
+            return out
         y = checked(launch)
         with _problem_lock:
             _VALIDATED.add(sig)
@@ -234,20 +239,14 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                          activation, "residual" if residual is not None else "bias" if bias is not None else "none",
                          (weight.dtype, src.dtype if src is not None else None))
 
-        def direct(problem, launch):
-            out = torch.empty((problem.n, problem.k, problem.p, problem.q), dtype=out_t, device=input.device,
-                              memory_format=CL)
-            ops.run_problem(problem, _cl(input), _cl(weight), out,
-                            _cl(residual) if residual is not None else bias.contiguous() if bias is not None else None,
-                            config=launch)
-            return out
-
         y = _call(
             "fprop", sig, select,
             lambda launch: ops.conv2d(_cl(input), _cl(weight), bias.contiguous() if bias is not None else None,
                                       _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
                                       residual=_cl(residual), out_dtype=out_t, config=launch),
-            direct,
+            lambda: (_cl(input), _cl(weight), _cl(residual) if residual is not None else
+                     bias.contiguous() if bias is not None else None),
+            out_t,
             lambda: f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}")
         if y is not None:
             return y
@@ -283,16 +282,11 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
         sig = _signature("dgrad", input_size, weight.shape, stride, padding, dilation, groups, grad_output.dtype,
                          out_t, operand_dtypes=(weight.dtype, tuple(grad_output.shape)))
 
-        def direct(problem, launch):
-            out = torch.empty(list(input_size), dtype=out_t, device=grad_output.device, memory_format=CL)
-            ops.run_problem(problem, _cl(grad_output), _cl(weight), out, config=launch)
-            return out
-
         y = _call(
             "dgrad", sig, select,
             lambda launch: ops.conv2d_dgrad(_cl(grad_output), _cl(weight), list(input_size), _pair(stride),
                                             _pair(padding), _pair(dilation), groups, out_dtype=out_t, config=launch),
-            direct,
+            lambda: (_cl(grad_output), _cl(weight), None), out_t,
             lambda: f"dgrad {tuple(grad_output.shape)}x{tuple(weight.shape)}->{tuple(input_size)} {grad_output.dtype}")
         if y is not None:
             return y
@@ -323,16 +317,11 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
         sig = _signature("wgrad", input.shape, weight_size, stride, padding, dilation, groups, input.dtype, out_t,
                          operand_dtypes=(grad_output.dtype, tuple(grad_output.shape)))
 
-        def direct(problem, launch):
-            out = torch.empty(list(weight_size), dtype=out_t, device=input.device, memory_format=CL)
-            ops.run_problem(problem, _cl(grad_output), _cl(input), out, config=launch)
-            return out
-
         y = _call(
             "wgrad", sig, select,
             lambda launch: ops.conv2d_wgrad(_cl(grad_output), _cl(input), list(weight_size), _pair(stride),
                                             _pair(padding), _pair(dilation), groups, out_dtype=out_t, config=launch),
-            direct,
+            lambda: (_cl(grad_output), _cl(input), None), out_t,
             lambda: f"wgrad {tuple(grad_output.shape)}x{tuple(input.shape)}->{tuple(weight_size)} "
                     f"{input.dtype}->{out_dtype}")
         if y is not None:
