@@ -170,8 +170,9 @@ def plan_problem(
     for fam, lst in by_family.items():
         lst.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
         by_family[fam] = _spread_over_tiles(lst)
-    best_2x = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM, [(None,)])[0][0]
-    if best_2x is not None:  # hopeless candidates of the other families give their share back to 2.x
+    sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
+    if sm80:  # hopeless candidates of the other families give their share back to 2.x
+        best_2x = sm80[0][0]
         for fam in [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]:
             by_family[fam] = [t for t in by_family[fam] if t[0] <= OTHER_FAMILY_CUTOFF * best_2x]
             if not by_family[fam]:

@@ -21,14 +21,15 @@ export PYTHONUNBUFFERED=1
 export CUTLASS_BYOC_CACHE_DIR=${CUTLASS_BYOC_CACHE_DIR:-/tmp/cutlass-byoc-cache}
 export CUTLASS_BYOC_TEST_CACHE_DIR=$CUTLASS_BYOC_CACHE_DIR
 TUNE_CACHE=${CB_TUNE_CACHE:-/tmp/cutlass-byoc-tune}
-if [ -f .kcache.tar.xz ] && [ ! -e "$CUTLASS_BYOC_CACHE_DIR/.seeded" ]; then
-  mkdir -p "$CUTLASS_BYOC_CACHE_DIR" && tar -xJf .kcache.tar.xz -C "$CUTLASS_BYOC_CACHE_DIR" \
-    && touch "$CUTLASS_BYOC_CACHE_DIR/.seeded" && echo "seeded the test cache from .kcache.tar.xz"
-fi
-if [ -f .tune-cache.tar.xz ] && [ ! -e "$TUNE_CACHE/.seeded" ]; then  # kernels only: every problem is still timed
-  mkdir -p "$TUNE_CACHE" && tar -xJf .tune-cache.tar.xz -C "$TUNE_CACHE" && touch "$TUNE_CACHE/.seeded" \
-    && echo "seeded the tune cache with kernels compiled elsewhere from .tune-cache.tar.xz: NOT a cold tune"
-fi
+seed() {  # seed ARCHIVE CACHE_DIR MESSAGE: unpack carried kernels into a cache, once per machine
+  if [ -f "$1" ] && [ ! -e "$2/.seeded" ]; then
+    mkdir -p "$2" && tar -xJf "$1" -C "$2" && touch "$2/.seeded" && echo "$3"
+  fi
+}
+seed .kcache.tar.xz "$CUTLASS_BYOC_CACHE_DIR" "seeded the test cache from .kcache.tar.xz"
+# kernels only: every problem is still planned, checked and timed
+seed .tune-cache.tar.xz "$TUNE_CACHE" \
+  "seeded the tune cache with kernels compiled elsewhere from .tune-cache.tar.xz: NOT a cold tune"
 export CUTLASS_BYOC_JOBS=${CUTLASS_BYOC_JOBS:-$(nproc)}
 
 # Always a fresh install (5 s): a warm machine keeps the previous call's /tmp, and a stale copy of the package
