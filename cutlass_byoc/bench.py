@@ -47,6 +47,7 @@ class BenchRow:
     ratio: Optional[float]  # cudnn_us / ours_us
     max_error: Optional[float]
     status: str  # "ok", "wrong", "error: ..."
+    depthwise: bool = False  # a depthwise layer (groups == C == K): memory-bound, compared in GB/s
 
     @property
     def metric(self) -> str:
@@ -93,6 +94,9 @@ class BenchReport:
             "worst": {"layer": w.layer, "kind": w.kind, "ratio": w.ratio, "ours_us": w.ours_us,
                       "cudnn_us": w.cudnn_us, "launch": w.launch} if w else None,
             "undecided": sum(1 for r in self.rows if r.chosen_by != "decision"),
+            "geomean_depthwise_by_kind": {
+                k.value: self.geomean(self._ratios([r for r in self.rows if r.depthwise and r.kind == k.value]))
+                for k in ConvKind},
         }
 
     def to_json(self) -> str:
@@ -215,7 +219,8 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     ws = settings or WorkerSettings()
     p = item.problem
     bound = "memory" if p.flops / p.bytes_moved < RIDGE_FLOP_PER_BYTE else "compute"
-    base = dict(layer=item.layer, kind=p.kind.value, problem=p.name, resnet50=item.resnet50, bound=bound)
+    base = dict(layer=item.layer, kind=p.kind.value, problem=p.name, resnet50=item.resnet50, bound=bound,
+                depthwise=p.is_depthwise)
     kp = kernel_problem(p)  # decisions are recorded for what the kernel computes (ops pads some strided dgrads)
     launch = lookup_decision(kp)
     chosen_by = "decision"

@@ -144,10 +144,17 @@ def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
     """Why no kernel family of this project computes `problem` (naming the parameter), or None if some can."""
     if problem.int32_overflow:
         return f"size: {problem.int32_overflow}"
+    if problem.is_depthwise:
+        from .depthwise import depthwise_candidates, depthwise_problem_error  # noqa: PLC0415
+
+        why = depthwise_problem_error(problem)
+        if why:
+            return f"depthwise: {why}"
+        if next(depthwise_candidates(problem), None) is None:
+            return "depthwise: no depthwise candidate accepts this problem"
+        return None
     if problem.groups != 1:
-        what = "depthwise (groups == C == K) kernels are not built yet" if problem.is_depthwise else \
-            "implicit-GEMM kernels need groups == 1"
-        return f"groups: {what}, got groups={problem.groups}"
+        return f"groups: implicit-GEMM kernels need groups == 1 (depthwise kernels groups == C == K), got groups={problem.groups}"
     if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
         return f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}"
     if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):

@@ -48,7 +48,9 @@ def _common(sub: bool = False) -> argparse.ArgumentParser:
 
 
 def _problem_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", nargs="?", help="JSON workload file (default: the embedded ResNet-50 workload)")
+    p.add_argument("workload", nargs="?",
+                   help="JSON workload file, or a named workload: default (ResNet-50, the default), depthwise "
+                        "(MobileNetV2 and EfficientNet-B0 depthwise layers) or all")
     g = p.add_argument_group("one problem from flags (instead of a workload)")
     g.add_argument("--kind", choices=["fprop", "dgrad", "wgrad", "all"], default=None)
     for name in ("n", "c", "h", "w", "k", "r", "s"):
@@ -111,12 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _items_from_args(args) -> list:
     from .problem import Conv2dProblem, ProblemError  # noqa: PLC0415
-    from .workloads import WorkloadError, WorkloadItem, default_workload, load_workload  # noqa: PLC0415
+    from .workloads import NAMED_WORKLOADS, WorkloadError, WorkloadItem, default_workload, load_workload, \
+        named_workload  # noqa: PLC0415
 
     flags = {n: getattr(args, n) for n in ("n", "c", "h", "w", "k", "r", "s")}
     if args.workload and (args.kind or any(v is not None for v in flags.values())):
         raise UsageError("give either a workload file or problem flags, not both")
     try:
+        if args.workload in NAMED_WORKLOADS and not Path(args.workload).exists():
+            kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+            return named_workload(args.workload, batch=args.batch, dtype=args.dtype, kinds=kinds, arch=args.arch)
         if args.workload:
             return load_workload(args.workload)
         if args.kind or any(v is not None for v in flags.values()):

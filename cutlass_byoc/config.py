@@ -26,6 +26,10 @@ def instruction_shape_for(math: MathOp) -> Shape3:
     return (16, 8, 8) if math is MathOp.TF32 else (16, 8, 16)
 
 
+#: Fields only the depthwise family sets; left out of to_dict when None (the other families' JSON predates them).
+_DEPTHWISE_ONLY = ("conv_stride", "halo_smem")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     family: KernelFamily
@@ -51,6 +55,11 @@ class KernelConfig:
     schedule: Optional[str] = None
     # direct depthwise only (family DEPTHWISE_DIRECT): filter size and stride fixed at compile time
     filter_rs: Optional[tuple[int, int]] = None
+    # direct depthwise only (see cutlass_byoc/depthwise.py; None elsewhere and then left out of to_dict, so the other
+    # families' sources and cache keys are unchanged): the compile-time stride, and whether a CTA stages its input
+    # halo in shared memory instead of reading it through L1.
+    conv_stride: Optional[tuple[int, int]] = None
+    halo_smem: Optional[bool] = None
 
     def __post_init__(self) -> None:
         err = self.static_error()
@@ -91,6 +100,10 @@ class KernelConfig:
 
     @property
     def name(self) -> str:
+        if self.family is KernelFamily.DEPTHWISE_DIRECT:
+            from .depthwise import depthwise_name  # noqa: PLC0415
+
+            return depthwise_name(self)
         fam = {KernelFamily.SM80_IMPLICIT_GEMM: "sm80", KernelFamily.SM90_TMA_WGMMA: "sm90",
                KernelFamily.DEPTHWISE_DIRECT: "dw"}[self.family]
         parts = [
@@ -114,6 +127,9 @@ class KernelConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        for f in _DEPTHWISE_ONLY:
+            if d[f] is None:
+                del d[f]
         return {k: (v.value if hasattr(v, "value") else (list(v) if isinstance(v, tuple) else v)) for k, v in d.items()}
 
     @classmethod
@@ -150,6 +166,12 @@ class KernelConfig:
             return "element_a and element_b must match"
         if self.kind is ConvKind.WGRAD and self.element_acc is not DType.F32:
             return "wgrad accumulates in f32"
+        if self.family is KernelFamily.DEPTHWISE_DIRECT:
+            from .depthwise import depthwise_static_error  # noqa: PLC0415
+
+            return depthwise_static_error(self)
+        if self.conv_stride is not None or self.halo_smem is not None:
+            return "conv_stride and halo_smem are fields of the depthwise family only"
         if self.stages < 2:
             return f"stages: expected >= 2, got {self.stages}"
         if self.swizzle not in (1, 2, 4, 8):
@@ -212,11 +234,10 @@ class KernelConfig:
         if problem.epilogue.activation is not self.activation:
             return f"activation: kernel applies {self.activation.value}, problem wants {problem.epilogue.activation.value}"
         if self.family is KernelFamily.DEPTHWISE_DIRECT:
-            if not problem.is_depthwise:
-                return "groups: depthwise kernels need groups == C == K"
-            if self.filter_rs != (problem.r, problem.s):
-                return f"filter: kernel is built for {self.filter_rs}, problem has {(problem.r, problem.s)}"
-        elif problem.groups != 1:
+            from .depthwise import depthwise_reject_reason  # noqa: PLC0415
+
+            return depthwise_reject_reason(self, problem)
+        if problem.groups != 1:
             return f"groups: implicit-GEMM kernels need groups == 1, got {problem.groups}"
         overflow = problem.int32_overflow
         if overflow:
@@ -262,6 +283,9 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.split_k_slices < 1:
             raise ValueError(f"split_k_slices: expected >= 1, got {self.split_k_slices}")
+        if self.split_k_slices > 1 and self.kernel.family is KernelFamily.DEPTHWISE_DIRECT \
+                and self.kernel.kind is not ConvKind.WGRAD:
+            raise ValueError("split_k_slices: only depthwise wgrad splits its reduction over N*P*Q")
         if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_TMA_WGMMA:
             raise ValueError("split_k_slices: CUTLASS 3.x conv kernels have no split-k")
 
@@ -273,6 +297,13 @@ class LaunchConfig:
         why = self.kernel.reject_reason(problem)
         if why:
             return why
+        if self.kernel.family is KernelFamily.DEPTHWISE_DIRECT:
+            from .depthwise import pixel_tiles  # noqa: PLC0415
+
+            tiles = pixel_tiles(self.kernel, problem)
+            if self.split_k_slices > tiles:
+                return f"split_k_slices: {self.split_k_slices} splits of the N*P*Q reduction exceed its {tiles} pixel tiles"
+            return None
         if self.split_k_slices > 1:
             k = self.kernel
             if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):

@@ -36,6 +36,10 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
     """Estimated microseconds of one launch (wave quantisation, tile efficiency, memory traffic, split-k overhead)."""
     c = launch.kernel
+    if c.family is KernelFamily.DEPTHWISE_DIRECT:
+        from .depthwise import estimate_us as depthwise_estimate_us  # noqa: PLC0415
+
+        return depthwise_estimate_us(problem, launch, sms)
     slices = launch.split_k_slices
     m, n, k = problem.gemm_mnk
     tm, tn, tk = c.tile
@@ -81,7 +85,8 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     """Every (kernel, slice count) the problem admits, best estimate first."""
     ranked = []
     for kc in kernels:
-        slices = split_k_slice_candidates(problem, kc.tile, sms) if kc.family is KernelFamily.SM80_IMPLICIT_GEMM else [1]
+        slices = split_k_slice_candidates(problem, kc.tile, sms) if kc.family is KernelFamily.SM80_IMPLICIT_GEMM else \
+            _depthwise_splits(problem, kc, sms) if kc.family is KernelFamily.DEPTHWISE_DIRECT else [1]
         for s in slices:
             launch = LaunchConfig(kc, s)
             if launch.reject_reason(problem) is None:
@@ -90,7 +95,18 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     return ranked
 
 
+def _depthwise_splits(problem: Conv2dProblem, kernel: KernelConfig, sms: int) -> list[int]:
+    from .depthwise import split_candidates  # noqa: PLC0415
+
+    return split_candidates(problem, kernel, sms)
+
+
 def default_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
-    """The model's best 2.x launch for `problem`, or None if no kernel can take it."""
+    """The model's best 2.x launch for `problem` (depthwise problems: the best depthwise launch), or None if no
+    kernel can take it."""
+    if problem.is_depthwise:
+        from .depthwise import default_depthwise_launch  # noqa: PLC0415
+
+        return default_depthwise_launch(problem, sms)
     ranked = rank(problem, sm80_candidates(problem), sms)
     return ranked[0][1] if ranked else None

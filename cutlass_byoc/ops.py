@@ -104,6 +104,11 @@ def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, s
     )
     if want == (k.align_a, k.align_b, k.align_c):
         return launch
+    if k.family is KernelFamily.DEPTHWISE_DIRECT:
+        from .depthwise import with_alignments  # noqa: PLC0415
+
+        narrowed = with_alignments(k, *want)
+        return launch if narrowed == k else dataclasses.replace(launch, kernel=narrowed)
     if k.family is not KernelFamily.SM80_IMPLICIT_GEMM:
         # TMA kernels need 16-byte aligned operands: an offset view runs on the 2.x family instead.
         fallback = default_launch(problem)

@@ -78,14 +78,41 @@ RESNET50_LAYERS: tuple[Layer, ...] = (
     Layer("l4_1x1_512_2048", 512, 2048, 1, 1, 7),
 )
 ODD_LAYERS: tuple[Layer, ...] = (Layer("odd_3x3_7_33", 7, 33, 3, 1, 56, resnet50=False),)
-#: MobileNetV2 depthwise layers: join the default workload when a kernel family of this build computes them.
-DEPTHWISE_LAYERS: tuple[Layer, ...] = (
-    Layer("mbv2_dw_96_s2_112", 96, 96, 3, 2, 112, groups=96, resnet50=False),
-    Layer("mbv2_dw_144_56", 144, 144, 3, 1, 56, groups=144, resnet50=False),
-    Layer("mbv2_dw_192_28", 192, 192, 3, 1, 28, groups=192, resnet50=False),
-    Layer("mbv2_dw_576_14", 576, 576, 3, 1, 14, groups=576, resnet50=False),
-    Layer("mbv2_dw_960_7", 960, 960, 3, 1, 7, groups=960, resnet50=False),
+
+
+def _dw(name: str, c: int, r: int, stride: int, hw: int) -> Layer:
+    return Layer(name, c, c, r, stride, hw, groups=c, resnet50=False)
+
+
+#: The distinct depthwise convs of torchvision's MobileNetV2 at 224x224 (C, RxS, stride, input HxW).
+MOBILENETV2_DW_LAYERS: tuple[Layer, ...] = (
+    _dw("mbv2_dw_32_112", 32, 3, 1, 112),
+    _dw("mbv2_dw_96_s2_112", 96, 3, 2, 112),
+    _dw("mbv2_dw_144_56", 144, 3, 1, 56),
+    _dw("mbv2_dw_144_s2_56", 144, 3, 2, 56),
+    _dw("mbv2_dw_192_28", 192, 3, 1, 28),
+    _dw("mbv2_dw_192_s2_28", 192, 3, 2, 28),
+    _dw("mbv2_dw_384_14", 384, 3, 1, 14),
+    _dw("mbv2_dw_576_14", 576, 3, 1, 14),
+    _dw("mbv2_dw_576_s2_14", 576, 3, 2, 14),
+    _dw("mbv2_dw_960_7", 960, 3, 1, 7),
 )
+#: The depthwise convs of torchvision's EfficientNet-B0 at 224x224 that MobileNetV2 does not already have (its
+#: 32ch 3x3 at 112, 96ch 3x3 s2 at 112 and 144ch 3x3 at 56 are the same problems).
+EFFICIENTNET_B0_DW_LAYERS: tuple[Layer, ...] = (
+    _dw("effb0_dw_144_5x5_s2_56", 144, 5, 2, 56),
+    _dw("effb0_dw_240_5x5_28", 240, 5, 1, 28),
+    _dw("effb0_dw_240_s2_28", 240, 3, 2, 28),
+    _dw("effb0_dw_480_14", 480, 3, 1, 14),
+    _dw("effb0_dw_480_5x5_14", 480, 5, 1, 14),
+    _dw("effb0_dw_672_5x5_14", 672, 5, 1, 14),
+    _dw("effb0_dw_672_5x5_s2_14", 672, 5, 2, 14),
+    _dw("effb0_dw_1152_5x5_7", 1152, 5, 1, 7),
+    _dw("effb0_dw_1152_7", 1152, 3, 1, 7),
+)
+#: The named workload "depthwise": the depthwise layers of MobileNetV2 and EfficientNet-B0 (batch 32). Kept out
+#: of the default workload so the ResNet-50 tune keeps its time; `cutlass-byoc tune depthwise` tunes them.
+DEPTHWISE_LAYERS: tuple[Layer, ...] = MOBILENETV2_DW_LAYERS + EFFICIENTNET_B0_DW_LAYERS
 
 
 def _items(layers: Iterable[Layer], kinds: Sequence[ConvKind], batch: int, dtype: DType) -> list[WorkloadItem]:
@@ -93,10 +120,9 @@ def _items(layers: Iterable[Layer], kinds: Sequence[ConvKind], batch: int, dtype
 
 
 def default_workload(batch: int = 32, dtype: DType | str = DType.F16, kinds: Sequence[ConvKind | str] = KINDS,
-                     depthwise: Optional[bool] = None, arch: int = 90) -> list[WorkloadItem]:
-    """The embedded workload. `depthwise=None` adds the depthwise layers only for kinds some kernel family of
-    this build can compute (none today: CUTLASS has no depthwise dgrad/wgrad and the planner has no depthwise
-    family yet)."""
+                     depthwise: Optional[bool] = False, arch: int = 90) -> list[WorkloadItem]:
+    """The embedded workload: ResNet-50 and the odd-channel layer. `depthwise=True` adds the depthwise layers
+    (the "depthwise" workload); `None` adds those some kernel family of this build computes."""
     kinds = [ConvKind(k) for k in kinds]
     dtype = DType(dtype)
     items = _items(RESNET50_LAYERS + ODD_LAYERS, kinds, batch, dtype)
@@ -108,6 +134,27 @@ def default_workload(batch: int = 32, dtype: DType | str = DType.F16, kinds: Seq
             dw = [it for it in dw if has_kernels(it.problem, arch)]
         items += dw
     return items
+
+
+def depthwise_workload(batch: int = 32, dtype: DType | str = DType.F16,
+                       kinds: Sequence[ConvKind | str] = KINDS) -> list[WorkloadItem]:
+    """The named workload "depthwise": MobileNetV2's and EfficientNet-B0's depthwise layers in every kind."""
+    return _items(DEPTHWISE_LAYERS, [ConvKind(k) for k in kinds], batch, DType(dtype))
+
+
+#: Workloads `cutlass-byoc tune NAME` and `bench NAME` accept instead of a JSON file.
+NAMED_WORKLOADS = {
+    "default": lambda **kw: default_workload(**kw),
+    "resnet50": lambda **kw: default_workload(**kw),
+    "depthwise": lambda **kw: depthwise_workload(**{k: v for k, v in kw.items() if k != "arch"}),
+    "all": lambda **kw: default_workload(**kw, depthwise=True),
+}
+
+
+def named_workload(name: str, **kw) -> list[WorkloadItem]:
+    if name not in NAMED_WORKLOADS:
+        raise WorkloadError(f"workload: expected a JSON file or one of {', '.join(NAMED_WORKLOADS)}, got {name!r}")
+    return NAMED_WORKLOADS[name](**kw)
 
 
 def _layer_problems(entry: dict, defaults: dict, where: str) -> list[WorkloadItem]:

@@ -4,6 +4,8 @@ model (`heuristics.estimate_us`), cut to a budget of kernels per problem, dedupl
 Kernel families:
 
 - CUTLASS 2.x implicit GEMM (`candidates.sm80_candidates`): always.
+- direct depthwise kernels (`cutlass_byoc.depthwise.depthwise_candidates`): always; they yield configs only for
+  depthwise problems (groups == C == K), which no other family takes.
 - CUTLASS 3.x TMA + wgmma (`cutlass_byoc.sm90.sm90_candidates`): an optional module written separately; it is
   imported inside ``try/except ImportError`` (the only optional import of the planner), and its configs join
   when the module exists. The analytic model only knows mma.sync ceilings, so each family gets its own share
@@ -21,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ..candidates import sm80_candidates
 from ..config import KernelConfig, LaunchConfig
+from ..depthwise import depthwise_candidates, split_candidates as depthwise_split_candidates
 from ..heuristics import H200_SMS, estimate_us, order_key, split_k_slice_candidates
 from ..problem import Conv2dProblem
 from ..types import KernelFamily, SplitKMode
@@ -63,7 +66,8 @@ def _import_cutlass_generator() -> None:
 def kernel_enumerators() -> list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]]:
     _import_cutlass_generator()
     out: list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]] = [
-        (KernelFamily.SM80_IMPLICIT_GEMM, sm80_candidates)
+        (KernelFamily.SM80_IMPLICIT_GEMM, sm80_candidates),
+        (KernelFamily.DEPTHWISE_DIRECT, depthwise_candidates),
     ]
     sm90 = _sm90_enumerator()
     if sm90 is not None:
@@ -138,8 +142,10 @@ def launches_for(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_S
     """(estimate, launch) for each slice count worth trying with `kernel`, best first."""
     if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
         slices = split_k_slice_candidates(problem, kernel.tile, sms)
+    elif kernel.family is KernelFamily.DEPTHWISE_DIRECT:
+        slices = depthwise_split_candidates(problem, kernel, sms)  # wgrad's splits of N*P*Q; [1] otherwise
     else:
-        slices = [1]  # the 3.x and depthwise kernels have no split-k
+        slices = [1]  # the 3.x kernels have no split-k
     out = []
     for s in slices:
         if s > 1 and kernel.split_k_mode is SplitKMode.NONE:

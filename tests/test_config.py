@@ -151,6 +151,7 @@ def test_unsupported_reason_names_the_parameter():
     from cutlass_byoc.candidates import unsupported_reason
 
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=2)).startswith("groups:")
-    assert "depthwise" in unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16))
+    assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16)) is None  # depthwise: the depthwise family
+    assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16, dilation=2)).startswith("depthwise: dilation")
     assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, dilation=2)).startswith("dilation:")
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3)) is None

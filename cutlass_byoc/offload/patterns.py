@@ -386,9 +386,14 @@ def _why_none(problem: Conv2dProblem) -> str:
 def kernel_for(problem: Conv2dProblem, options: OffloadOptions) -> LaunchConfig:
     """The launch the ops would use (at compile time), or Reject with the reason no kernel takes the problem."""
     if problem.is_depthwise:
-        raise Reject(f"depthwise: groups == C == K == {problem.c}; no depthwise kernels yet, left to PyTorch")
-    if problem.groups != 1:
-        raise Reject(f"groups: grouped conv (groups={problem.groups}); implicit-GEMM kernels need groups == 1")
+        from ..depthwise import depthwise_problem_error  # noqa: PLC0415
+
+        why = depthwise_problem_error(problem)
+        if why:
+            raise Reject(f"depthwise: {why}")
+    elif problem.groups != 1:
+        raise Reject(f"groups: grouped conv (groups={problem.groups}); implicit-GEMM kernels need groups == 1 "
+                     "and depthwise kernels groups == C == K")
     if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
         raise Reject(f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}")
     why = problem.int32_overflow

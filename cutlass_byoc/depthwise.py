@@ -1,0 +1,345 @@
+"""The direct depthwise family (groups == C == K, channel multiplier 1): fprop, dgrad and wgrad kernels of the
+project's own (templates/conv2d_depthwise_direct.cu.j2), for NHWC fp16/bf16/fp32 with fp32 accumulation.
+
+Depthwise convs are memory-bound (R*S multiply-adds per element moved), so the kernels are direct loops, not
+implicit GEMMs. A config (a `KernelConfig` of family DEPTHWISE_DIRECT) fixes:
+
+=============  ===============================================================================================
+field          meaning
+=============  ===============================================================================================
+tile           (rows, cols, channels): the CTA's tile of output pixels x channels (dgrad: of input-gradient
+               pixels; wgrad: the tile of dy pixels a CTA reduces per step)
+align_a        channels per thread, the vector width (8/4/2/1 elements, at most 16 bytes)
+warps          (warps, 1, 1): the CTA's threads / 32. Each thread computes `strip` consecutive output columns
+               of one row: strip = rows * cols * (channels / vector) / threads
+halo_smem      True: the CTA first stages its input halo (the input rows and columns its output tile reads) in
+               shared memory; False: every thread reads the input through L1
+filter_rs      R x S, compile-time (the tap loops unroll)
+conv_stride    the stride, compile-time (the sliding window along a thread's strip unrolls)
+split_k_mode   PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel tiles into fp32 partials in the
+               workspace, then a reduction kernel sums the slices and casts; the slice count is the launch's
+               `split_k_slices`. SERIAL (meaning: not split) for fprop and dgrad.
+align_b        fprop/dgrad: 1 (the filter, [C][R][S], is read per channel into shared memory once per CTA);
+               wgrad: x's alignment
+align_c        fprop/dgrad: the output's store width; wgrad: 1 (the reduction writes dw [C][R][S] per element)
+=============  ===============================================================================================
+
+Kernels:
+
+- fprop: a thread owns a vector of channels and `strip` output columns of one row; for each filter row it walks
+  the input window of its strip once ((strip - 1) * stride + S vectors), each loaded vector feeding every output
+  column whose tap it is, into fp32 accumulators; then bias / residual, activation, conversion and store.
+- dgrad, stride 1: the fprop loop on dy with the filter rotated 180 degrees and padding R-1-pad.
+- dgrad, stride > 1: each dx pixel sums only its valid taps, those with (h + pad - r) divisible by the stride (one
+  tap row in `stride`; no multiply by zero).
+- wgrad: a thread holds R*S*vector fp32 accumulators; for each dy pixel of its strip it reads the input window
+  like fprop. The CTA sums its threads through shared-memory atomics and writes one fp32 partial per split into
+  the workspace ([splits][R*S][C] floats); the reduction kernel writes dw = alpha * sum + beta * source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator, Optional
+
+from .config import KernelConfig, LaunchConfig
+from .problem import ALIGNMENTS, Conv2dProblem, max_alignment
+from .types import Activation, ConvKind, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode, StrideSupport
+
+#: Static shared memory a CTA may use without opting in (cudaFuncSetAttribute would need a device at load).
+SMEM_LIMIT = 48 * 1024
+#: fp32 accumulators a wgrad thread may hold (R*S*vector); past this the kernel spills.
+WGRAD_MAX_ACC = 128
+MAX_FILTER = 9
+MAX_STRIDE = 4
+H200_SMS = 132
+DRAM_GBS = 3800.0
+LAUNCH_US = 3.0
+
+
+# ---------------------------------------------------------------------------------------------- derived sizes
+def vector(c: KernelConfig) -> int:
+    return c.align_a
+
+
+def lanes(c: KernelConfig) -> int:
+    """Threads across the CTA's channels."""
+    return c.tile[2] // c.align_a
+
+
+def strip(c: KernelConfig) -> int:
+    """Consecutive output columns per thread."""
+    rows, cols, _ = c.tile
+    return rows * cols * lanes(c) // c.threads
+
+
+def is_flipped(c: KernelConfig) -> bool:
+    """Whether the kernel runs the fprop loop with the filter rotated (stride-1 dgrad)."""
+    return c.kind is ConvKind.DGRAD and c.conv_stride == (1, 1)
+
+
+def halo_shape(c: KernelConfig) -> tuple[int, int]:
+    """Input rows x columns a CTA's output tile reads (its halo)."""
+    rows, cols, _ = c.tile
+    (r, s), (sh, sw) = c.filter_rs, c.conv_stride
+    if is_flipped(c):
+        sh = sw = 1
+    return (rows - 1) * sh + r, (cols - 1) * sw + s
+
+
+def smem_bytes(c: KernelConfig) -> int:
+    r, s = c.filter_rs
+    filt = r * s * c.tile[2] * 4  # fprop/dgrad: the filter in fp32; wgrad: the CTA's fp32 reduction buffer
+    halo = 0
+    if c.halo_smem:
+        hh, ww = halo_shape(c)
+        halo = hh * ww * c.tile[2] * c.element_a.nbytes
+    return filt + halo
+
+
+def depthwise_name(c: KernelConfig) -> str:
+    rows, cols, ch = c.tile
+    parts = [
+        "cb_dw", c.kind.value,
+        f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
+        f"t{rows}x{cols}x{ch}_v{c.align_a}_w{c.warps[0]}",
+        "smem" if c.halo_smem else "l1",
+        f"align{c.align_a}{c.align_b}{c.align_c}",
+    ]
+    if c.split_k_mode is SplitKMode.PARALLEL:
+        parts.append("splitk_parallel")
+    if c.activation is not Activation.IDENTITY:
+        parts.append(c.activation.value)
+    if c.filter_rs:
+        parts.append(f"f{c.filter_rs[0]}x{c.filter_rs[1]}")
+    if c.conv_stride:
+        parts.append(f"u{c.conv_stride[0]}x{c.conv_stride[1]}")
+    parts.append(f"sm{c.arch}")
+    return "_".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- rules
+def depthwise_static_error(c: KernelConfig) -> Optional[str]:
+    """Why a DEPTHWISE_DIRECT config cannot be a kernel (called from KernelConfig.static_error)."""
+    if c.filter_rs is None or len(c.filter_rs) != 2 or not all(1 <= v <= MAX_FILTER for v in c.filter_rs):
+        return f"filter_rs: expected (R, S) with 1 <= R, S <= {MAX_FILTER}, got {c.filter_rs}"
+    if c.conv_stride is None or len(c.conv_stride) != 2 or not all(1 <= v <= MAX_STRIDE for v in c.conv_stride):
+        return f"conv_stride: expected (stride_h, stride_w) in 1..{MAX_STRIDE}, got {c.conv_stride}"
+    if c.halo_smem is None:
+        return "halo_smem: expected True or False for the depthwise family"
+    if c.stages != 1:
+        return f"stages: depthwise kernels have no pipeline, expected 1, got {c.stages}"
+    if c.iterator.value != "analytic" or c.stride_support is not StrideSupport.UNITY or c.swizzle != 1:
+        return "iterator/stride_support/swizzle: unused by the depthwise family, expected analytic/unity/1"
+    if c.cluster != (1, 1, 1) or c.schedule is not None:
+        return "cluster/schedule: fields of the sm90 family"
+    vec = c.align_a
+    for name, elem in (("align_a", c.element_a), ("align_b", c.element_b), ("align_c", c.element_kernel_out)):
+        a = getattr(c, name)
+        if a not in ALIGNMENTS or a * elem.bits > 128:
+            return f"{name}: expected one of {ALIGNMENTS} within 128 bits of {elem.value}, got {a}"
+    if c.kind is ConvKind.WGRAD:
+        if c.split_k_mode is not SplitKMode.PARALLEL:
+            return "split_k_mode: depthwise wgrad always reduces through fp32 partials (parallel)"
+        if c.align_b > vec or c.align_c != 1:
+            return f"alignments: depthwise wgrad reads x in chunks <= the vector ({vec}) and writes dw per element"
+        if c.activation is not Activation.IDENTITY:
+            return "activation: wgrad has no activation epilogue"
+        r, s = c.filter_rs
+        if r * s * vec > WGRAD_MAX_ACC:
+            return f"vector {vec}: a wgrad thread holds R*S*vector = {r * s * vec} fp32 accumulators, at most {WGRAD_MAX_ACC}"
+    else:
+        if c.split_k_mode is not SplitKMode.SERIAL:
+            return f"split_k_mode: depthwise {c.kind.value} has no split (expected serial, meaning none)"
+        if c.align_b != 1:
+            return "align_b: the depthwise filter [C][R][S] is read per element (align_b 1)"
+        if c.align_c > vec:
+            return f"align_c: stores at most the vector width {vec}, got {c.align_c}"
+        if c.kind is ConvKind.DGRAD and c.conv_stride != (1, 1) and c.halo_smem:
+            return "halo_smem: strided dgrad gathers its valid taps from dy directly (no halo)"
+        if c.kind is ConvKind.DGRAD and c.activation is not Activation.IDENTITY:
+            return "activation: dgrad has no activation epilogue"
+    rows, cols, ch = c.tile
+    if min(rows, cols, ch) < 1 or ch % vec:
+        return f"tile {c.tile}: expected positive rows, cols and channels a multiple of the vector {vec}"
+    if c.warps[1:] != (1, 1) or not 1 <= c.warps[0] <= 32:
+        return f"warps {c.warps}: expected (1..32, 1, 1)"
+    if (rows * cols * lanes(c)) % c.threads:
+        return f"tile {c.tile}: {rows * cols} pixels x {lanes(c)} channel vectors do not divide over {c.threads} threads"
+    if c.threads % lanes(c) or cols % strip(c):
+        return f"tile {c.tile}: a thread's strip of {strip(c)} columns must divide the {cols} columns"
+    if strip(c) > 8:
+        return f"tile {c.tile}: strips of {strip(c)} columns per thread, at most 8"
+    if smem_bytes(c) > SMEM_LIMIT:
+        return f"{smem_bytes(c)} bytes of shared memory, past the {SMEM_LIMIT} of static shared memory"
+    return None
+
+
+def depthwise_problem_error(problem: Conv2dProblem) -> Optional[str]:
+    """Why no depthwise kernel computes `problem` whatever its config (naming the parameter), or None."""
+    if not problem.is_depthwise:
+        return f"groups: depthwise kernels need groups == C == K, got groups={problem.groups} C={problem.c} K={problem.k}"
+    if problem.dilation_h != 1 or problem.dilation_w != 1:
+        return f"dilation: depthwise kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}"
+    if max(problem.r, problem.s) > MAX_FILTER:
+        return f"filter: depthwise kernels take R, S <= {MAX_FILTER}, got {problem.r}x{problem.s}"
+    if max(problem.stride_h, problem.stride_w) > MAX_STRIDE:
+        return f"stride: depthwise kernels take strides <= {MAX_STRIDE}, got {problem.stride_h}x{problem.stride_w}"
+    if problem.int32_overflow:
+        return f"size: {problem.int32_overflow}"
+    if problem.epilogue.source is SourceKind.BIAS and problem.kind is not ConvKind.FPROP:
+        return "source: only fprop broadcasts a bias"
+    return None
+
+
+def depthwise_reject_reason(c: KernelConfig, problem: Conv2dProblem) -> Optional[str]:
+    """The per-problem rule of a depthwise config (kind, types and activation are checked by the caller)."""
+    why = depthwise_problem_error(problem)
+    if why:
+        return why
+    if c.filter_rs != (problem.r, problem.s):
+        return f"filter: kernel is built for {c.filter_rs[0]}x{c.filter_rs[1]}, problem has {problem.r}x{problem.s}"
+    if c.conv_stride != (problem.stride_h, problem.stride_w):
+        return (f"stride: kernel is built for {c.conv_stride[0]}x{c.conv_stride[1]}, "
+                f"problem has {problem.stride_h}x{problem.stride_w}")
+    for name, a in (("A", c.align_a), ("B", c.align_b), ("output", c.align_c)):
+        if problem.c % a:
+            return f"alignment: {name}'s channel extent {problem.c} is not a multiple of the kernel's alignment {a}"
+    return None
+
+
+def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
+    """How many CTA pixel tiles cover the kernel's output (wgrad: dy), i.e. the most splits a wgrad can use."""
+    rows, cols, _ = c.tile
+    if c.kind is ConvKind.DGRAD:
+        h, w = problem.h, problem.w
+    else:
+        h, w = problem.p, problem.q
+    return problem.n * math.ceil(h / rows) * math.ceil(w / cols)
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+#: (rows, cols, channel vectors per CTA, warps): the CTA shapes proposed. A thread's strip is derived.
+SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (4, 8, 8, 4),    # 32 pixels x 8 vectors, 128 threads: strips of 2
+    (8, 8, 8, 4),    # 64 pixels x 8 vectors, 128 threads: strips of 4
+    (4, 16, 4, 4),   # 64 pixels x 4 vectors, 128 threads: strips of 2 (few channels)
+    (2, 8, 16, 4),   # 16 pixels x 16 vectors, 128 threads: strips of 2 (many channels)
+    (4, 8, 16, 8),   # 32 pixels x 16 vectors, 256 threads: strips of 2
+    (8, 16, 4, 4),   # 128 pixels x 4 vectors, 128 threads: strips of 4
+)
+
+
+def _config(problem: Conv2dProblem, shape, vec: int, halo: bool) -> KernelConfig:
+    rows, cols, nvec, warps = shape
+    p = problem
+    wgrad = p.kind is ConvKind.WGRAD
+    return KernelConfig(
+        family=KernelFamily.DEPTHWISE_DIRECT, kind=p.kind,
+        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
+        tile=(rows, cols, nvec * vec), warps=(warps, 1, 1), stages=1,
+        iterator=IteratorAlgorithm.ANALYTIC, stride_support=StrideSupport.UNITY,
+        align_a=vec, align_b=vec if wgrad else 1,
+        align_c=1 if wgrad else min(vec, max_alignment(p.c, p.element_out)),
+        split_k_mode=SplitKMode.PARALLEL if wgrad else SplitKMode.SERIAL,
+        activation=p.epilogue.activation,
+        filter_rs=(p.r, p.s), conv_stride=(p.stride_h, p.stride_w), halo_smem=halo,
+    )
+
+
+def _vectors(problem: Conv2dProblem) -> list[int]:
+    """Vector widths worth trying: the widest the channel count allows, and half of it (more threads per CTA)."""
+    widest = max_alignment(problem.c, problem.element_a)
+    if problem.kind is ConvKind.WGRAD:
+        while widest > 1 and problem.r * problem.s * widest > WGRAD_MAX_ACC:
+            widest //= 2
+    return [widest] + ([widest // 2] if widest >= 4 else [])
+
+
+def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
+    """Every depthwise config that can implement `problem` (before compiling); nothing for other problems."""
+    if depthwise_problem_error(problem) is not None:
+        return
+    seen = set()
+    for vec in _vectors(problem):
+        for shape in SHAPES:
+            if shape[2] * vec > max(problem.c, 4 * vec) * 2:
+                continue  # a channel tile more than twice C idles most of its threads
+            for halo in (False, True):
+                try:
+                    cfg = _config(problem, shape, vec, halo)
+                except ValueError:
+                    continue
+                if cfg not in seen and cfg.reject_reason(problem) is None:
+                    seen.add(cfg)
+                    yield cfg
+
+
+def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:
+    """wgrad split counts worth trying: powers of two putting about 1, 2 and 4 waves of CTAs on the GPU, each split
+    keeping at least 4 pixel tiles. Other kinds: [1]."""
+    if c.kind is not ConvKind.WGRAD:
+        return [1]
+    tiles = pixel_tiles(c, problem)
+    ctiles = math.ceil(problem.c / c.tile[2])
+    per_sm = max(1, min(2048 // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+    out = []
+    for waves in (1, 2, 4):
+        want = max(1, waves * sms * per_sm // ctiles)
+        s = 1 << max(0, math.floor(math.log2(want)))
+        s = max(1, min(s, tiles // 4 or 1))
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
+    """A memory model: compulsory bytes plus what the config adds (idle channel lanes, halo re-reads, wgrad
+    partials), at DRAM speed, with wave quantisation. It only ranks depthwise configs among themselves."""
+    c = launch.kernel
+    rows, cols, ch = c.tile
+    waste = math.ceil(problem.c / ch) * ch / problem.c
+    hh, ww = halo_shape(c)
+    sh, sw = (1, 1) if is_flipped(c) else c.conv_stride
+    reread = hh * ww / (rows * cols * sh * sw)  # input read per CTA over the input its tile owns
+    in_bytes = math.prod(problem.a_shape if c.kind is not ConvKind.WGRAD else problem.b_shape) * problem.element_a.nbytes
+    bytes_ = problem.bytes_moved + in_bytes * (reread - 1) * (0.15 if c.halo_smem else 0.3)
+    bytes_ *= waste
+    extra = 0.0
+    if c.kind is ConvKind.WGRAD:
+        bytes_ += 2 * launch.split_k_slices * problem.c * problem.r * problem.s * 4
+        extra += LAUNCH_US
+    ctas = pixel_tiles(c, problem) * math.ceil(problem.c / ch) if c.kind is not ConvKind.WGRAD else \
+        launch.split_k_slices * math.ceil(problem.c / ch)
+    per_sm = max(1, min(2048 // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+    waves = ctas / (sms * per_sm)
+    fill = waves / math.ceil(waves) if waves < 4 else 1.0
+    eff = min(1.0, (c.align_a * c.element_a.nbytes / 16) ** 0.5) * max(0.25, fill)
+    return bytes_ / (DRAM_GBS * 1e9 * eff) * 1e6 + LAUNCH_US + extra
+
+
+def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
+    """The model's best depthwise launch for `problem`, or None if no depthwise kernel computes it."""
+    best = None
+    for cfg in depthwise_candidates(problem):
+        for s in split_candidates(problem, cfg, sms):
+            launch = LaunchConfig(cfg, s)
+            if launch.reject_reason(problem) is not None:
+                continue
+            key = (round(estimate_us(problem, launch, sms), 1), cfg.halo_smem, launch.name)
+            if best is None or key < best[0]:
+                best = (key, launch)
+    return best[1] if best else None
+
+
+def with_alignments(c: KernelConfig, align_a: int, align_b: int, align_c: int) -> KernelConfig:
+    """This depthwise kernel for operands whose addresses allow only narrower accesses (a vector no wider than A's
+    alignment; the CTA keeps its number of channel vectors)."""
+    vec = min(c.align_a, align_a)
+    nvec = lanes(c)
+    wgrad = c.kind is ConvKind.WGRAD
+    return dataclasses.replace(
+        c, align_a=vec, tile=(c.tile[0], c.tile[1], nvec * vec),
+        align_b=min(align_b, vec) if wgrad else 1, align_c=1 if wgrad else min(align_c, vec),
+    )
