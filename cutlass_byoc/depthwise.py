@@ -283,7 +283,7 @@ def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SM
         return [1]
     tiles = pixel_tiles(c, problem)
     ctiles = math.ceil(problem.c / c.tile[2])
-    per_sm = max(1, min(2048 // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+    per_sm = 2  # resident CTAs per SM a wgrad CTA can count on (its R*S*vector accumulators take registers)
     out = []
     for waves in (1, 2, 4):
         want = max(1, waves * sms * per_sm // ctiles)

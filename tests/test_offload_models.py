@@ -1,6 +1,6 @@
 """CPU tests of the offload on whole models: the joint (forward + backward) aten graphs of ResNet-18/50 and MobileNetV2
 under bf16 autocast, traced on fake tensors as torch.compile traces them; every conv pass is found with the right kind,
-wgrad casts to fp32 fused, depthwise convs left with a reason; and an NCHW ResNet-18 partitioned by the backend
+wgrad casts to fp32 fused, depthwise convs offloaded to the depthwise kernels in all three passes; and an NCHW ResNet-18 partitioned by the backend
 (eager AOTAutograd variant) trains like eager."""
 
 from __future__ import annotations
@@ -30,28 +30,32 @@ def joint(request):
 def test_every_conv_pass_found_with_its_kind(joint):
     name, model, gm, rep = joint
     counts = conv_counts(model)
-    dense, dw = counts["dense"], counts["depthwise"]
-    assert rep.count(Pass.FPROP) == dense, rep.summary()
-    assert rep.count(Pass.WGRAD) == dense
-    assert rep.count(Pass.DGRAD) == dense - 1, "every dense conv but the first (the image needs no gradient)"
+    every = counts["all"]  # dense and depthwise convs alike
+    assert rep.count(Pass.FPROP) == every, rep.summary()
+    assert rep.count(Pass.WGRAD) == every
+    assert rep.count(Pass.DGRAD) == every - 1, "every conv but the first (the image needs no gradient)"
     assert rep.count(Pass.FPROP, None) == counts["all"]
     assert rep.count(Pass.WGRAD, None) == counts["all"]
     assert rep.count(Pass.DGRAD, None) == counts["all"] - 1
     calls = offloaded_calls(gm)
-    assert len([c for c in calls if c.target is library.FPROP]) == dense
-    assert len([c for c in calls if c.target is library.DGRAD]) == dense - 1
-    assert len([c for c in calls if c.target is library.WGRAD]) == dense
-    # what is left in aten is exactly the depthwise convs
-    assert len([n for n in gm.graph.nodes if n.target is aten.convolution.default]) == dw
-    assert len([n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]) == dw
+    assert len([c for c in calls if c.target is library.FPROP]) == every
+    assert len([c for c in calls if c.target is library.DGRAD]) == every - 1
+    assert len([c for c in calls if c.target is library.WGRAD]) == every
+    # nothing is left in aten
+    assert len([n for n in gm.graph.nodes if n.target is aten.convolution.default]) == 0
+    assert len([n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]) == 0
 
 
-def test_depthwise_left_with_reason(joint):
+def test_depthwise_offloaded_in_every_pass_on_the_depthwise_kernels(joint):
     name, model, gm, rep = joint
     dw = conv_counts(model)["depthwise"]
-    rejected = rep.rejected
-    assert len(rejected) == 3 * dw
-    assert all(e.reason.startswith("depthwise") for e in rejected), rep.summary()
+    assert not rep.rejected, rep.summary()
+    for kind in (Pass.FPROP, Pass.DGRAD, Pass.WGRAD):
+        entries = [e for e in rep.offloaded if e.kind is kind and "_g" in e.problem.split("_d1x1")[1][:2]]
+        assert len(entries) == dw, (kind, rep.summary())
+        assert all(e.kernel.startswith(f"cb_dw_{kind.value}_") for e in entries), rep.summary()
+    dense = [e for e in rep.offloaded if not e.kernel.startswith("cb_dw_")]
+    assert len(dense) == 3 * conv_counts(model)["dense"] - 1
 
 
 def test_wgrad_results_cast_to_fp32_master_weights_are_fused(joint):

@@ -267,17 +267,62 @@ def test_transposed_conv_runs_as_dgrad():
 
 
 # ---------------------------------------------------------------------------------------------- left to PyTorch
-def test_depthwise_and_grouped_left_with_reason(caplog):
-    m = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 16, 3, padding=1, groups=2))
+def test_depthwise_offloaded_grouped_and_dilated_depthwise_left_with_reason(caplog):
+    m = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 16, 3, padding=1, groups=2),
+                      nn.Conv2d(16, 16, 3, padding=2, dilation=2, groups=16))
     x = x_()
     with caplog.at_level(logging.INFO, logger="cutlass_byoc.offload"):
         gm, rep = explain(m, x, options=CPU, decompositions=None)
-    dw, grouped = rep.entries
-    assert not dw.offloaded and dw.reason.startswith("depthwise")
+    dw, grouped, dilated = rep.entries
+    assert dw.offloaded and dw.kind is Pass.FPROP and dw.fused == ("bias",), rep.summary()
+    assert dw.kernel.startswith("cb_dw_fprop_") and "_g8_" in dw.problem
     assert not grouped.offloaded and grouped.reason.startswith("groups")
-    assert "depthwise" in caplog.text
+    assert not dilated.offloaded and dilated.reason.startswith("depthwise: dilation"), dilated.reason
+    assert "groups" in caplog.text and "no depthwise kernels" not in caplog.text
     assert len([n for n in gm.graph.nodes if n.target is aten.convolution.default]) == 2
     assert close(run(gm, m, x), m(x))
+
+
+def test_depthwise_bias_and_activation_fused():
+    """A depthwise conv with its bias and SiLU (an EfficientNet-style block once BN is folded) in one kernel."""
+    m = Lambda(lambda c, x: F.silu(c[0](x)), nn.Conv2d(16, 16, 5, stride=2, padding=2, groups=16))
+    x = x_(c=16, h=9, w=9)
+    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.kind is Pass.FPROP and e.fused == ("bias", "silu"), rep.summary()
+    assert e.kernel.startswith("cb_dw_fprop_") and "_silu_f5x5_u2x2_" in e.kernel
+    assert close(run(gm, m, x), m(x))
+
+
+class _EfficientNetBlock(nn.Module):
+    """MBConv as in EfficientNet-B0: 1x1 expand, BN, SiLU; 5x5 depthwise stride 2, BN, SiLU; 1x1 project, BN."""
+
+    def __init__(self, cin=8, hidden=48, cout=16):
+        super().__init__()
+        self.expand = nn.Conv2d(cin, hidden, 1, bias=False)
+        self.bn0 = nn.BatchNorm2d(hidden)
+        self.dw = nn.Conv2d(hidden, hidden, 5, stride=2, padding=2, groups=hidden, bias=False)
+        self.bn1 = nn.BatchNorm2d(hidden)
+        self.project = nn.Conv2d(hidden, cout, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        y = F.silu(self.bn0(self.expand(x)))
+        y = F.silu(self.bn1(self.dw(y)))
+        return self.bn2(self.project(y))
+
+
+def test_efficientnet_block_training_offloads_depthwise_fprop_dgrad_and_wgrad():
+    torch.manual_seed(0)
+    m = _EfficientNetBlock()
+    x = x_(c=8, h=12, w=12, cl=True)
+    gm, rep = explain(m, x, training=True, options=CPU)
+    dw = [e for e in rep.entries if "_g48_" in (e.problem or "")]
+    assert sorted(e.kind.value for e in dw) == ["dgrad", "fprop", "wgrad"], rep.summary()
+    assert all(e.offloaded and e.kernel.startswith(f"cb_dw_{e.kind.value}_f32") for e in dw), rep.summary()
+    assert all("_f5x5_u2x2_" in e.kernel for e in dw)
+    assert not rep.rejected, rep.summary()
+    assert rep.count(Pass.FPROP) == 3 and rep.count(Pass.WGRAD) == 3 and rep.count(Pass.DGRAD) == 2
 
 
 def test_cpu_tensors_are_left_when_cuda_is_required():
@@ -355,6 +400,7 @@ def test_export_program_partitions():
     x = x_()
     ep = torch.export.export(m, (x,)).run_decompositions()
     rep = partition(ep.graph_module, CPU, name="export")
-    assert rep.count(Pass.FPROP) == 1 and rep.entries[0].fused == ("bias", "silu")
-    assert rep.rejected[0].reason.startswith("depthwise")
+    assert rep.count(Pass.FPROP) == 2 and rep.entries[0].fused == ("bias", "silu")
+    assert rep.entries[1].kernel.startswith("cb_dw_fprop_") and rep.entries[1].fused == ("bias",)
+    assert not rep.rejected
     assert close(ep.module()(x), m(x))
