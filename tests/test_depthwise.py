@@ -1,0 +1,253 @@
+"""CPU tests of the depthwise family: configs (fields, names, rules, JSON), candidates and splits, rendering, the
+planner, the model's default, the named workload and unsupported reasons (issue 12)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from cutlass_byoc import depthwise as dwmod
+from cutlass_byoc.candidates import sm80_candidates, unsupported_reason
+from cutlass_byoc.config import KernelConfig, LaunchConfig
+from cutlass_byoc.depthwise import (
+    default_depthwise_launch,
+    depthwise_candidates,
+    pixel_tiles,
+    split_candidates,
+    with_alignments,
+)
+from cutlass_byoc.heuristics import default_launch
+from cutlass_byoc.problem import Conv2dProblem, Epilogue
+from cutlass_byoc.profiler.plan import has_kernels, plan_problem
+from cutlass_byoc.render import render
+from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode
+from cutlass_byoc.workloads import DEPTHWISE_LAYERS, default_workload, depthwise_workload, named_workload
+
+
+def dw(kind="fprop", n=4, c=96, hw=15, r=3, stride=1, pad=None, **kw) -> Conv2dProblem:
+    return Conv2dProblem.make(kind, n, c, hw, hw, c, r, stride=stride, padding=r // 2 if pad is None else pad,
+                              groups=c, **kw)
+
+
+def first(problem, **want) -> KernelConfig:
+    return next(c for c in depthwise_candidates(problem) if all(getattr(c, k) == v for k, v in want.items()))
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("kind", list(ConvKind))
+@pytest.mark.parametrize("r, stride", [(3, 1), (3, 2), (5, 1), (5, 2), (7, 1), (7, 2)])
+def test_candidates_exist_and_are_valid_for_every_kind_filter_and_stride(kind, r, stride):
+    p = dw(kind.value, r=r, stride=stride)
+    cands = list(depthwise_candidates(p))
+    assert cands, p.name
+    assert len({c.name for c in cands}) == len(cands), "names are unique"
+    for c in cands:
+        assert c.family is KernelFamily.DEPTHWISE_DIRECT and c.static_error() is None
+        assert c.reject_reason(p) is None
+        assert c.filter_rs == (r, r) and c.conv_stride == (stride, stride)
+        assert c.name.startswith(f"cb_dw_{kind.value}_") and f"_f{r}x{r}_u{stride}x{stride}_" in c.name
+        assert (c.split_k_mode is SplitKMode.PARALLEL) == (kind is ConvKind.WGRAD)
+        if kind is ConvKind.WGRAD:
+            assert r * r * c.align_a <= dwmod.WGRAD_MAX_ACC and c.align_c == 1
+        else:
+            assert c.align_b == 1
+    assert {c.halo_smem for c in cands} == ({False} if kind is ConvKind.DGRAD and stride > 1 else {False, True})
+
+
+def test_vector_width_follows_the_channel_count():
+    assert {c.align_a for c in depthwise_candidates(dw(c=96))} == {8, 4}
+    assert {c.align_a for c in depthwise_candidates(dw(c=36))} == {4, 2}  # C not a multiple of 8
+    assert {c.align_a for c in depthwise_candidates(dw(c=7))} == {1}
+    assert {c.align_a for c in depthwise_candidates(dw(c=96, dtype="f32"))} == {4, 2}  # 16 bytes of fp32
+    fp32_out = first(dw(c=96, out_dtype="f32"), align_a=8)
+    assert fp32_out.align_c == 4  # 8 fp32 outputs stored as two 16-byte accesses
+    assert {c.align_a for c in depthwise_candidates(dw("wgrad", c=96, r=7))} == {2}  # 49 x 2 accumulators
+
+
+def test_config_json_round_trip_and_other_families_unchanged():
+    c = first(dw("wgrad"), halo_smem=True)
+    d = json.loads(c.to_json())
+    assert d["conv_stride"] == [1, 1] and d["halo_smem"] is True and d["filter_rs"] == [3, 3]
+    assert KernelConfig.from_dict(d) == c
+    launch = LaunchConfig(c, 8)
+    assert LaunchConfig.from_dict(json.loads(json.dumps(launch.to_dict()))) == launch
+    sm80 = next(sm80_candidates(Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 3, padding=1)))
+    assert "conv_stride" not in sm80.to_dict() and "halo_smem" not in sm80.to_dict()  # sources (cache keys) unchanged
+    with pytest.raises(ValueError, match="depthwise family only"):
+        dataclasses.replace(sm80, halo_smem=True)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(filter_rs=None), "filter_rs"),
+    (dict(filter_rs=(3, 11)), "filter_rs"),
+    (dict(conv_stride=None), "conv_stride"),
+    (dict(halo_smem=None), "halo_smem"),
+    (dict(stages=2), "stages"),
+    (dict(tile=(4, 8, 60)), "tile"),
+    (dict(warps=(3, 1, 1)), "tile"),
+    (dict(align_b=8), "align_b"),
+    (dict(split_k_mode=SplitKMode.PARALLEL, align_c=4), "split_k_mode"),
+    (dict(align_a=16), "align_a"),
+    (dict(tile=(16, 32, 64), warps=(4, 1, 1)), "strip"),
+])
+def test_static_errors_name_the_field(change, message):
+    c = first(dw(), halo_smem=False, align_a=8)
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(c, **change)
+
+
+def test_static_errors_of_wgrad_and_dgrad():
+    w = first(dw("wgrad"), align_a=8)
+    with pytest.raises(ValueError, match="split_k_mode"):
+        dataclasses.replace(w, split_k_mode=SplitKMode.SERIAL)
+    with pytest.raises(ValueError, match="accumulators"):
+        dataclasses.replace(w, filter_rs=(7, 7))
+    d = first(dw("dgrad", stride=2), align_a=8)
+    with pytest.raises(ValueError, match="halo_smem"):
+        dataclasses.replace(d, halo_smem=True)
+    big = first(dw(), halo_smem=True, align_a=8)
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(big, tile=(32, 32, 64), warps=(32, 1, 1))
+
+
+def test_reject_reason_names_what_does_not_fit():
+    c = first(dw(), align_a=8)
+    assert c.reject_reason(dw(r=5)).startswith("filter")
+    assert c.reject_reason(dw(stride=2)).startswith("stride")
+    assert c.reject_reason(dw(c=100)).startswith("alignment")
+    assert c.reject_reason(dw(dilation=2, pad=2)).startswith("dilation")
+    assert c.reject_reason(Conv2dProblem.make("fprop", 4, 96, 15, 15, 96, 3, padding=1, groups=2)).startswith("groups")
+    assert c.reject_reason(Conv2dProblem.make("fprop", 4, 96, 15, 15, 96, 3, padding=1)).startswith("groups")
+    assert c.reject_reason(dw(epilogue=Epilogue(Activation.RELU))).startswith("activation")
+    assert c.reject_reason(dw(hw=1000, c=96, n=64)) is not None  # past int32 indexing
+    assert c.reject_reason(dw(hw=7, n=1, pad=0)) is None  # one kernel serves every size
+    sm80 = next(sm80_candidates(Conv2dProblem.make("fprop", 4, 96, 15, 15, 96, 3, padding=1)))
+    assert sm80.reject_reason(dw()).startswith("groups")
+
+
+def test_splits_are_a_launch_parameter_of_wgrad_only():
+    f = first(dw(), align_a=8)
+    with pytest.raises(ValueError, match="only depthwise wgrad"):
+        LaunchConfig(f, 2)
+    p = dw("wgrad", n=32, hw=56)
+    w = first(p, align_a=8)
+    splits = split_candidates(p, w)
+    assert len(splits) >= 2 and all(s >= 1 for s in splits) and splits == sorted(splits)
+    assert all(LaunchConfig(w, s).reject_reason(p) is None for s in splits)
+    small = dw("wgrad", n=1, hw=8)
+    tiles = pixel_tiles(w, small)
+    assert "exceed" in LaunchConfig(w, tiles + 1).reject_reason(small)
+    assert split_candidates(dw(), f) == [1]
+
+
+def test_narrowing_to_pointer_alignment_keeps_a_valid_kernel():
+    c = first(dw(), align_a=8)
+    n = with_alignments(c, 2, 8, 8)
+    assert (n.align_a, n.align_b, n.align_c, n.tile[2]) == (2, 1, 2, c.tile[2] // 4)
+    assert n.static_error() is None and n.reject_reason(dw()) is None
+    w = first(dw("wgrad"), align_a=8)
+    nw = with_alignments(w, 8, 2, 8)
+    assert (nw.align_a, nw.align_b, nw.align_c) == (8, 2, 1) and nw.reject_reason(dw("wgrad")) is None
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+def test_render_fprop_with_epilogue():
+    p = dw(r=5, stride=2, epilogue=Epilogue(Activation.SILU, SourceKind.BIAS), out_dtype="f32")
+    c = first(p, halo_smem=True, align_a=8)
+    src = render(c, "nvcc test")
+    assert src.startswith(f"// {c.name}\n") and "// Compile: nvcc test" in src
+    assert "templates/conv2d_depthwise_direct.cu.j2" in src
+    assert "cutlass::epilogue::thread::SiLu<float>" in src
+    assert "using ElementOutput = float;" in src and "using Element = cutlass::half_t;" in src
+    assert "constexpr int kR = 5;" in src and "constexpr int kStrideW = 2;" in src
+    assert "__shared__ Vec halo[kHaloRows][kHaloCols][kLanes];" in src
+    assert src.count("cudaGetLastError") == 1 and "cb_workspace_size" in src
+    assert "reduce_kernel" not in src and "{{" not in src and "{%" not in src
+
+
+def test_render_dgrad_stride_1_is_rotated_fprop_and_strided_gathers_valid_taps():
+    flipped = render(first(dw("dgrad"), halo_smem=False), "nvcc")
+    assert "rotated 180 degrees" in flipped and "kTaps - 1 - tap" in flipped and "kR - 1 - int(x->pad_h)" in flipped
+    assert "constexpr int kStrideH = 1;" in flipped
+    strided = render(first(dw("dgrad", stride=2)), "nvcc")
+    assert "r += kStrideH" in strided and "s += kStrideW" in strided and "kTaps - 1 - tap" not in strided
+    assert "kWindow" not in strided and "no bias" in strided
+
+
+def test_render_wgrad_partials_and_reduction():
+    c = first(dw("wgrad", out_dtype="f32"), halo_smem=False)
+    src = render(c, "nvcc")
+    assert "reduce_kernel<<<" in src and "depthwise_kernel<<<" in src and src.count("cudaGetLastError") == 2
+    assert "x.split_k_slices * int64_t(kTaps) * x.c * int64_t(sizeof(float))" in src
+    assert "atomicAdd(&total[t]" in src and "using ElementOutput = float;" in src
+
+
+# ---------------------------------------------------------------------------------------------- planner, model
+def test_plan_and_default_launch_use_the_depthwise_family():
+    for kind in ConvKind:
+        p = dw(kind.value, n=32, c=144, hw=56)
+        plan = plan_problem(p, max_candidates=4)
+        assert plan.candidates and all(c.launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT for c in plan.candidates)
+        assert len(plan.kernels) == 4
+        if kind is ConvKind.WGRAD:
+            assert len({c.launch.split_k_slices for c in plan.candidates}) > 1
+        launch = default_launch(p)
+        assert launch is not None and launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT
+        assert launch == default_depthwise_launch(p) and launch.reject_reason(p) is None
+        assert has_kernels(p)
+    dense = plan_problem(Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 3, padding=1), max_candidates=4)
+    assert all(c.launch.kernel.family is not KernelFamily.DEPTHWISE_DIRECT for c in dense.candidates)
+
+
+def test_unsupported_reasons():
+    assert unsupported_reason(dw()) is None
+    assert unsupported_reason(dw("wgrad", dtype="bf16", out_dtype="f32")) is None
+    assert unsupported_reason(dw(dilation=2, pad=2)).startswith("depthwise: dilation")
+    assert unsupported_reason(dw(r=11)).startswith("depthwise: filter")
+    grouped = Conv2dProblem.make("fprop", 2, 16, 8, 8, 16, 3, groups=2)
+    assert unsupported_reason(grouped).startswith("groups:")
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+def test_depthwise_workload_is_named_and_out_of_the_default():
+    items = depthwise_workload()
+    assert len(items) == 3 * len(DEPTHWISE_LAYERS) == 3 * 19
+    assert all(it.problem.is_depthwise and it.problem.n == 32 and not it.resnet50 for it in items)
+    assert {(it.problem.r, it.problem.stride_h) for it in items} == {(3, 1), (3, 2), (5, 1), (5, 2)}
+    assert len({it.problem for it in items}) == len(items)
+    assert all(not it.problem.is_depthwise for it in default_workload())
+    assert named_workload("depthwise", kinds=["fprop"]) == depthwise_workload(kinds=["fprop"])
+    assert len(named_workload("all")) == len(default_workload()) + len(items)
+    assert all(unsupported_reason(it.problem) is None for it in items)
+
+
+def test_cli_accepts_the_named_workload():
+    from cutlass_byoc.cli import _items_from_args, build_parser
+
+    args = build_parser().parse_args(["tune", "depthwise", "--kinds", "wgrad"])
+    items = _items_from_args(args)
+    assert len(items) == 19 and all(it.kind is ConvKind.WGRAD for it in items)
+    args = build_parser().parse_args(["bench", "depthwise", "--batch", "8"])
+    assert all(it.problem.n == 8 for it in _items_from_args(args))
+
+
+def test_bench_rows_are_flagged_depthwise():
+    from cutlass_byoc.bench import BenchReport, BenchRow
+
+    row = BenchRow(layer="mbv2_dw_96_s2_112", kind="fprop", problem=dw().name, resnet50=False, bound="memory",
+                   launch="x", chosen_by="decision", ours_us=10.0, cudnn_us=12.0, ours_tflops=None,
+                   cudnn_tflops=None, ours_gbs=2000.0, cudnn_gbs=1666.0, ratio=1.2, max_error=0.0, status="ok",
+                   depthwise=True)
+    d = json.loads(BenchReport((row,), "H200", "2", 9).to_json())
+    assert d["rows"][0]["depthwise"] is True
+    assert d["summary"]["geomean_depthwise_by_kind"]["fprop"] == pytest.approx(1.2)
+
+
+def test_element_types_of_the_family():
+    for dt, out in (("f16", "f16"), ("bf16", "bf16"), ("f16", "f32"), ("bf16", "f32"), ("f32", "f32")):
+        for kind in ConvKind:
+            p = dw(kind.value, dtype=dt, out_dtype=out)
+            c = first(p)
+            assert c.element_a is DType(dt) and c.element_out is DType(out) and c.element_acc is DType.F32
