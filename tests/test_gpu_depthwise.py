@@ -1,0 +1,224 @@
+"""GPU correctness of the depthwise kernels (issue 12) against float64 PyTorch on fresh random inputs, outputs
+poisoned with NaN first: fprop, dgrad and wgrad; 3x3, 5x5 and 7x7; stride 1 and 2; odd H and W; C not a multiple
+of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the public ops.
+
+Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (about 24,
+all with one CTA shape per kind, compiled in one parallel build): each kernel is reused over several shapes."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cutlass_byoc import ops  # noqa: E402
+from cutlass_byoc.build import build  # noqa: E402
+from cutlass_byoc.config import KernelConfig, LaunchConfig  # noqa: E402
+from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles, with_alignments  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
+
+from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = (4, 8, 8)  # the CTA shape of every kernel here: 4x8 pixels x 8 channel vectors (128 threads, strips of 2)
+
+
+def problem_of(kind, c, h, w, r, stride, dt=("f16", "f16"), n=3, pad=None, epilogue=Epilogue()):
+    return Conv2dProblem.make(kind, n, c, h, w, c, r, stride=stride, padding=r // 2 if pad is None else pad,
+                              groups=c, dtype=dt[0], out_dtype=dt[1], epilogue=epilogue)
+
+
+def kernel(problem: Conv2dProblem, vec: int, halo: bool) -> KernelConfig:
+    """The config of the fixed CTA shape with this vector width and halo staging for the problem's kind, types,
+    activation, filter and stride (the widest vector C=96 admits, narrowed where `vec` is narrower)."""
+    wide = problem.replace(c=96, k=96, groups=96)
+    for c in depthwise_candidates(wide):  # widest vector first
+        if c.halo_smem == halo and c.tile[:2] == SHAPE[:2] and c.tile[2] == SHAPE[2] * c.align_a:
+            assert c.align_a >= vec, (c.name, vec)
+            return c if c.align_a == vec else with_alignments(c, vec, vec, vec)
+    raise AssertionError(f"no {SHAPE} config for {wide.name}")
+
+
+# (kind, dtypes, R, stride, vector, halo in smem): the kernels, each run on every shape of SHAPES below that its
+# vector width divides C of.
+KERNELS = [
+    ("fprop", ("f16", "f16"), 3, 1, 8, False),
+    ("fprop", ("f16", "f16"), 3, 2, 4, True),
+    ("fprop", ("f16", "f16"), 5, 2, 8, True),
+    ("fprop", ("f16", "f16"), 7, 1, 4, False),
+    ("fprop", ("bf16", "bf16"), 3, 1, 4, True),
+    ("dgrad", ("f16", "f16"), 3, 1, 8, True),
+    ("dgrad", ("f16", "f16"), 3, 2, 4, False),
+    ("dgrad", ("f16", "f16"), 5, 1, 4, False),
+    ("dgrad", ("f16", "f16"), 7, 2, 8, False),
+    ("dgrad", ("bf16", "bf16"), 3, 2, 8, False),
+    ("wgrad", ("f16", "f16"), 3, 1, 8, False),
+    ("wgrad", ("f16", "f32"), 3, 2, 4, True),
+    ("wgrad", ("f16", "f16"), 5, 2, 4, False),
+    ("wgrad", ("f16", "f32"), 7, 1, 2, True),
+    ("wgrad", ("bf16", "f32"), 3, 1, 4, False),
+]
+# (C, H, W): odd sizes, C a multiple of 8 and not, a tile-sized and a one-pixel-wide image
+SHAPES = [(96, 15, 13), (36, 17, 9), (20, 6, 31), (64, 1, 11)]
+
+EPI_KERNEL_DT = ("f16", "f16")
+EPILOGUES = [Epilogue(Activation.RELU, SourceKind.BIAS), Epilogue(Activation.RELU, SourceKind.RESIDUAL),
+             Epilogue(Activation.SILU, SourceKind.BIAS), Epilogue(Activation.GELU), Epilogue(Activation.HARDSWISH),
+             Epilogue(Activation.SIGMOID), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)]
+
+
+def cases():
+    return [(kind, dt, r, stride, vec, halo, c, h, w)
+            for kind, dt, r, stride, vec, halo in KERNELS for c, h, w in SHAPES if c % vec == 0]
+
+
+CASES = cases()
+
+
+def epilogue_problems(epilogue):
+    """fp16 3x3 stride 1; and for SiLU + bias also fp16 in, fp32 out, stride 2."""
+    out = [problem_of("fprop", 96, 15, 13, 3, 1, ("f16", "f16"), epilogue=epilogue)]
+    if epilogue == EPILOGUES[2]:
+        out.append(problem_of("fprop", 96, 15, 13, 3, 2, ("f16", "f32"), epilogue=epilogue))
+    return out
+
+
+def epilogue_kernel(problem):
+    return kernel(problem, 8, problem.epilogue.source is SourceKind.RESIDUAL and problem.stride_h == 1)
+
+
+def epilogue_kernels():
+    return [epilogue_kernel(p) for e in EPILOGUES for p in epilogue_problems(e)]
+
+
+def all_kernels():
+    ks = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo) for kind, dt, r, stride, vec, halo in KERNELS]
+    return list(dict.fromkeys(ks + epilogue_kernels()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt(shared_cache, monkeypatch_module):
+    """Compile every kernel of this module in one parallel build (and make ops use that cache)."""
+    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
+    if os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
+        return None
+    return build(all_kernels(), cache=shared_cache, progress=True)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def run_checked(problem, cfg, seed, splits=1, source=None, ref=None, x=None, w=None, dy=None):
+    if x is None:
+        x, w, dy = operands(problem, seed)
+    a, b = kernel_operands(problem, x, w, dy)
+    out = poisoned_output(problem)
+    ops.run_problem(problem, a, b, out, source, config=LaunchConfig(cfg, splits))
+    torch.cuda.synchronize()
+    if ref is None:
+        ref = reference(problem, x, w, dy)
+    err = rel_err(out, ref)
+    bound = TOLERANCE[problem.element_out]
+    assert not math.isnan(err), f"{cfg.name}: NaN in output (unwritten or invalid) for {problem.name}"
+    assert err < bound, f"{cfg.name} on {problem.name} ({splits} splits): relative error {err:.3e} >= {bound}"
+    return err
+
+
+@pytest.mark.parametrize("kind, dt, r, stride, vec, halo, c, h, w", CASES,
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-{'smem' if hl else 'l1'}-c{c}-{h}x{w}"
+                              for k, d, r, s, v, hl, c, h, w in CASES])
+def test_kind_filter_stride_shape(kind, dt, r, stride, vec, halo, c, h, w):
+    problem = problem_of(kind, c, h, w, r, stride, dt)
+    cfg = kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo)
+    assert cfg.reject_reason(problem) is None
+    splits = 1
+    if kind == "wgrad":  # a few splits of N*P*Q, never more than there are pixel tiles
+        splits = min(5, pixel_tiles(cfg, problem))
+    run_checked(problem, cfg, seed=hash((kind, dt, r, stride, c, h, w)) % 2**31, splits=splits)
+
+
+@pytest.mark.parametrize("pad", [0, 2, 3])
+def test_other_paddings(pad):
+    """Padding other than R // 2 (stride-1 dgrad then runs with padding R-1-pad, negative for pad 3)."""
+    for kind, stride in (("fprop", 1), ("dgrad", 1), ("dgrad", 2), ("wgrad", 2)):
+        vec = 4 if (kind, stride) in (("dgrad", 2), ("wgrad", 2)) else 8
+        halo = (kind, stride) in (("dgrad", 1), ("wgrad", 2))
+        dt = ("f16", "f32") if kind == "wgrad" else ("f16", "f16")
+        problem = problem_of(kind, 96, 15, 13, 3, stride, dt, pad=pad)
+        run_checked(problem, kernel(problem, vec, halo), seed=pad, splits=3 if kind == "wgrad" else 1)
+
+
+def test_wgrad_split_counts():
+    problem = problem_of("wgrad", 96, 28, 28, 3, 1, ("f16", "f16"), n=8)
+    cfg = kernel(problem, 8, False)
+    x, w, dy = operands(problem, 5)
+    ref = reference(problem, x, w, dy)
+    tiles = pixel_tiles(cfg, problem)
+    for splits in (1, 2, 7, 64, tiles):
+        run_checked(problem, cfg, 5, splits=splits, ref=ref, x=x, w=w, dy=dy)
+
+
+def test_wgrad_accumulates_into_a_residual():
+    problem = problem_of("wgrad", 96, 15, 13, 3, 1, ("f16", "f16"), epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    cfg = kernel(problem_of("wgrad", 96, 15, 13, 3, 1), 8, False)
+    x, w, dy = operands(problem, 9)
+    prev = torch.randn(w.shape, device="cuda").to(w.dtype).contiguous(memory_format=torch.channels_last)
+    ref = reference(problem, x, w, dy) + prev.double()
+    run_checked(problem, cfg, 9, splits=4, source=prev, ref=ref, x=x, w=w, dy=dy)
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
+def test_fused_epilogues(epilogue):
+    for problem in epilogue_problems(epilogue):
+        cfg = epilogue_kernel(problem)
+        stride = problem.stride_h
+        x, w, _ = operands(problem, seed=7)
+        out_t = TORCH[problem.element_out]
+        ref = torch.nn.functional.conv2d(x.double(), w.double(), None, stride, 1, 1, problem.c)
+        source = None
+        if epilogue.source is SourceKind.BIAS:
+            source = torch.randn(problem.k, device="cuda").to(out_t)
+            ref = ref + source.double().view(1, -1, 1, 1)
+        elif epilogue.source is SourceKind.RESIDUAL:
+            source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
+            ref = ref + source.double()
+        ref = ops._apply_activation(ref, epilogue.activation)
+        run_checked(problem, cfg, 7, source=source, ref=ref, x=x, w=w)
+
+
+def test_public_ops_run_depthwise_on_the_depthwise_kernels():
+    """ops.conv2d / convolution_backward with groups == C through the model's default launch."""
+    problem = problem_of("fprop", 32, 20, 20, 3, 2, n=4)
+    x, w, dy = operands(problem, seed=3)
+    bias = torch.randn(32, device="cuda", dtype=torch.float16)
+    y = ops.conv2d(x, w, bias, stride=2, padding=1, groups=32, activation="silu", select="heuristic")
+    ref = torch.nn.functional.silu(torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), 2, 1, 1, 32))
+    assert rel_err(y, ref) < 1e-2 and y.is_contiguous(memory_format=torch.channels_last)
+    gi, gw, _ = ops.convolution_backward(dy, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 32,
+                                         [True, True, False], select="heuristic")
+    assert rel_err(gi, torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), 2, 1, 1, 32)) < 1e-2
+    assert rel_err(gw, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), 2, 1, 1, 32)) < 1e-2
+    gw32 = ops.conv2d_wgrad(dy, x, w.shape, 2, 1, 1, 32, out_dtype=torch.float32, select="heuristic")
+    assert gw32.dtype == torch.float32
+    assert rel_err(gw32, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), 2, 1, 1, 32)) < 5e-3
+
+
+def test_misaligned_pointer_runs_a_narrower_vector():
+    problem = problem_of("fprop", 64, 16, 16, 3, 1, n=2)
+    x, w, _ = operands(problem, seed=11)
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+    shifted = buf[1:].view(2, 16, 16, 64).permute(0, 3, 1, 2)  # channels_last, address 2 bytes off
+    shifted.copy_(x)
+    assert shifted.is_contiguous(memory_format=torch.channels_last) and shifted.data_ptr() % 16 == 2
+    out = poisoned_output(problem)
+    ops.run_problem(problem, shifted, w, out, select="heuristic")
+    assert rel_err(out, reference(problem, x, w, None)) < 1e-2
