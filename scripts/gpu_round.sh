@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU round, the same every session: install, gpu tests, tune, bench, offload. Run on the H200 machine from
 # the repository root (the device tool does), with the nvidia-cutlass (+ platformdirs) wheels in .whl/ beside it:
-#   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload] [offload-bench]   (no argument: the first four)
+#   bash scripts/gpu_round.sh [tests] [tune] [bench] [tune-depthwise] [bench-depthwise] [offload] [offload-bench]
+#   (no argument: all but offload-bench)
 # tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them)
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
 #           that must compile and time nothing; the tuned cache is exported to $OUT/tuned.tar.gz
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
 #           when the cache is empty, e.g. on a fresh machine)
+# tune-depthwise, bench-depthwise: the same for the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
+#           depthwise layers, batch 32) into the same tune cache; bench rows carry "depthwise": true
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy, the benchmark table)
 # offload-bench: `python -m cutlass_byoc.offload.bench` alone
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
@@ -16,7 +19,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune bench offload)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune bench tune-depthwise bench-depthwise offload)
 export PYTHONUNBUFFERED=1
 export CUTLASS_BYOC_CACHE_DIR=${CUTLASS_BYOC_CACHE_DIR:-/tmp/cutlass-byoc-cache}
 export CUTLASS_BYOC_TEST_CACHE_DIR=$CUTLASS_BYOC_CACHE_DIR
@@ -81,6 +84,16 @@ for step in "${steps[@]}"; do
         2>&1 | tee "$OUT/bench.log" || rc=1
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --split-k --json "$OUT/bench-splitk.json" \
         2>&1 | tee -a "$OUT/bench.log" || rc=1 ;;
+    tune-depthwise)
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune depthwise --verbose --json "$OUT/tune-depthwise.json" \
+        2>&1 | tee "$OUT/tune-depthwise.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1 ;;
+    bench-depthwise)
+      if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
+        CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
+      fi
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench depthwise --no-progress \
+        --json "$OUT/bench-depthwise.json" 2>&1 | tee "$OUT/bench-depthwise.log" || rc=1 ;;
     offload)
       (cd tests && python3 -m pytest -m gpu -q -s -p no:cacheprovider \
         --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
