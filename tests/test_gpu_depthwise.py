@@ -19,7 +19,7 @@ from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.config import KernelConfig, LaunchConfig  # noqa: E402
 from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles, with_alignments  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
-from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
+from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
 
