@@ -1,0 +1,105 @@
+"""The depthwise kernels' own source, run on the CPU (tests/emulate_cuda.py: g++ and an emulation of the CUDA
+launch model) against float64 PyTorch, outputs poisoned with NaN: every kind, the rotated and the valid-tap dgrad,
+halo staging and L1 reads, odd sizes, C not a multiple of 8, fp16/bf16 in, fp32 out, wgrad splits and residual,
+fused epilogues, and the model's default launches. Checks the index arithmetic without a GPU (the GPU tests in
+test_gpu_depthwise.py check the real thing on the H200)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import emulate_cuda  # noqa: E402
+from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles  # noqa: E402
+from cutlass_byoc.heuristics import default_launch  # noqa: E402
+from cutlass_byoc.ops import _apply_activation  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
+
+from gpu_util import TOLERANCE, TORCH  # noqa: E402
+
+pytestmark = [pytest.mark.compile,
+              pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
+
+
+def problem_of(kind, c, h, w, r, stride, dt=("f16", "f16"), n=2, pad=None, epilogue=Epilogue()):
+    return Conv2dProblem.make(kind, n, c, h, w, c, r, stride=stride, padding=r // 2 if pad is None else pad,
+                              groups=c, dtype=dt[0], out_dtype=dt[1], epilogue=epilogue)
+
+
+def config(problem, vec, halo, tile=(4, 8)):
+    wide = problem.replace(c=96, k=96, groups=96)
+    return next(c for c in depthwise_candidates(wide)
+                if c.align_a == vec and c.halo_smem == halo and c.tile[:2] == tile and c.tile[2] == 8 * vec)
+
+
+def check(problem, cfg, splits=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p, cl = problem, torch.channels_last
+    dt, ot = TORCH[p.element_a], TORCH[p.element_out]
+    x = torch.randn(p.n, p.c, p.h, p.w, generator=g).to(dt).contiguous(memory_format=cl)
+    w = torch.randn(p.k, 1, p.r, p.s, generator=g).to(dt).contiguous(memory_format=cl)
+    dy = torch.randn(p.n, p.k, p.p, p.q, generator=g).to(dt).contiguous(memory_format=cl)
+    st, pd = (p.stride_h, p.stride_w), (p.pad_h, p.pad_w)
+    if p.kind.value == "fprop":
+        a, b, ref = x, w, torch.nn.functional.conv2d(x.double(), w.double(), None, st, pd, 1, p.c)
+    elif p.kind.value == "dgrad":
+        a, b, ref = dy, w, torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), st, pd, 1, p.c)
+    else:
+        a, b, ref = dy, x, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), st, pd, 1, p.c)
+    source = None
+    if p.epilogue.source is SourceKind.BIAS:
+        source = torch.randn(p.k, generator=g).to(ot)
+        ref = ref + source.double().view(1, -1, 1, 1)
+    elif p.epilogue.source is SourceKind.RESIDUAL:
+        source = torch.randn(ref.shape, generator=g).to(ot).contiguous(memory_format=cl)
+        ref = ref + source.double()
+    ref = _apply_activation(ref, p.epilogue.activation)
+    out = torch.full(ref.shape, float("nan"), dtype=ot).contiguous(memory_format=cl)
+    emulate_cuda.run(cfg, p, a, b, out, source, splits)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert not math.isnan(err), f"{cfg.name}: NaN in the output of {p.name} (unwritten)"
+    assert err < TOLERANCE[p.element_out], f"{cfg.name} on {p.name} ({splits} splits): relative error {err:.2e}"
+
+
+def test_fprop_halo_strided_with_bias_and_silu_on_odd_channels():
+    p = problem_of("fprop", 36, 17, 9, 3, 2, epilogue=Epilogue(Activation.SILU, SourceKind.BIAS))
+    check(p, config(p, 4, True))
+
+
+def test_fprop_bf16_to_fp32_5x5_with_residual_relu():
+    p = problem_of("fprop", 24, 11, 7, 5, 1, ("bf16", "f32"), epilogue=Epilogue(Activation.RELU, SourceKind.RESIDUAL))
+    check(p, config(p, 8, False))
+
+
+@pytest.mark.parametrize("pad", [1, 0, 3])
+def test_dgrad_stride_1_rotated_filter_with_halo(pad):
+    p = problem_of("dgrad", 16, 9, 13, 3, 1, pad=pad)
+    check(p, config(p, 8, True), seed=pad)
+
+
+def test_dgrad_strided_5x5_valid_taps_only():
+    p = problem_of("dgrad", 20, 13, 10, 5, 2)
+    check(p, config(p, 4, False))
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_wgrad_7x7_fp32_out_over_splits(splits):
+    p = problem_of("wgrad", 10, 9, 12, 7, 1, ("f16", "f32"))
+    cfg = config(p, 2, True)
+    check(p, cfg, splits or pixel_tiles(cfg, p), seed=7)
+
+
+def test_wgrad_strided_bf16_accumulates_into_a_residual():
+    p = problem_of("wgrad", 16, 11, 11, 3, 2, ("bf16", "bf16"), epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    check(p, config(p.replace(epilogue=Epilogue()), 8, False), splits=2)
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_default_launches_of_a_mobilenet_layer(kind):
+    p = problem_of(kind, 32, 14, 14, 3, 2)
+    launch = default_launch(p)
+    check(p, launch.kernel, launch.split_k_slices)
