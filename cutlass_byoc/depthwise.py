@@ -228,6 +228,7 @@ SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (2, 8, 16, 4),   # 16 pixels x 16 vectors, 128 threads: strips of 2 (many channels)
     (4, 8, 16, 8),   # 32 pixels x 16 vectors, 256 threads: strips of 2
     (8, 16, 4, 4),   # 128 pixels x 4 vectors, 128 threads: strips of 4
+    (1, 8, 16, 4),   # 8 pixels x 16 vectors, 128 threads: strips of 1 (7x7 images of many channels)
 )
 
 
@@ -300,6 +301,9 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     c = launch.kernel
     rows, cols, ch = c.tile
     waste = math.ceil(problem.c / ch) * ch / problem.c
+    ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
+    idle = math.ceil(ph / rows) * rows * math.ceil(pw / cols) * cols / (ph * pw)  # threads past the image's edge
+    waste *= idle ** 0.5
     hh, ww = halo_shape(c)
     sh, sw = (1, 1) if is_flipped(c) else c.conv_stride
     reread = hh * ww / (rows * cols * sh * sw)  # input read per CTA over the input its tile owns

@@ -2,7 +2,7 @@
 poisoned with NaN first: fprop, dgrad and wgrad; 3x3, 5x5 and 7x7; stride 1 and 2; odd H and W; C not a multiple
 of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the public ops.
 
-Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (about 24,
+Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (23,
 all with one CTA shape per kind, compiled in one parallel build): each kernel is reused over several shapes."""
 
 from __future__ import annotations
