@@ -35,7 +35,7 @@ def test_default_workload():
     assert {p.kind.value for p in stem} == {"fprop", "dgrad", "wgrad"}
     p = stem[0]
     assert (p.n, p.c, p.k, p.r, p.s, p.stride_h, p.pad_h, p.h, p.p) == (32, 3, 64, 7, 7, 2, 3, 224, 112)
-    assert all(it.problem.groups == 1 for it in items)  # no depthwise family in this build yet
+    assert all(it.problem.groups == 1 for it in items)  # depthwise layers are the named workload "depthwise"
     odd = [it.problem for it in items if it.layer.startswith("odd")]
     assert odd[0].c == 7 and odd[0].k == 33 and odd[0].pad_h == 1
 
