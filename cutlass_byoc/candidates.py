@@ -148,8 +148,10 @@ def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
         what = "depthwise (groups == C == K) kernels are not built yet" if problem.is_depthwise else \
             "implicit-GEMM kernels need groups == 1"
         return f"groups: {what}, got groups={problem.groups}"
-    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
-        return f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}"
+    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1) and \
+            (problem.stride_h > 1 or problem.stride_w > 1):
+        return (f"dilation: dgrad with stride {problem.stride_h}x{problem.stride_w} takes dilation 1 only (strided-"
+                f"dgrad kernels ignore dilation), got {problem.dilation_h}x{problem.dilation_w}")
     if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
         a, b, c = operand_alignments(problem)
         if min(a * problem.element_a.nbytes, b * problem.element_b.nbytes, c * problem.element_out.nbytes) < 4:

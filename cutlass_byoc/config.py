@@ -228,8 +228,10 @@ class KernelConfig:
         strided = problem.stride_h > 1 or problem.stride_w > 1
         dilated = problem.dilation_h > 1 or problem.dilation_w > 1
         if self.kind is ConvKind.DGRAD:
-            if dilated:
-                return "dilation: dgrad kernels take dilation 1 only"
+            if dilated and strided:
+                # CUTLASS's strided-dgrad iterators do not apply dilation; the unity-stride ones (analytic and
+                # optimized 2.x iterators, the 3.x collective) do
+                return "dilation: dgrad with stride > 1 takes dilation 1 only (strided-dgrad kernels ignore dilation)"
             if strided and self.stride_support is StrideSupport.UNITY:
                 return "stride: unity-stride dgrad kernel, problem has stride > 1"
             narrowest = min(self.align_a * self.element_a.nbytes, self.align_b * self.element_b.nbytes,

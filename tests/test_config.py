@@ -152,5 +152,22 @@ def test_unsupported_reason_names_the_parameter():
 
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=2)).startswith("groups:")
     assert "depthwise" in unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16))
-    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, dilation=2)).startswith("dilation:")
+    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, stride=2, dilation=2)).startswith("dilation:")
+    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, dilation=2)) is None  # unity-stride dgrad
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3)) is None
+
+
+def test_dilated_dgrad_rules():
+    """Unity-stride dgrad kernels apply dilation (2.x analytic and optimized iterators, the 3.x collective);
+    strided-dgrad kernels do not."""
+    from cutlass_byoc.candidates import sm80_candidates
+    from cutlass_byoc.sm90 import sm90_candidates
+
+    p = Conv2dProblem.make("dgrad", 2, 16, 9, 9, 24, 3, padding=3, dilation=3)
+    cands = list(sm80_candidates(p, split_k=False))
+    assert cands and {c.stride_support.value for c in cands} == {"unity"}
+    assert {c.iterator.value for c in cands} >= {"analytic", "optimized"}
+    assert any(c.reject_reason(p) is None for c in sm90_candidates(p))
+    strided = Conv2dProblem.make("dgrad", 2, 16, 9, 9, 24, 3, stride=2, padding=2, dilation=2)
+    for c in list(sm80_candidates(strided.replace(dilation_h=1, dilation_w=1), split_k=False))[:20]:
+        assert "dilation" in c.reject_reason(strided)

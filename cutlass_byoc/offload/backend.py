@@ -65,12 +65,14 @@ class OffloadPass:
     def __init__(self, options: OffloadOptions, sink: Optional[list[OffloadReport]] = None) -> None:
         self.options = options
         self.sink = sink if sink is not None else []
+        self.ran = False  # whether the pass changed a graph (then a later failure may be ours)
 
     def __call__(self, graph: fx.Graph) -> None:
         with _lock:
             name = f"graph{len(_REPORTS)}"
         has_backward = any(n.target is torch.ops.aten.convolution_backward.default for n in graph.nodes)
         report = partition(graph, self.options, name=f"{name}({'joint' if has_backward else 'forward'})")
+        self.ran = self.ran or bool(report.offloaded)
         self.sink.append(report)
         with _lock:
             _REPORTS.append(report)
@@ -88,7 +90,18 @@ def compile_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
         passes: Any = ours
     else:
         passes = [*(existing if isinstance(existing, (list, tuple)) else [existing]), ours]
-    return compile_fx(gm, list(example_inputs), config_patches={"joint_custom_pre_pass": passes})
+    try:
+        return compile_fx(gm, list(example_inputs), config_patches={"joint_custom_pre_pass": passes})
+    except Exception as e:  # noqa: BLE001 - a model never fails to compile because of this backend
+        if options.strict or not ours.ran:
+            raise  # strict, or the failure came before our pass touched the graph: it is not ours
+        report = OffloadReport(f"graph{len(reports())}(retry)")
+        report.fail(f"Inductor failed on the offloaded graph ({type(e).__name__}: {e}); compiled again without "
+                    "offload")
+        ours.sink.append(report)
+        with _lock:
+            _REPORTS.append(report)
+    return compile_fx(gm, list(example_inputs))
 
 
 def compile_eager_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions,

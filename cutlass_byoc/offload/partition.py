@@ -149,6 +149,7 @@ class _Rewriter:
                        if isinstance(gn, fx.Node) and pn.op != "placeholder"):
                     continue
                 try:
+                    self._rebind(pat, m)
                     self._rewrite_fprop(pat, m)
                 except Reject as e:
                     self.rejections.setdefault(conv, []).append((pat, str(e)))
@@ -166,6 +167,34 @@ class _Rewriter:
             if offloaded and pat.size > 1:
                 entry.notes.append(f"not fused {'+'.join(pat.steps)}: {why}")
         return self.report.add(entry)
+
+    def _rebind(self, pat: ConvPattern, m: InternalMatch) -> None:
+        """Bind the match's placeholders to the values its operations use *now*.
+
+        The matcher finds every match of a pattern before any is rewritten, so a placeholder can still name a node
+        an earlier rewrite replaced and erased (``conv -> relu -> conv -> relu``: the second conv's input was the
+        first relu, now the first fused op). The operations' own arguments were rerouted by that rewrite, so reading
+        them again gives the live operands; a replacement node is always defined before the operation using it."""
+        nm = m.nodes_map
+
+        def bind(pa, ga) -> None:
+            if isinstance(pa, fx.Node):
+                if pa.op == "placeholder":
+                    nm[pa] = ga
+            elif isinstance(pa, (list, tuple)) and isinstance(ga, (list, tuple)) and len(pa) == len(ga):
+                for x, y in zip(pa, ga):
+                    bind(x, y)
+
+        for pn in pat.gm.graph.nodes:
+            if pn.op == "call_function":
+                gn = nm[pn]
+                bind(pn.args, gn.args)
+                for key, pa in pn.kwargs.items():
+                    if key in gn.kwargs:
+                        bind(pa, gn.kwargs[key])
+        stale = [f"{pn.name}->{gn.name}" for pn, gn in nm.items() if isinstance(gn, fx.Node) and gn._erased]
+        if stale:
+            raise Reject(f"match refers to erased nodes {stale}")
 
     def _rewrite_fprop(self, pat: ConvPattern, m: InternalMatch) -> None:
         nm = m.nodes_map
@@ -562,22 +591,64 @@ def _layout_differs(a, b) -> bool:
 def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict | None = None,
               name: str = "graph") -> OffloadReport:
     """Offload every convolution of `graph` that CUTLASS can take, in place; return the report."""
+    """Offload every convolution of `graph` that CUTLASS can take, in place; return the report.
+
+    Never breaks the graph: if partitioning raises, or leaves a graph that fails ``lint`` (a node used before it is
+    defined, ...), the graph is put back exactly as it came, the reason is logged as a warning and recorded in
+    ``report.failure``, and the caller compiles it as it would have without this backend. ``strict=True`` re-raises
+    instead (tests)."""
     options = OffloadOptions.from_any(options)
     gm = graph if isinstance(graph, fx.GraphModule) else graph.owning_module
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     report = OffloadReport(name)
-    rw = _Rewriter(g, options, report)
-    rw.run_fprop()
-    rw.run_backward()
-    if rw.new_nodes:
-        rw.fix_layouts()
-        g.lint()
-        if gm is not None:
-            gm.recompile()
+    backup = _snapshot(g)
+    try:
+        rw = _Rewriter(g, options, report)
+        rw.run_fprop()
+        rw.run_backward()
+        changed = bool(rw.new_nodes)
+        if changed:
+            rw.fix_layouts()
+            g.lint()
+    except Exception as e:  # noqa: BLE001 - any failure of ours must leave the user's graph as it was
+        if options.strict:
+            raise
+        _restore(g, backup)
+        report.fail(f"partitioning raised {type(e).__name__}: {e}")
+        changed = False
+    if changed and gm is not None:
+        gm.recompile()
     log.info("%s", report.summary())
-    if rw.new_nodes and options.prebuild:
+    if changed and options.prebuild:
         prebuild(report, options)
     return report
+
+
+def _snapshot(g: fx.Graph) -> fx.Graph:
+    """A copy of g's nodes (metadata dicts copied, their values shared) to put back if partitioning fails."""
+    copy, env = fx.Graph(), {}
+    for n in g.nodes:
+        env[n] = copy.node_copy(n, lambda a: env[a])
+    return copy
+
+
+def _restore(g: fx.Graph, backup: fx.Graph) -> None:
+    """Make g hold backup's nodes again, keeping g's own placeholders (the graph's signature)."""
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    bphs = [n for n in backup.nodes if n.op == "placeholder"]
+    if len(phs) != len(bphs):
+        raise RuntimeError(f"cannot restore the graph: {len(phs)} placeholders now, {len(bphs)} before")
+    for n in list(g.nodes):  # drop every edge first: a misordered graph cannot be erased in reverse order
+        if n.op != "placeholder":
+            n.args, n.kwargs = (), {}
+    for n in reversed(list(g.nodes)):
+        if n.op != "placeholder":
+            g.erase_node(n)
+    env = dict(zip(bphs, phs))
+    for n in backup.nodes:
+        if n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.lint()
 
 
 def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
