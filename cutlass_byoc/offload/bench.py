@@ -274,6 +274,7 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
     if not torch.cuda.is_available():
         raise RuntimeError("the offload benchmark needs a CUDA GPU")
     cases = list(cases) if cases is not None else [Case(m, batch) for m in models]
+    torch.backends.cudnn.benchmark = True  # cuDNN's best algorithms for every mode (eager, Inductor, ours' rest)
     rows: list[BenchRow] = []
     for case in cases:
         case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed)
