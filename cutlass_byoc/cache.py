@@ -5,7 +5,8 @@ Layout under the cache root (``$CUTLASS_BYOC_CACHE_DIR``, else the platform's pe
     kernels/<key[:2]>/<key>/kernel.cu    rendered source (its header records config and compile command)
                            kernel.so    the library, only for a successful build
                            build.log    nvcc's output (warnings included)
-                           meta.json    config, toolchain, command, compile seconds, sha256 of kernel.so
+                           meta.json    config, toolchain, command, compile seconds, sha256 of kernel.so,
+                                        who built it (built_by: user, uid, host, time) and, if imported, from where
                            failed.json  instead of meta.json when the compile failed: never used as a kernel
     locks/<key>.lock                    held while one process builds that key
     tmp/                                staging; a finished build is renamed into kernels/ in one step

@@ -39,12 +39,12 @@ class UntrustedCacheError(RuntimeError):
     """A cache root (or a kernel in it) that someone other than this user could have written; the message names
     each path, what is wrong with it and the fix."""
 
-    def __init__(self, what: Path, problems: list[str]):
-        self.path = Path(what)
+    def __init__(self, path: Path, problems: list[str], what: str = "the kernel cache"):
+        self.path = Path(path)
         self.problems = list(problems)
         super().__init__(
-            f"refusing to load kernels from {what}: kernel libraries are code that runs in this process, so only "
-            "you (or root) may be able to write them.\n" + "\n".join(f"  - {p}" for p in problems)
+            f"refusing {what} {path}: kernel libraries are code that runs in this process, so only you (or root) "
+            "may be able to write them.\n" + "\n".join(f"  - {p}" for p in problems)
             + f"\n  Fix the paths as shown, point CUTLASS_BYOC_CACHE_DIR at a folder of your own, or {_OVERRIDE_HINT}."
         )
 
@@ -179,7 +179,7 @@ def ensure_trusted_kernel(entry_dir: Path | str) -> None:
         return
     problems = kernel_problems(entry_dir)
     if problems:
-        raise UntrustedCacheError(Path(entry_dir), problems)
+        raise UntrustedCacheError(Path(entry_dir), problems, what="the cached kernel")
 
 
 def forget() -> None:
