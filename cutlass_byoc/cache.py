@@ -100,9 +100,9 @@ class KernelCache:
 
     def __init__(self, root: Optional[Path] = None):
         self.root = make_private_dir(Path(root)) if root else cache_root()
+        ensure_trusted_root(self.root)  # before anything is read or written under it
         for sub in ("kernels", "locks", "tmp"):
             make_private_dir(self.root / sub)
-        ensure_trusted_root(self.root)
 
     def entry_dir(self, key: str) -> Path:
         return self.root / "kernels" / key[:2] / key

@@ -161,9 +161,9 @@ class DecisionStore:
 
     def __init__(self, root: Optional[Path] = None):
         self.root = make_private_dir(Path(root)) if root else cache_root()
+        ensure_trusted_root(self.root)  # before anything is read or written under it
         self.dir = make_private_dir(self.root / "decisions")
         make_private_dir(self.root / "locks")
-        ensure_trusted_root(self.root)
         self._memo: dict[str, tuple[tuple[int, int, int], Optional[Decision]]] = {}
 
     def path(self, digest: str) -> Path:

@@ -150,7 +150,7 @@ def test_a_dir_owned_by_another_uid_is_refused(tmp_path, monkeypatch):
 
     # a cache folder inside our own root, owned by someone else, is refused the same way
     mine = tmp_path / "mine"
-    KernelCache(mine)
+    DecisionStore(mine)
     trust.forget()
     pretend_owned_by(monkeypatch, OTHER_UID, mine / "decisions")
     with pytest.raises(UntrustedCacheError, match=f"{mine / 'decisions'} is owned by uid {OTHER_UID}"):
