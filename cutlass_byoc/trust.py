@@ -114,7 +114,7 @@ def _name(uid: int) -> Optional[str]:
 
 def _user(uid: int) -> str:
     name = _name(uid)
-    return f"uid {uid} ({name})" if name else f"uid {uid}"
+    return f"{name} (uid {uid})" if name else f"uid {uid}"
 
 
 def _problem(path: Path, *, fix_mode: str, above_root: bool = False) -> Optional[str]:
@@ -122,9 +122,9 @@ def _problem(path: Path, *, fix_mode: str, above_root: bool = False) -> Optional
     st = os.stat(path)
     me = os.getuid()
     if st.st_uid not in (me, 0):
-        where = "a folder above the cache root, " if above_root else ""
-        return (f"{path} is owned by {_user(st.st_uid)}, not by you ({_user(me)}) or root: {where}it could be "
-                f"replaced; use a cache of your own, or `chown -R {_name(me) or me} {path}` if it is yours")
+        risk = "can replace the cache below it" if above_root else "can put code in it"
+        return (f"{path} is owned by {_user(st.st_uid)}, not by you ({_user(me)}), and its owner {risk}: use a "
+                f"cache of your own, or `chown -R {_name(me) or me} {path}` if it is yours")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022 and not (above_root and mode & stat.S_ISVTX):
         who = "world-writable" if mode & 0o002 else "group-writable"
