@@ -21,6 +21,7 @@ from ..cache import KernelCache
 from ..config import LaunchConfig
 from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
 from ..problem import Conv2dProblem
+from ..trust import make_private_dir
 from ..types import KernelFamily
 from .plan import DEFAULT_MAX_CANDIDATES, kernel_problem, plan_workload
 from .worker import COMPILE_FAILED, CandidateResult, CandidateRunner, WorkerSettings
@@ -93,8 +94,7 @@ class TuneReport:
 
 
 def _log_file(cache: KernelCache) -> Path:
-    d = cache.root / "logs"
-    d.mkdir(parents=True, exist_ok=True)
+    d = make_private_dir(cache.root / "logs")
     return d / f"tune-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
 
 

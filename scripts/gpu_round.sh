@@ -27,9 +27,12 @@ export PYTHONUNBUFFERED=1
 export CUTLASS_BYOC_CACHE_DIR=${CUTLASS_BYOC_CACHE_DIR:-/tmp/cutlass-byoc-cache}
 export CUTLASS_BYOC_TEST_CACHE_DIR=$CUTLASS_BYOC_CACHE_DIR
 TUNE_CACHE=${CB_TUNE_CACHE:-/tmp/cutlass-byoc-tune}
+# The unpacked files belong to the user running this with the umask's modes, whoever made the archive: the cache
+# refuses folders and kernels that another user owns or others can write (README, "Kernel cache").
 seed() {  # seed ARCHIVE CACHE_DIR MESSAGE: unpack carried kernels into a cache, once per machine
   if [ -f "$1" ] && [ ! -e "$2/.seeded" ]; then
-    mkdir -p "$2" && tar -xJf "$1" -C "$2" && touch "$2/.seeded" && echo "$3"
+    mkdir -p -m 700 "$2" && tar -xJf "$1" -C "$2" --no-same-owner --no-same-permissions && touch "$2/.seeded" \
+      && echo "$3"
   fi
 }
 seed .kcache.tar.xz "$CUTLASS_BYOC_CACHE_DIR" "seeded the test cache from .kcache.tar.xz"
