@@ -143,9 +143,10 @@ def sm80_candidates(
 def channel_pad_options(problem: Conv2dProblem) -> list[tuple[int, int]]:
     """(pad_c, pad_k) launches worth trying for `problem`: (1, 1), the unpadded launch, always first; then, for C
     and K where some operand reads or writes that channel extent in accesses under 16 bytes (the stem's C=3, the
-    odd 7->33 layer), the multiples that give 8- and 16-byte accesses of the inputs (4 and 8 for 16-bit types),
-    alone and combined. Multiples that pad to the same extent are kept once (the smaller). Whether a padded launch
-    beats its unpadded twin is the profiler's call: the copies cost time."""
+    odd 7->33 layer), the multiple giving 16-byte accesses of the inputs (8 for 16-bit types), and for extents of
+    at most 8 bytes (C=3 -> 4) also the one giving 8-byte accesses (the fixed-channels fprop iterator with C == 4,
+    half the padded work of C=8); alone and combined, each padded extent once. Whether a padded launch beats its
+    unpadded twin is the profiler's call: the copies cost time."""
     if problem.groups != 1:
         return [(1, 1)]
     kind = problem.kind
@@ -156,14 +157,16 @@ def channel_pad_options(problem: Conv2dProblem) -> list[tuple[int, int]]:
     k_types = {ConvKind.FPROP: (problem.element_out,), ConvKind.DGRAD: (problem.element_a,),
                ConvKind.WGRAD: (problem.element_a,)}[kind]
     nbytes = problem.element_a.nbytes
-    wanted = [m for m in PAD_MULTIPLES if m * nbytes in (8, 16)]
+    wide = next(m for m in PAD_MULTIPLES if m * nbytes == 16)
+    half = next(m for m in PAD_MULTIPLES if m * nbytes == 8)
 
     def options(extent: int, dtypes: tuple[DType, ...]) -> list[int]:
         if min(max_alignment(extent, dt) * dt.nbytes for dt in dtypes) >= 16:
             return [1]
         by_extent = {extent: 1}
-        for m in wanted:
-            by_extent.setdefault(round_up(extent, m), m)
+        by_extent.setdefault(round_up(extent, wide), wide)
+        if extent * nbytes <= 8:
+            by_extent.setdefault(round_up(extent, half), half)
         return list(by_extent.values())
 
     return [(pc, pk) for pc in options(problem.c, c_types) for pk in options(problem.k, k_types)]

@@ -132,12 +132,12 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     return ranked
 
 
-def default_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
+def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, padding: bool = True) -> Optional[LaunchConfig]:
     """The model's best 2.x launch for `problem`, or None if no kernel can take it. Channel-padded launches
-    (`candidates.channel_pad_options`) compete with their padding's cost; a problem whose channels no kernel takes
-    unpadded (a strided dgrad of C=3) runs padded."""
+    (`candidates.channel_pad_options`; not with ``padding=False``) compete with their padding's cost; a problem
+    whose channels no kernel takes unpadded (a strided dgrad of C=3) runs padded."""
     best: Optional[tuple[float, LaunchConfig]] = None
-    for pad_c, pad_k in channel_pad_options(problem):
+    for pad_c, pad_k in (channel_pad_options(problem) if padding else [(1, 1)]):
         if (pad_c, pad_k) == (1, 1):
             kp = problem
         else:

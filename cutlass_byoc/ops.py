@@ -106,7 +106,7 @@ def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, s
         return launch
     if k.family is not KernelFamily.SM80_IMPLICIT_GEMM:
         # TMA kernels need 16-byte aligned operands: an offset view runs on the 2.x family instead.
-        fallback = default_launch(problem)
+        fallback = default_launch(problem, padding=False)
         if fallback is None:
             raise UnsupportedConvError(f"alignment: {k.name} needs 16-byte aligned operands and no 2.x kernel fits")
         return _narrow_to_pointers(fallback, problem, a, b, d, source)
