@@ -5,7 +5,7 @@ and offload steps use; the tune step always starts from its own cold cache.
 
     python scripts/warm_cache.py [--jobs N] [--cache-dir .kcache] [--archive .kcache.tar.xz] [--list]
 
-Which kernels: the fixed picks of the GPU test modules (conv, split-k, sm90, tune), and the kernels the offload
+Which kernels: the fixed picks of the GPU test modules (conv, split-k, sm90, sm90 split-k, padding, tune), and the kernels the offload
 partitioner chooses (compile-time select: decision cache, else heuristic) for the models and batch sizes of
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
 """
@@ -34,12 +34,15 @@ OFFLOAD_RUNS = [("resnet50", 16, True), ("mobilenet_v2", 16, True), ("resnet18",
 
 def test_kernels() -> list[KernelConfig]:
     import test_gpu_conv  # noqa: PLC0415
+    import test_gpu_padding  # noqa: PLC0415
     import test_gpu_sm90  # noqa: PLC0415
+    import test_gpu_sm90_splitk  # noqa: PLC0415
     import test_gpu_splitk  # noqa: PLC0415
     import test_gpu_tune  # noqa: PLC0415
     from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
 
     cfgs = test_gpu_conv.all_configs() + test_gpu_splitk.used_configs() + test_gpu_sm90._used_configs()
+    cfgs += test_gpu_sm90_splitk.used_configs() + test_gpu_padding.used_configs()
     cfgs += plan_workload(test_gpu_tune.PROBLEMS, max_candidates=2).kernels
     return cfgs
 
