@@ -203,12 +203,15 @@ def _pad_channels(t, dim0: Optional[int], dim1: Optional[int]):
     if want == shape:
         return t
     if t.dim() == 4:
-        big = torch.zeros(want, dtype=t.dtype, device=t.device).contiguous(memory_format=torch.channels_last)
+        big = torch.empty(want, dtype=t.dtype, device=t.device, memory_format=torch.channels_last).zero_()
         big[: shape[0], : shape[1]].copy_(t)
     else:
         big = torch.zeros(want, dtype=t.dtype, device=t.device)
         big[: shape[0]].copy_(t)
     return big
+
+
+_padded_problems: dict[tuple[Conv2dProblem, LaunchConfig], Conv2dProblem] = {}
 
 
 def _run_channel_padded(problem: Conv2dProblem, launch: LaunchConfig, a, b, out, source) -> None:
@@ -217,10 +220,12 @@ def _run_channel_padded(problem: Conv2dProblem, launch: LaunchConfig, a, b, out,
     real channels out. Zero channels add nothing to any kind (a zero input channel or filter contributes 0 to each
     sum; padded output channels are dropped), so the result is exact. Everything runs on the current stream: the
     profiler times this whole function, padding included, as it times every launch through run_problem."""
-    why = launch.reject_reason(problem)
-    if why:
-        raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
-    big = launch.kernel_problem(problem)
+    big = _padded_problems.get((problem, launch))
+    if big is None:  # validated once per (problem, launch); the kernel's own checks run in the inner run_problem
+        why = launch.reject_reason(problem)
+        if why:
+            raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
+        big = _padded_problems.setdefault((problem, launch), launch.kernel_problem(problem))
     cp, kp = big.c, big.k
     kind = problem.kind
     if kind is ConvKind.FPROP:  # a = x (N, C, H, W), b = w (K, C, R, S), out = y (N, K, P, Q)
@@ -238,8 +243,8 @@ def _run_channel_padded(problem: Conv2dProblem, launch: LaunchConfig, a, b, out,
     torch = _torch()
     shape = list(out.shape)
     want = [out_rows or shape[0], out_chans, *shape[2:]]
-    out_p = out if want == shape else torch.empty(want, dtype=out.dtype, device=out.device).contiguous(
-        memory_format=torch.channels_last)
+    out_p = out if want == shape else torch.empty(want, dtype=out.dtype, device=out.device,
+                                                  memory_format=torch.channels_last)
     run_problem(big, a_p, b_p, out_p, src_p, config=launch.unpadded)
     if out_p is not out:
         out.copy_(out_p[: shape[0], : shape[1]])
