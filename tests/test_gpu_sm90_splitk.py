@@ -1,6 +1,6 @@
 """The project's split-k for CUTLASS 3.x wgrad (issue 11, part 2) on the H200: the sm90 split-k kernel (grid z over
 slices of the N*P*Q reduction's k tiles, fp32 partials, one reduction kernel) against the float64 reference, for
-1..64 slices (batch 64 for 64), uneven slice sizes, fp16 and fp32 outputs, a cluster of two, and accumulate-into.
+1..64 slices (batch 64 for 64) and 256, uneven slice sizes, fp16 and fp32 outputs, a cluster of two, and accumulate-into.
 
 Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 3 sm90 kernels (~60-90 s
 each): split wgrad 64x128x64 fp16 out, the same with fp32 out, and 64x128x64 with a 2x1x1 cluster, fp16 out.
@@ -27,7 +27,7 @@ from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_outpu
 pytestmark = pytest.mark.gpu
 
 TILE = (64, 128, 64)
-SLICES = (1, 2, 3, 4, 7, 8, 16, 32, 64)  # 3 and 7 leave uneven slices of the k tiles
+SLICES = (1, 2, 3, 4, 7, 8, 16, 32, 64, 256)  # 3 and 7 leave uneven slices of the k tiles; the planner offers up to 256
 # ResNet-50 wgrad layers: C -> K, R, stride, H
 LAYERS = [(64, 64, 3, 1, 56), (64, 256, 1, 1, 56), (128, 128, 3, 1, 28), (512, 512, 3, 1, 7), (128, 128, 3, 2, 56)]
 
