@@ -3,13 +3,14 @@ nothing has been profiled. It is a model, not a measurement: the profiler has th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable, Optional
 
-from .candidates import sm80_candidates
-from .config import KernelConfig, LaunchConfig
+from .candidates import channel_pad_options, sm80_candidates
+from .config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from .problem import Conv2dProblem
-from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode
+from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode
 
 H200_SMS = 132
 MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
@@ -33,6 +34,18 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
         out.append(s)
         s *= 2
     return out
+
+
+def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS) -> list[int]:
+    """The split-k slice counts to try with `kernel` on `problem`: the 2.x kernels take every count
+    `split_k_slice_candidates` offers; the sm90 split-k kernels (wgrad, split_k_mode PARALLEL: fp32 partials and a
+    reduction, built by the project) take those above 1, since with one slice the plain sm90 kernel does the same
+    work without the partials; every other kernel runs unsplit."""
+    if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
+        return split_k_slice_candidates(problem, kernel.tile, sms)
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode is SplitKMode.PARALLEL:
+        return [s for s in split_k_slice_candidates(problem, kernel.tile, sms) if s > 1]
+    return [1]
 
 
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
@@ -67,6 +80,36 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     return max(compute_us, memory_us) + LAUNCH_US + extra_us
 
 
+def padding_cost_us(problem: Conv2dProblem, launch: LaunchConfig) -> float:
+    """What ops' channel padding around the kernel costs: each padded input is zero-filled and the real channels
+    copied in (the padded tensor written twice, the original read once), a padded output is sliced back (the
+    real part read and written once; the kernel's own padded store is in its estimate), one launch each."""
+    if not launch.padded:
+        return 0.0
+    big = launch.kernel_problem(problem)
+    moved, ops = 0, 0
+    operands = [(problem.a_shape, big.a_shape, problem.element_a), (problem.b_shape, big.b_shape, problem.element_b)]
+    if problem.epilogue.source is SourceKind.RESIDUAL:
+        operands.append((problem.out_shape, big.out_shape, problem.element_out))
+    elif problem.epilogue.source is SourceKind.BIAS and big.k != problem.k:
+        operands.append(((problem.k,), (big.k,), problem.element_out))
+    for small, large, dt in operands:
+        if small != large:
+            moved += (2 * math.prod(large) + math.prod(small)) * dt.nbytes
+            ops += 2
+    if problem.out_shape != big.out_shape:
+        moved += 2 * math.prod(problem.out_shape) * problem.element_out.nbytes
+        ops += 1
+    return moved / (DRAM_GBS * 1e9) * 1e6 + ops * LAUNCH_US
+
+
+def estimate_launch_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
+    """`estimate_us` of the kernel on the problem it computes, plus the padding around it."""
+    if not launch.padded:
+        return estimate_us(problem, launch, sms)
+    return estimate_us(launch.kernel_problem(problem), launch.unpadded, sms) + padding_cost_us(problem, launch)
+
+
 def tile_waste(tile: tuple[int, int, int], m: int, n: int) -> float:
     """Output area the tiles cover over the GEMM's (1.0: no padding; a 128-wide tile on N=64 wastes half)."""
     return math.ceil(m / tile[0]) * tile[0] * math.ceil(n / tile[1]) * tile[1] / (m * n)
@@ -84,8 +127,7 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     """Every (kernel, slice count) the problem admits, best estimate first."""
     ranked = []
     for kc in kernels:
-        slices = split_k_slice_candidates(problem, kc.tile, sms) if kc.family is KernelFamily.SM80_IMPLICIT_GEMM else [1]
-        for s in slices:
+        for s in launch_slices(problem, kc, sms):
             launch = LaunchConfig(kc, s)
             if launch.reject_reason(problem) is None:
                 ranked.append((estimate_us(problem, launch, sms), launch))
@@ -93,14 +135,33 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     return ranked
 
 
-def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, sm90: bool = True) -> Optional[LaunchConfig]:
+def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = True,
+                   padding: bool = True) -> Optional[LaunchConfig]:
     """The model's best launch for `problem` over the 2.x and (where they apply, unless `sm90` is False) 3.x
     families, or None if no kernel can take it. Untuned layers 3-4 ran 2-3x slower on the 2.x-only default than on
-    the tuned 3.x winner (H200); early wgrad layers, which need split-k, stay on 2.x through the model's estimate."""
-    kernels = list(sm80_candidates(problem))
-    if sm90:
-        from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
+    the tuned 3.x winner (H200); early wgrad layers, which need split-k, stay on 2.x through the model's estimate.
+    Channel-padded launches (`candidates.channel_pad_options`; not with ``padding=False``) compete with their
+    padding's cost; a problem whose channels no kernel takes unpadded (a strided dgrad of C=3) runs padded."""
+    best: Optional[tuple[float, LaunchConfig]] = None
+    for pad_c, pad_k in (channel_pad_options(problem) if padding else [(1, 1)]):
+        if (pad_c, pad_k) == (1, 1):
+            kp = problem
+        else:
+            if padding_reject_reason(problem, pad_c, pad_k):
+                continue
+            kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
+        kernels = list(sm80_candidates(kp))
+        if sm90:
+            from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
 
-        kernels += list(sm90_candidates(problem))
-    ranked = rank(problem, kernels, sms)
-    return ranked[0][1] if ranked else None
+            kernels += list(sm90_candidates(kp))
+        ranked = rank(kp, kernels, sms)
+        if not ranked:
+            continue
+        launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k)
+        if launch.reject_reason(problem) is not None:
+            continue
+        us = estimate_launch_us(problem, launch, sms)
+        if best is None or us < best[0]:
+            best = (us, launch)
+    return best[1] if best else None

@@ -5,7 +5,7 @@ and offload steps use; the tune step always starts from its own cold cache.
 
     python scripts/warm_cache.py [--jobs N] [--cache-dir .kcache] [--archive .kcache.tar.xz] [--list]
 
-Which kernels: the fixed picks of the GPU test modules (conv, split-k, sm90, tune), and the kernels the offload
+Which kernels: the fixed picks of the GPU test modules (conv, split-k, sm90, sm90 split-k, padding, tune), and the kernels the offload
 partitioner chooses (compile-time select: decision cache, else heuristic) for the models and batch sizes of
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
 """
@@ -37,12 +37,15 @@ FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "groupe
 
 def test_kernels() -> list[KernelConfig]:
     import test_gpu_conv  # noqa: PLC0415
+    import test_gpu_padding  # noqa: PLC0415
     import test_gpu_sm90  # noqa: PLC0415
+    import test_gpu_sm90_splitk  # noqa: PLC0415
     import test_gpu_splitk  # noqa: PLC0415
     import test_gpu_tune  # noqa: PLC0415
     from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
 
     cfgs = test_gpu_conv.all_configs() + test_gpu_splitk.used_configs() + test_gpu_sm90._used_configs()
+    cfgs += test_gpu_sm90_splitk.used_configs() + test_gpu_padding.used_configs()
     cfgs += plan_workload(test_gpu_tune.PROBLEMS, max_candidates=2).kernels
     return cfgs
 
@@ -55,11 +58,8 @@ def _launch_kernels(model, batch: int, image: int, channels_last: bool, training
     problems, rep = model_problems(model, batch, training=training, image=image, in_channels=c,
                                    channels_last=channels_last)
     kernels = []
-    for p in problems:  # what the call sites bind at run time (the channel-padded ones run a padded problem)
-        from cutlass_byoc.ops import channel_padding  # noqa: PLC0415
-
-        padded = channel_padding(p)
-        launch = choose(p.replace(c=padded[0], k=padded[1]) if padded else p, "cached")
+    for p in problems:  # what the call sites launch at run time (a channel-padded launch names its kernel too)
+        launch = choose(p, "cached")
         if launch is not None:
             kernels.append(launch.kernel)
     print(f"{what}: {len(problems)} problems, {len(set(kernels))} kernels", flush=True)

@@ -90,7 +90,7 @@ def test_static_rules_reject_impossible_kernels():
         dataclasses.replace(good, element_out=DType.F32, align_c=8)
     with pytest.raises(ValueError, match="wgrad accumulates in f32"):
         dataclasses.replace(good, kind=ConvKind.WGRAD, element_acc=DType.F16)
-    with pytest.raises(ValueError, match="no split-k"):
+    with pytest.raises(ValueError, match="splits wgrad only"):
         dataclasses.replace(good, family=KernelFamily.SM90_TMA_WGMMA, split_k_mode=SplitKMode.PARALLEL, align_c=4)
 
 
@@ -136,15 +136,13 @@ def test_serial_split_k_only_where_partials_stay_fp32():
 
 def test_strided_dgrad_of_odd_channels_is_padded_not_run_narrow():
     from cutlass_byoc.candidates import unsupported_reason
-    from cutlass_byoc.ops import channel_padding
 
     stem = P("dgrad", 32, 3, 224, 64, 7, stride=2)
     assert not list(sm80_candidates(stem))
-    assert unsupported_reason(stem).startswith("alignment: strided dgrad")
-    assert channel_padding(stem) == (8, 64)
-    assert channel_padding(P("dgrad", 1, 7, 15, 33, 3, stride=2)) == (8, 40)
-    assert channel_padding(P("dgrad", 1, 7, 15, 33, 3)) is None  # unit stride runs alignment 1 directly
-    assert channel_padding(P("dgrad", 1, 6, 15, 10, 3, stride=2)) is None  # 4-byte accesses are fine
+    assert unsupported_reason(stem) is None  # it runs channel-padded
+    d = default_launch(stem)
+    assert d.padded and d.pad_k == 1 and d.kernel_problem(stem).c in (4, 8)
+    assert d.reject_reason(stem) is None and "alignment" in d.unpadded.reject_reason(stem)
 
 
 def test_unsupported_reason_names_the_parameter():

@@ -81,8 +81,9 @@ STRIDED_DGRAD_VARIANTS = [  # (layer, iterator) beyond CASES: the alignments and
 
 
 def config_for(problem):
-    """The fixed pick, or None where ops pads channels first (strided dgrad of odd channel counts)."""
-    return None if ops.channel_padding(problem) else pick(problem)
+    """The fixed pick, or None where only a channel-padded launch computes the problem (strided dgrad of odd channel
+    counts): ops then runs the model's padded default."""
+    return pick(problem) if next(sm80_candidates(problem), None) is not None else None
 
 
 def variant_config(layer, iterator):
