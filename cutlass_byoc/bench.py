@@ -211,7 +211,6 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     from .decisions import lookup_decision  # noqa: PLC0415
     from .heuristics import default_launch  # noqa: PLC0415
     from .ops import run_problem  # noqa: PLC0415
-    from .profiler.plan import kernel_problem  # noqa: PLC0415
     from .profiler.timing import time_gpu  # noqa: PLC0415
     from .profiler.verify import compare, poison  # noqa: PLC0415
     from .profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
@@ -221,11 +220,10 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     bound = "memory" if p.flops / p.bytes_moved < RIDGE_FLOP_PER_BYTE else "compute"
     base = dict(layer=item.layer, kind=p.kind.value, problem=p.name, resnet50=item.resnet50, bound=bound,
                 depthwise=p.is_depthwise)
-    kp = kernel_problem(p)  # decisions are recorded for what the kernel computes (ops pads some strided dgrads)
-    launch = lookup_decision(kp)
+    launch = lookup_decision(p)  # a channel-padded launch carries its padding
     chosen_by = "decision"
     if launch is None:
-        launch, chosen_by = default_launch(kp), "model"
+        launch, chosen_by = default_launch(p), "model"
     sets, ref = make_problem_sets(p, ws)
     cudnn = time_gpu(_cudnn_fn(p, sets), len(sets), ws.timing)
     ours_us = err = None

@@ -20,6 +20,7 @@ from .cache import CACHE_FORMAT, EntryState, KernelCache, KernelEntry, kernel_ke
 from .config import KernelConfig
 from .render import render
 from .toolchain import Toolchain, toolchain
+from .trust import provenance
 
 log = logging.getLogger("cutlass_byoc.build")
 
@@ -222,13 +223,14 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
         bar.update(len(jobs_) - done)
         bar.close()
     times = _ninja_times(build_dir)
+    built_by = provenance()  # who compiled these kernels, where and when (`cutlass-byoc cache show` prints it)
     for job in jobs_:
         lib, logf = job.staged / "kernel.so", job.staged / "build.log"
         seconds = times.get(str(lib))
         meta = {
             "format": CACHE_FORMAT, "key": job.key, "name": job.config.name, "config": job.config.to_dict(),
             "nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version, "command": tc.describe(),
-            "compile_seconds": seconds, "built_at": time.time(),
+            "compile_seconds": seconds, "built_at": time.time(), "built_by": built_by,
         }
         if lib.is_file() and lib.stat().st_size > 0 and not _log_has_error(logf):
             meta["sha256"] = sha256_file(lib)

@@ -5,10 +5,14 @@ Layout under the cache root (``$CUTLASS_BYOC_CACHE_DIR``, else the platform's pe
     kernels/<key[:2]>/<key>/kernel.cu    rendered source (its header records config and compile command)
                            kernel.so    the library, only for a successful build
                            build.log    nvcc's output (warnings included)
-                           meta.json    config, toolchain, command, compile seconds, sha256 of kernel.so
+                           meta.json    config, toolchain, command, compile seconds, sha256 of kernel.so,
+                                        who built it (built_by: user, uid, host, time) and, if imported, from where
                            failed.json  instead of meta.json when the compile failed: never used as a kernel
     locks/<key>.lock                    held while one process builds that key
     tmp/                                staging; a finished build is renamed into kernels/ in one step
+
+Its libraries are loaded into the process, so the cache keeps them private (trust.py): folders are created 0700,
+and a root that another user owns or others can write is refused before anything is read from it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import filelock
 import platformdirs
 
 from .toolchain import Toolchain
+from .trust import ensure_trusted_root, make_private_dir, seal
 
 #: Bump when the layout or meta format changes: older entries are then simply not found.
 CACHE_FORMAT = 1
@@ -39,9 +44,8 @@ def cache_root_path() -> str:
 
 
 def cache_root() -> Path:
-    root = Path(cache_root_path())
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    """The cache root, created (0700, as are missing folders above it) if it does not exist."""
+    return make_private_dir(Path(cache_root_path()))
 
 
 def kernel_key(source: str, tc: Toolchain) -> str:
@@ -91,10 +95,14 @@ class KernelEntry:
 
 
 class KernelCache:
+    """The kernels under one cache root. Making one creates the missing folders (0700) and refuses a root that is
+    not the user's alone (trust.UntrustedCacheError; once per root and process) unless the user trusts it."""
+
     def __init__(self, root: Optional[Path] = None):
-        self.root = Path(root) if root else cache_root()
+        self.root = make_private_dir(Path(root)) if root else cache_root()
+        ensure_trusted_root(self.root)  # before anything is read or written under it
         for sub in ("kernels", "locks", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.root / sub)
 
     def entry_dir(self, key: str) -> Path:
         return self.root / "kernels" / key[:2] / key
@@ -119,13 +127,16 @@ class KernelCache:
 
     def staging_dir(self, key: str) -> Path:
         d = self.root / "tmp" / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        d.mkdir(parents=True)
+        make_private_dir(d.parent)
+        os.mkdir(d, 0o700)  # unique: never an existing folder
+        os.chmod(d, 0o700)
         return d
 
     def publish(self, key: str, staged: Path) -> KernelEntry:
         """Move a finished staging dir into place in one rename. If another process published first, keep theirs."""
         final = self.entry_dir(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(final.parent)
+        seal(staged)
         current = self.lookup(key)
         if current.state is EntryState.CORRUPT or (current.state is EntryState.FAILED and (staged / "meta.json").exists()):
             self.remove(key)

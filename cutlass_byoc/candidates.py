@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterator, Optional
 
-from .config import KernelConfig, Shape3, instruction_shape_for, math_op_for
+from .config import PAD_MULTIPLES, KernelConfig, Shape3, instruction_shape_for, math_op_for, round_up
 from .problem import Conv2dProblem, max_alignment
 from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
 
@@ -140,6 +140,38 @@ def sm80_candidates(
                         yield cfg
 
 
+def channel_pad_options(problem: Conv2dProblem) -> list[tuple[int, int]]:
+    """(pad_c, pad_k) launches worth trying for `problem`: (1, 1), the unpadded launch, always first; then, for C
+    and K where some operand reads or writes that channel extent in accesses under 16 bytes (the stem's C=3, the
+    odd 7->33 layer), the multiple giving 16-byte accesses of the inputs (8 for 16-bit types), and for extents of
+    at most 8 bytes (C=3 -> 4) also the one giving 8-byte accesses (the fixed-channels fprop iterator with C == 4,
+    half the padded work of C=8); alone and combined, each padded extent once. Whether a padded launch beats its
+    unpadded twin is the profiler's call: the copies cost time."""
+    if problem.groups != 1:
+        return [(1, 1)]
+    kind = problem.kind
+    # the element types that hold C, and K, as their innermost extent (problem.channel_dims)
+    c_types = {ConvKind.FPROP: (problem.element_a, problem.element_b),
+               ConvKind.DGRAD: (problem.element_b, problem.element_out),
+               ConvKind.WGRAD: (problem.element_b, problem.element_out)}[kind]
+    k_types = {ConvKind.FPROP: (problem.element_out,), ConvKind.DGRAD: (problem.element_a,),
+               ConvKind.WGRAD: (problem.element_a,)}[kind]
+    nbytes = problem.element_a.nbytes
+    wide = next(m for m in PAD_MULTIPLES if m * nbytes == 16)
+    half = next(m for m in PAD_MULTIPLES if m * nbytes == 8)
+
+    def options(extent: int, dtypes: tuple[DType, ...]) -> list[int]:
+        if min(max_alignment(extent, dt) * dt.nbytes for dt in dtypes) >= 16:
+            return [1]
+        by_extent = {extent: 1}
+        by_extent.setdefault(round_up(extent, wide), wide)
+        if extent * nbytes <= 8:
+            by_extent.setdefault(round_up(extent, half), half)
+        return list(by_extent.values())
+
+    return [(pc, pk) for pc in options(problem.c, c_types) for pk in options(problem.k, k_types)]
+
+
 def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
     """Why no kernel family of this project computes `problem` (naming the parameter), or None if some can."""
     if problem.int32_overflow:
@@ -155,12 +187,16 @@ def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
         return None
     if problem.groups != 1:
         return f"groups: implicit-GEMM kernels need groups == 1 (depthwise kernels groups == C == K), got groups={problem.groups}"
-    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
-        return f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}"
+    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1) and \
+            (problem.stride_h > 1 or problem.stride_w > 1):
+        return (f"dilation: dgrad with stride {problem.stride_h}x{problem.stride_w} takes dilation 1 only (strided-"
+                f"dgrad kernels ignore dilation), got {problem.dilation_h}x{problem.dilation_w}")
+    for pad_c, pad_k in channel_pad_options(problem):
+        padded = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
+        if next(sm80_candidates(padded, split_k=False), None) is not None:
+            return None
     if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
         a, b, c = operand_alignments(problem)
         if min(a * problem.element_a.nbytes, b * problem.element_b.nbytes, c * problem.element_out.nbytes) < 4:
             return "alignment: strided dgrad needs channel counts giving >= 4-byte accesses (ops pads them)"
-    if next(sm80_candidates(problem, split_k=False), None) is None:
-        return "no sm80 candidate accepts this problem"
-    return None
+    return "no sm80 candidate accepts this problem"

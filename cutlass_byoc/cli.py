@@ -3,7 +3,8 @@
 Exit codes:
   0  done
   1  unexpected internal error (the traceback is shown with -v)
-  2  bad usage or input (arguments, workload file, problem); the message names the field
+  2  bad usage or input (arguments, workload file, problem, a cache root others can write); the message names
+     the field or the path
   3  a GPU is needed and none is visible (tune still plans and compiles; bench cannot run)
   4  the toolchain is missing (nvcc or the CUTLASS headers); the message says what to install
   5  some problems got no working kernel (tune), or some rows failed (bench); see the table and the tuning log
@@ -21,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from .trust import TRUST_ENV, UntrustedCacheError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU, EXIT_TOOLCHAIN, EXIT_PARTIAL = 0, 1, 2, 3, 4, 5
 
@@ -44,6 +47,9 @@ def _common(sub: bool = False) -> argparse.ArgumentParser:
                    help="kernels timed per problem, best-ranked by the model (default 8)")
     c.add_argument("--cache-dir", default=d(None),
                    help="cache root (default: $CUTLASS_BYOC_CACHE_DIR or the user cache dir)")
+    c.add_argument("--trust-cache-dir", action="store_true", default=d(False),
+                   help="accept a cache root owned by another user or writable by others, on purpose (a shared "
+                        "fleet cache); the same as CUTLASS_BYOC_TRUST_CACHE_DIR=1")
     return c
 
 
@@ -61,8 +67,17 @@ def _problem_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--groups", type=int, default=1)
     g.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
     g.add_argument("--out-dtype", default=None, choices=["f16", "bf16", "f32"])
-    p.add_argument("--batch", type=int, default=32, help="batch of the embedded workload (default 32)")
+    p.add_argument("--batch", type=int, default=32, help="batch of the embedded workload or --model (default 32)")
     p.add_argument("--kinds", default="fprop,dgrad,wgrad", help="kinds of the embedded workload")
+    m = p.add_argument_group("the convs of a model, as the torch.compile backend partitions them")
+    m.add_argument("--model", default=None, metavar="SPEC",
+                   help="torchvision:resnet50, timm:NAME or package.module:factory (a user's own model)")
+    mode = m.add_mutually_exclusive_group()
+    mode.add_argument("--training", dest="training", action="store_true", default=True,
+                      help="forward and backward (fprop, dgrad, wgrad; the default)")
+    mode.add_argument("--inference", dest="training", action="store_false", help="forward only")
+    m.add_argument("--amp", choices=["fp16", "bf16", "none"], default="fp16", help="autocast dtype (default fp16)")
+    m.add_argument("--image", type=int, default=224, help="input height and width (default 224)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,9 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     ce = csub.add_parser("export", parents=[sub_common], help="decisions and their kernels into a .tar.gz")
     ce.add_argument("path")
     ce.add_argument("--all-kernels", action="store_true", help="every compiled kernel, not just the decided ones")
-    ci = csub.add_parser("import", parents=[sub_common], help="merge an exported .tar.gz into this cache")
+    ci = csub.add_parser(
+        "import", parents=[sub_common], help="merge an exported .tar.gz into this cache",
+        description="Merge an exported .tar.gz into this cache. Its kernels are compiled code that every process "
+                    "using this cache loads and runs as you: import them only from a machine and a person you "
+                    "trust, or use --decisions-only.")
     ci.add_argument("path")
     ci.add_argument("--overwrite", action="store_true", help="replace existing decisions with the imported ones")
+    ci.add_argument("--decisions-only", action="store_true",
+                    help="import the decisions alone and compile their kernels here from the templates (in "
+                         "parallel); the tarball's kernels are not installed")
+    ci.add_argument("--no-progress", action="store_true", help="no progress bar while compiling")
     return ap
 
 
@@ -119,6 +142,10 @@ def _items_from_args(args) -> list:
     flags = {n: getattr(args, n) for n in ("n", "c", "h", "w", "k", "r", "s")}
     if args.workload and (args.kind or any(v is not None for v in flags.values())):
         raise UsageError("give either a workload file or problem flags, not both")
+    if args.model:
+        if args.workload or args.kind or any(v is not None for v in flags.values()):
+            raise UsageError("give either --model or a workload file or problem flags")
+        return _model_items(args)
     try:
         if args.workload in NAMED_WORKLOADS and not Path(args.workload).exists():
             kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -148,6 +175,28 @@ def _items_from_args(args) -> list:
         raise UsageError(str(e)) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _model_items(args) -> list:
+    """The problems the backend would offload from --model (traced on fake tensors), named by layer position."""
+    from .workloads import WorkloadItem  # noqa: PLC0415
+
+    try:
+        import torch  # noqa: PLC0415
+
+        from .offload.trace import model_problems  # noqa: PLC0415
+    except ImportError as e:
+        raise UsageError(f"--model needs PyTorch: {e}") from None
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
+    try:
+        problems, report = model_problems(args.model, args.batch, training=args.training, autocast=amp,
+                                          image=args.image)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    log.info("%s", report.summary())
+    if not problems:
+        raise UsageError(f"--model {args.model}: no conv of this model is offloaded (see the report with -v)")
+    return [WorkloadItem(f"{args.model.split(':')[-1]}#{i}", p) for i, p in enumerate(problems)]
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -256,6 +305,14 @@ def _decision_kernel_keys(store, cache) -> tuple[set[str], bool]:
     return keys, True
 
 
+def _built_by(meta: dict) -> str:
+    """'user@host at time' from a kernel's meta.json; '?' for kernels built before it was recorded."""
+    who = meta.get("built_by")
+    if not isinstance(who, dict):
+        return "?"
+    return f"{who.get('user', '?')}@{who.get('host', '?')} at {who.get('time', '?')}"
+
+
 def cmd_cache(args) -> int:
     from .cache import EntryState, KernelCache  # noqa: PLC0415
     from .decisions import DecisionStore, current_gpu  # noqa: PLC0415
@@ -292,7 +349,7 @@ def cmd_cache(args) -> int:
             for e in cache.entries():
                 counts[e.state.value] = counts.get(e.state.value, 0) + 1
                 print(f"{e.key[:12]}  {e.state.value:7s}  {e.meta.get('name', '?')}  "
-                      f"{_fmt(e.meta.get('compile_seconds'))} s")
+                      f"{_fmt(e.meta.get('compile_seconds'))} s  built by {_built_by(e.meta)}")
             print("kernels: " + (", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none"))
         return EXIT_OK
     if sub == "show":
@@ -306,8 +363,9 @@ def cmd_cache(args) -> int:
             print(hits[0].read_text())
         else:
             e = kernel_hits[0]
-            print(json.dumps({"key": e.key, "state": e.state.value, "path": str(e.path), **e.meta}, indent=1,
-                             default=str))
+            shown = {"key": e.key, "state": e.state.value, "path": str(e.path), **e.meta}
+            shown.setdefault("built_by", "unknown (built before cutlass-byoc recorded who built a kernel)")
+            print(json.dumps(shown, indent=1, default=str))
         return EXIT_OK
     if sub == "clear":
         nd = nk = 0
@@ -338,7 +396,10 @@ def cmd_cache(args) -> int:
 
 
 def _import(args, cache, store) -> int:
+    """Merge an export: its decisions, and its kernels unless --decisions-only (then they are compiled here)."""
     from .cache import EntryState  # noqa: PLC0415
+    from .decisions import Decision  # noqa: PLC0415
+    from .trust import provenance  # noqa: PLC0415
 
     src = Path(args.path)
     if not src.is_file():
@@ -355,33 +416,88 @@ def _import(args, cache, store) -> int:
                     or not (m.isfile() or m.isdir())):
                 raise UsageError(f"{src}: refusing member {m.name!r} (outside decisions/ and kernels/, or a link)")
             members.append(m)
+        shipped = len({Path(m.name).parts[2] for m in members if Path(m.name).parts[0] == "kernels"
+                       and len(Path(m.name).parts) > 2})
+        if args.decisions_only:
+            members = [m for m in members if Path(m.name).parts[0] == "decisions"]
+        elif shipped:
+            print(f"cutlass-byoc cache import: {src} holds {shipped} compiled kernels, and kernels are code: every "
+                  f"process that uses {cache.root} will load them and run them as {provenance()['user']}. Import "
+                  "kernels only from a machine and a person you trust; `cutlass-byoc cache import --decisions-only` "
+                  "imports the decisions alone and compiles their kernels here from the templates.", file=sys.stderr)
         kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(tmp, members=members, **kwargs)
         root = Path(tmp)
         nk = nk_skip = 0
         for d in sorted((root / "kernels").glob("*/*")):
-            if cache.lookup(d.name).state is EntryState.OK:
+            key = d.name
+            if len(key) != 64 or d.parent.name != key[:2] or not all(ch in "0123456789abcdef" for ch in key):
+                log.warning("skipping %s: not a kernel key", d.relative_to(root))
+                continue
+            if cache.lookup(key).state is EntryState.OK:
                 nk_skip += 1
                 continue
-            staged = cache.staging_dir(d.name)
+            _stamp_imported(d, src)
+            staged = cache.staging_dir(key)
             staged.rmdir()
             os.rename(d, staged)
-            if cache.publish(d.name, staged).state is EntryState.OK:
+            if cache.publish(key, staged).state is EntryState.OK:
                 nk += 1
             else:
-                log.warning("imported kernel %s is corrupt; dropped", d.name)
-                cache.remove(d.name)
+                log.warning("imported kernel %s is corrupt; dropped", key)
+                cache.remove(key)
         nd = nd_skip = 0
+        decided = []
         for f in sorted((root / "decisions").glob("*/*.json")):
             try:
-                if store.import_file(f, overwrite=args.overwrite):
-                    nd += 1
-                else:
-                    nd_skip += 1
+                dec = Decision.from_dict(json.loads(f.read_text()))
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("skipping malformed decision %s: %s", f.name, e)
+                continue
+            decided.append(dec.launch.kernel)
+            if store.import_decision(dec, overwrite=args.overwrite):
+                nd += 1
+            else:
+                nd_skip += 1
+    if args.decisions_only:
+        print(f"imported {nd} decisions ({nd_skip} already present) into {cache.root}"
+              + (f"; ignored the {shipped} kernels of {src}" if shipped else ""))
+        return _build_here(args, cache, decided)
     print(f"imported {nd} decisions ({nd_skip} already present) and {nk} kernels ({nk_skip} already present) "
           f"into {cache.root}")
+    return EXIT_OK
+
+
+def _stamp_imported(entry: Path, src: Path) -> None:
+    """Note in an imported kernel's meta.json where it came from and who imported it (`cache show` prints it)."""
+    from .trust import provenance  # noqa: PLC0415
+
+    meta_file = entry / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return  # not a usable kernel: publishing finds it corrupt and drops it
+    if isinstance(meta, dict):
+        meta["imported"] = {**provenance(), "from": str(src.resolve())}
+        meta_file.write_text(json.dumps(meta, indent=1))
+
+
+def _build_here(args, cache, configs: list) -> int:
+    """Compile the kernels of imported decisions from this machine's templates (in parallel, with progress)."""
+    from .build import build  # noqa: PLC0415
+
+    configs = list(dict.fromkeys(configs))
+    if not configs:
+        return EXIT_OK
+    results = build(configs, cache=cache, jobs=args.jobs, progress=not args.no_progress)
+    now = sum(1 for r in results.values() if r.ok and r.built_now)
+    failed = [r for r in results.values() if not r.ok]
+    print(f"kernels of the decisions, built here from the templates: {now} compiled now, "
+          f"{len(results) - now - len(failed)} already in the cache, {len(failed)} failed to compile")
+    if failed:
+        print(f"{len(failed)} kernels failed to compile here (nvcc's errors are above; `cutlass-byoc cache list "
+              "--kernels` lists them)", file=sys.stderr)
+        return EXIT_PARTIAL
     return EXIT_OK
 
 
@@ -393,6 +509,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.cache_dir:
         os.environ["CUTLASS_BYOC_CACHE_DIR"] = str(Path(args.cache_dir).expanduser().resolve())
+    if args.trust_cache_dir:  # through the environment, so the profiler's worker processes trust it too
+        os.environ[TRUST_ENV] = "1"
     from .toolchain import ToolchainError  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -404,6 +522,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ToolchainError as e:
         print(f"cutlass-byoc {args.cmd}: {e}", file=sys.stderr)
         return EXIT_TOOLCHAIN
+    except UntrustedCacheError as e:
+        print(f"cutlass-byoc {args.cmd}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

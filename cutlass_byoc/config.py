@@ -3,7 +3,8 @@ never parsed back from a name or a dict of strings.
 
 `KernelConfig` is everything compiled into a kernel; one compiled kernel serves every problem it can
 implement (its template parameters never depend on N, H, W or C). `LaunchConfig` adds what is chosen per
-call: the split-k slice count.
+call: the split-k slice count and the channel padding (`pad_c`, `pad_k`: ops zero-pads C and K up to these
+multiples, runs the kernel on the padded problem and copies the real channels out).
 """
 
 from __future__ import annotations
@@ -201,7 +202,12 @@ class KernelConfig:
                 return f"{self.smem_bytes} bytes of shared memory, past the 227 KiB an H200 CTA can have"
         if self.family is KernelFamily.SM90_TMA_WGMMA:
             if self.split_k_mode is SplitKMode.PARALLEL:
-                return "CUTLASS 3.x conv kernels have no split-k"
+                # The project's own split-k (templates/conv2d_sm90_tma_wgmma.cu.j2): slices of the N*P*Q reduction
+                # into fp32 partials, one reduction kernel; CUTLASS 3.x conv has no split-k of its own.
+                if self.kind is not ConvKind.WGRAD:
+                    return f"split_k_mode: the sm90 family splits wgrad only (fp32 partials + reduction), not {self.kind.value}"
+                if self.element_acc is not DType.F32:
+                    return "split_k_mode: sm90 split-k keeps fp32 partials, so it accumulates in f32"
             if self.element_a.nbytes * self.align_a < 16 or self.element_b.nbytes * self.align_b < 16:
                 return "TMA needs 16-byte aligned operands"
             if self.element_kernel_out.nbytes * self.align_c != 16:
@@ -218,7 +224,7 @@ class KernelConfig:
             if len(self.cluster) != 3 or self.cluster[2] != 1 or any(x not in (1, 2, 4) for x in self.cluster) \
                     or self.cluster[0] * self.cluster[1] > 4:
                 return f"cluster {self.cluster}: expected (1|2|4, 1|2|4, 1) with at most 4 CTAs"
-            epi = min(64, m) * min(32, n) * 6 * self.element_out.nbytes + 1024  # TMA epilogue: <= 4 C + 2 D stages
+            epi = min(64, m) * min(32, n) * 6 * self.element_kernel_out.nbytes + 1024  # TMA epilogue: <= 4 C + 2 D stages
             if self.stages * (self.smem_bytes // self.stages + 16) + epi > 232448:
                 return f"stages {self.stages}: mainloop + epilogue exceed the 227 KiB of shared memory of an sm90 CTA"
         return None
@@ -249,8 +255,10 @@ class KernelConfig:
         strided = problem.stride_h > 1 or problem.stride_w > 1
         dilated = problem.dilation_h > 1 or problem.dilation_w > 1
         if self.kind is ConvKind.DGRAD:
-            if dilated:
-                return "dilation: dgrad kernels take dilation 1 only"
+            if dilated and strided:
+                # CUTLASS's strided-dgrad iterators do not apply dilation; the unity-stride ones (analytic and
+                # optimized 2.x iterators, the 3.x collective) do
+                return "dilation: dgrad with stride > 1 takes dilation 1 only (strided-dgrad kernels ignore dilation)"
             if strided and self.stride_support is StrideSupport.UNITY:
                 return "stride: unity-stride dgrad kernel, problem has stride > 1"
             narrowest = min(self.align_a * self.element_a.nbytes, self.align_b * self.element_b.nbytes,
@@ -273,27 +281,78 @@ class KernelConfig:
         return None
 
 
+#: Channel multiples a launch may zero-pad C and K to (1: no padding).
+PAD_MULTIPLES = (1, 2, 4, 8, 16)
+
+
+def round_up(extent: int, multiple: int) -> int:
+    return -(-extent // multiple) * multiple
+
+
+def padding_reject_reason(problem: Conv2dProblem, pad_c: int, pad_k: int) -> Optional[str]:
+    """Why `problem` cannot run zero-padded to C and K multiples of pad_c / pad_k, or None. A padding that changes
+    nothing is refused too, so a padded launch and its unpadded twin are never the same computation."""
+    if pad_c == 1 and pad_k == 1:
+        return None
+    if problem.groups != 1:
+        return f"padding: channel padding is for groups == 1, got groups={problem.groups}"
+    if round_up(problem.c, pad_c) == problem.c and round_up(problem.k, pad_k) == problem.k:
+        return f"padding: C={problem.c} and K={problem.k} are already multiples of {pad_c} and {pad_k}"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """A compiled kernel plus what is chosen per launch."""
+    """A compiled kernel plus what is chosen per launch: split-k slices, and the channel padding ops applies around
+    the kernel (C and K rounded up to multiples of `pad_c` / `pad_k` with zeros; 1 is none). Zero channels add
+    nothing to any of the three kinds, so a padded launch computes the same result; its cost (the copies) is part
+    of what the profiler times, as it runs through ops.run_problem like every launch."""
 
     kernel: KernelConfig
     split_k_slices: int = 1
+    pad_c: int = 1
+    pad_k: int = 1
 
     def __post_init__(self) -> None:
         if self.split_k_slices < 1:
             raise ValueError(f"split_k_slices: expected >= 1, got {self.split_k_slices}")
+        for f in ("pad_c", "pad_k"):
+            if getattr(self, f) not in PAD_MULTIPLES:
+                raise ValueError(f"{f}: expected one of {PAD_MULTIPLES}, got {getattr(self, f)!r}")
         if self.split_k_slices > 1 and self.kernel.family is KernelFamily.DEPTHWISE_DIRECT \
                 and self.kernel.kind is not ConvKind.WGRAD:
             raise ValueError("split_k_slices: only depthwise wgrad splits its reduction over N*P*Q")
-        if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_TMA_WGMMA:
-            raise ValueError("split_k_slices: CUTLASS 3.x conv kernels have no split-k")
+        if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_TMA_WGMMA \
+                and self.kernel.split_k_mode is not SplitKMode.PARALLEL:
+            raise ValueError("split_k_slices: this sm90 kernel has no split-k; the sm90 family splits wgrad with "
+                             "split_k_mode parallel (fp32 partials + reduction)")
 
     @property
     def name(self) -> str:
-        return self.kernel.name + (f"_k{self.split_k_slices}" if self.split_k_slices > 1 else "")
+        pad = (f"_padc{self.pad_c}" if self.pad_c > 1 else "") + (f"_padk{self.pad_k}" if self.pad_k > 1 else "")
+        return self.kernel.name + (f"_k{self.split_k_slices}" if self.split_k_slices > 1 else "") + pad
+
+    @property
+    def padded(self) -> bool:
+        return self.pad_c > 1 or self.pad_k > 1
+
+    @property
+    def unpadded(self) -> "LaunchConfig":
+        """The launch ops runs on the padded problem (the same kernel and slices)."""
+        return dataclasses.replace(self, pad_c=1, pad_k=1) if self.padded else self
+
+    def kernel_problem(self, problem: Conv2dProblem) -> Conv2dProblem:
+        """The problem the kernel computes when this launch runs `problem`: C and K rounded up to the padding."""
+        if not self.padded:
+            return problem
+        return problem.replace(c=round_up(problem.c, self.pad_c), k=round_up(problem.k, self.pad_k))
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
+        if self.padded:
+            why = padding_reject_reason(problem, self.pad_c, self.pad_k)
+            if why:
+                return why
+            problem = self.kernel_problem(problem)
         why = self.kernel.reject_reason(problem)
         if why:
             return why
@@ -319,11 +378,17 @@ class LaunchConfig:
             gemm_k = problem.gemm_mnk[2]
             if self.split_k_slices * k.tile[2] > gemm_k:
                 return f"split_k_slices: {self.split_k_slices} slices of {k.tile[2]} exceed the reduction extent {gemm_k}"
+            if k.family is KernelFamily.SM90_TMA_WGMMA and self.split_k_slices > 65535:
+                return f"split_k_slices: the sm90 split-k grid takes at most 65535 slices, got {self.split_k_slices}"
         return None
 
     def to_dict(self) -> dict:
-        return {"kernel": self.kernel.to_dict(), "split_k_slices": self.split_k_slices}
+        d = {"kernel": self.kernel.to_dict(), "split_k_slices": self.split_k_slices}
+        if self.padded:  # unpadded launches keep the dict they always had
+            d.update(pad_c=self.pad_c, pad_k=self.pad_k)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LaunchConfig":
-        return cls(KernelConfig.from_dict(d["kernel"]), int(d.get("split_k_slices", 1)))
+        return cls(KernelConfig.from_dict(d["kernel"]), int(d.get("split_k_slices", 1)), int(d.get("pad_c", 1)),
+                   int(d.get("pad_k", 1)))

@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 import filelock
 
 from .cache import cache_root
+from .trust import ensure_trusted_root, make_private_dir
 from .config import LaunchConfig
 from .problem import Conv2dProblem
 
@@ -155,13 +156,14 @@ def _bump() -> None:
 
 
 class DecisionStore:
-    """Decisions as one JSON file per key under `<root>/decisions`."""
+    """Decisions as one JSON file per key under `<root>/decisions`. Like KernelCache, it creates its folders 0700
+    and refuses a cache root that is not the user's alone (trust.py)."""
 
     def __init__(self, root: Optional[Path] = None):
-        self.root = Path(root) if root else cache_root()
-        self.dir = self.root / "decisions"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.root / "locks").mkdir(parents=True, exist_ok=True)
+        self.root = make_private_dir(Path(root)) if root else cache_root()
+        ensure_trusted_root(self.root)  # before anything is read or written under it
+        self.dir = make_private_dir(self.root / "decisions")
+        make_private_dir(self.root / "locks")
         self._memo: dict[str, tuple[tuple[int, int, int], Optional[Decision]]] = {}
 
     def path(self, digest: str) -> Path:
@@ -210,7 +212,7 @@ class DecisionStore:
     def record(self, decision: Decision) -> Path:
         digest = decision.key.digest
         p = self.path(digest)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(p.parent)
         text = json.dumps(decision.to_dict(), indent=1, sort_keys=True)
         with self._lock(digest):
             fd, tmp = tempfile.mkstemp(prefix=f".{digest[:16]}-", suffix=".tmp", dir=p.parent)
@@ -254,8 +256,10 @@ class DecisionStore:
 
     def import_file(self, src: Path, *, overwrite: bool = False) -> bool:
         """Copy one exported decision file in (validated, atomically). False if skipped."""
-        d = json.loads(Path(src).read_text())
-        dec = Decision.from_dict(d)
+        return self.import_decision(Decision.from_dict(json.loads(Path(src).read_text())), overwrite=overwrite)
+
+    def import_decision(self, dec: Decision, *, overwrite: bool = False) -> bool:
+        """Record a decision made elsewhere unless one exists for its key (or `overwrite`). False if skipped."""
         if not overwrite and self.path(dec.key.digest).exists():
             return False
         self.record(dec)

@@ -3,16 +3,19 @@ nothing has been profiled. It is a model, not a measurement: the profiler has th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable, Optional
 
-from .candidates import sm80_candidates
-from .config import KernelConfig, LaunchConfig
+from .candidates import channel_pad_options, sm80_candidates
+from .config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from .problem import Conv2dProblem
-from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode
+from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode
 
 H200_SMS = 132
 MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
+#: wgmma (the 3.x family): the fp16 matmul ceiling measured on the H200 (BRIEF.md: 708 TFLOP/s)
+WGMMA_TFLOPS = {DType.F16: 700.0, DType.BF16: 700.0}
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
 MAX_SLICES = 256  # one 64x64 output tile (early wgrad) needs ~2 waves of 132 SMs
@@ -31,6 +34,22 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
         out.append(s)
         s *= 2
     return out
+
+
+def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS) -> list[int]:
+    """The split-k slice counts to try with `kernel` on `problem`: the 2.x kernels take every count
+    `split_k_slice_candidates` offers; the sm90 split-k kernels (wgrad, split_k_mode PARALLEL: fp32 partials and a
+    reduction, built by the project) take those above 1, since with one slice the plain sm90 kernel does the same
+    work without the partials; every other kernel runs unsplit."""
+    if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
+        return split_k_slice_candidates(problem, kernel.tile, sms)
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode is SplitKMode.PARALLEL:
+        return [s for s in split_k_slice_candidates(problem, kernel.tile, sms) if s > 1]
+    if kernel.family is KernelFamily.DEPTHWISE_DIRECT:  # wgrad's splits of N*P*Q ([1] for fprop and dgrad)
+        from .depthwise import split_candidates  # noqa: PLC0415
+
+        return split_candidates(problem, kernel, sms)
+    return [1]
 
 
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
@@ -55,7 +74,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         eff *= 0.7
     align = min(c.align_a, c.align_b)
     eff *= min(1.0, (align * c.element_a.nbytes / 16) ** 0.5)
-    per_sm = MMA_SYNC_TFLOPS[c.element_a] * 1e12 / sms
+    rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
+    per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
     bytes_ = problem.bytes_moved
     extra_us = 0.0
@@ -66,6 +86,36 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         extra_us += 0.3 * slices  # serialised epilogues through the semaphore
     memory_us = bytes_ / (DRAM_GBS * 1e9) * 1e6
     return max(compute_us, memory_us) + LAUNCH_US + extra_us
+
+
+def padding_cost_us(problem: Conv2dProblem, launch: LaunchConfig) -> float:
+    """What ops' channel padding around the kernel costs: each padded input is zero-filled and the real channels
+    copied in (the padded tensor written twice, the original read once), a padded output is sliced back (the
+    real part read and written once; the kernel's own padded store is in its estimate), one launch each."""
+    if not launch.padded:
+        return 0.0
+    big = launch.kernel_problem(problem)
+    moved, ops = 0, 0
+    operands = [(problem.a_shape, big.a_shape, problem.element_a), (problem.b_shape, big.b_shape, problem.element_b)]
+    if problem.epilogue.source is SourceKind.RESIDUAL:
+        operands.append((problem.out_shape, big.out_shape, problem.element_out))
+    elif problem.epilogue.source is SourceKind.BIAS and big.k != problem.k:
+        operands.append(((problem.k,), (big.k,), problem.element_out))
+    for small, large, dt in operands:
+        if small != large:
+            moved += (2 * math.prod(large) + math.prod(small)) * dt.nbytes
+            ops += 2
+    if problem.out_shape != big.out_shape:
+        moved += 2 * math.prod(problem.out_shape) * problem.element_out.nbytes
+        ops += 1
+    return moved / (DRAM_GBS * 1e9) * 1e6 + ops * LAUNCH_US
+
+
+def estimate_launch_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
+    """`estimate_us` of the kernel on the problem it computes, plus the padding around it."""
+    if not launch.padded:
+        return estimate_us(problem, launch, sms)
+    return estimate_us(launch.kernel_problem(problem), launch.unpadded, sms) + padding_cost_us(problem, launch)
 
 
 def tile_waste(tile: tuple[int, int, int], m: int, n: int) -> float:
@@ -85,9 +135,7 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     """Every (kernel, slice count) the problem admits, best estimate first."""
     ranked = []
     for kc in kernels:
-        slices = split_k_slice_candidates(problem, kc.tile, sms) if kc.family is KernelFamily.SM80_IMPLICIT_GEMM else \
-            _depthwise_splits(problem, kc, sms) if kc.family is KernelFamily.DEPTHWISE_DIRECT else [1]
-        for s in slices:
+        for s in launch_slices(problem, kc, sms):
             launch = LaunchConfig(kc, s)
             if launch.reject_reason(problem) is None:
                 ranked.append((estimate_us(problem, launch, sms), launch))
@@ -95,18 +143,38 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     return ranked
 
 
-def _depthwise_splits(problem: Conv2dProblem, kernel: KernelConfig, sms: int) -> list[int]:
-    from .depthwise import split_candidates  # noqa: PLC0415
-
-    return split_candidates(problem, kernel, sms)
-
-
-def default_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
-    """The model's best 2.x launch for `problem` (depthwise problems: the best depthwise launch), or None if no
-    kernel can take it."""
+def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = True,
+                   padding: bool = True) -> Optional[LaunchConfig]:
+    """The model's best launch for `problem` over the 2.x and (where they apply, unless `sm90` is False) 3.x
+    families, or None if no kernel can take it. Untuned layers 3-4 ran 2-3x slower on the 2.x-only default than on
+    the tuned 3.x winner (H200); early wgrad layers, which need split-k, stay on 2.x through the model's estimate.
+    Channel-padded launches (`candidates.channel_pad_options`; not with ``padding=False``) compete with their
+    padding's cost; a problem whose channels no kernel takes unpadded (a strided dgrad of C=3) runs padded.
+    Depthwise problems (groups == C == K) get the best launch of the depthwise family, the only one that takes them."""
     if problem.is_depthwise:
         from .depthwise import default_depthwise_launch  # noqa: PLC0415
 
         return default_depthwise_launch(problem, sms)
-    ranked = rank(problem, sm80_candidates(problem), sms)
-    return ranked[0][1] if ranked else None
+    best: Optional[tuple[float, LaunchConfig]] = None
+    for pad_c, pad_k in (channel_pad_options(problem) if padding else [(1, 1)]):
+        if (pad_c, pad_k) == (1, 1):
+            kp = problem
+        else:
+            if padding_reject_reason(problem, pad_c, pad_k):
+                continue
+            kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
+        kernels = list(sm80_candidates(kp))
+        if sm90:
+            from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
+
+            kernels += list(sm90_candidates(kp))
+        ranked = rank(kp, kernels, sms)
+        if not ranked:
+            continue
+        launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k)
+        if launch.reject_reason(problem) is not None:
+            continue
+        us = estimate_launch_us(problem, launch, sms)
+        if best is None or us < best[0]:
+            best = (us, launch)
+    return best[1] if best else None

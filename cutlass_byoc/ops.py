@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Optional, Sequence
 
 from .candidates import unsupported_reason
@@ -75,20 +74,12 @@ def _dtype(t, name: str = "input") -> DType:
 
 
 # ---------------------------------------------------------------------------------------------- workspace
-_workspaces: dict[tuple[int, int], object] = {}
-_ws_lock = threading.Lock()
-
-
-def _workspace(device, stream: int, nbytes: int):
-    """A device buffer per (device, stream), allocated once and grown when a launch needs more."""
+def _workspace(device, nbytes: int):
+    """The launch's workspace, from PyTorch's caching allocator and dead after the call (stream-ordered reuse makes
+    it as cheap as a persistent buffer). Never a buffer kept across calls: under CUDA graph capture that would be a
+    tensor of the graph's pool that no output tracks (cudagraph trees refuse it)."""
     torch = _torch()
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
-    with _ws_lock:
-        buf = _workspaces.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
-            _workspaces[key] = buf
-        return buf
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -111,7 +102,7 @@ def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, s
         return launch if narrowed == k else dataclasses.replace(launch, kernel=narrowed)
     if k.family is not KernelFamily.SM80_IMPLICIT_GEMM:
         # TMA kernels need 16-byte aligned operands: an offset view runs on the 2.x family instead.
-        fallback = default_launch(problem)
+        fallback = default_launch(problem, sm90=False, padding=False)
         if fallback is None:
             raise UnsupportedConvError(f"alignment: {k.name} needs 16-byte aligned operands and no 2.x kernel fits")
         return _narrow_to_pointers(fallback, problem, a, b, d, source)
@@ -154,6 +145,23 @@ def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
                      problem.epilogue.source is not SourceKind.NONE)
 
 
+def bind(problem: Conv2dProblem, launch: LaunchConfig) -> Optional[_Prepared]:
+    """`launch` validated for `problem` once (config rules, the kernel's can_implement, workspace size, the argument
+    block), for callers that then launch on checked pointers themselves (the offload's call sites); None where
+    the launch needs run_problem's general path (channel-padded problems). Raises UnsupportedConvError (naming the
+    parameter) when the launch cannot compute the problem."""
+    why = problem.int32_overflow
+    if why:
+        raise UnsupportedConvError(f"size: {why}")
+    if launch.padded:
+        return None
+    prep = _prepared.get((problem, launch))
+    if prep is None:
+        prep = _prepare(problem, launch)
+        _prepared[(problem, launch)] = prep
+    return prep
+
+
 def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
                 select: SelectMode | str = SelectMode.CACHED) -> None:
     """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream.
@@ -169,11 +177,10 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         why = problem.int32_overflow
         if why:
             raise UnsupportedConvError(f"size: {why}")
-        padded = channel_padding(problem)
-        if padded is not None:
-            return _run_channel_padded(problem, padded, a, b, out, source, config=config, select=select)
         if launch is None:
             raise UnsupportedConvError(unsupported_reason(problem) or f"no kernel computes {problem.name}")
+        if launch.padded:
+            return _run_channel_padded(problem, launch, a, b, out, source)
         why = launch.reject_reason(problem)
         if why:
             raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
@@ -188,7 +195,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     stream = torch.cuda.current_stream(device).cuda_stream
     ws_ptr = ws_len = 0
     if prep.workspace_bytes:
-        ws = _workspace(device, stream, prep.workspace_bytes)
+        ws = _workspace(device, prep.workspace_bytes)
         ws_ptr, ws_len = ws.data_ptr(), ws.numel()
     if device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
@@ -197,52 +204,63 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         prep.lib.launch(args, ws_ptr, ws_len, stream)
 
 
-def channel_padding(problem: Conv2dProblem) -> Optional[tuple[int, int]]:
-    """(C', K') for a strided dgrad whose channel counts give sub-4-byte accesses, which no strided-dgrad kernel
-    here takes; such channels are zero-padded to a multiple of 16 bytes (else None). run_problem then runs (and the
-    profiler tunes) the padded problem."""
-    if problem.kind is not ConvKind.DGRAD or (problem.stride_h == 1 and problem.stride_w == 1):
-        return None
-    if problem.groups != 1 or problem.dilation_h > 1 or problem.dilation_w > 1:
-        return None
-    def pad(extent: int, *dtypes: DType) -> int:
-        if all(max_alignment(extent, dt) * dt.nbytes >= 4 for dt in dtypes):
-            return extent
-        vec = 16 // problem.element_a.nbytes
-        return -(-extent // vec) * vec
-
-    # K is dy's channel dim; C is the filter's and dx's.
-    cp, kp = pad(problem.c, problem.element_b, problem.element_out), pad(problem.k, problem.element_a)
-    if (cp, kp) == (problem.c, problem.k):
-        return None
-    return cp, kp
-
-
-def _run_channel_padded(problem, padded, dy, w, dx, source, *, config, select) -> None:
-    """Strided dgrad of odd channel counts: zero-pad K (dy, w) and C (w, dx) to whole 16-byte vectors, run the
-    padded problem, copy the real channels out. Zero filters add nothing, so the result is exact."""
+def _pad_channels(t, dim0: Optional[int], dim1: Optional[int]):
+    """`t` (4-D channels_last, or the 1-D bias) zero-padded to dim0 rows and dim1 channels (None: unchanged)."""
     torch = _torch()
-    cp, kp = padded
-    n, k, pq_p, pq_q = dy.shape
-    c = problem.c
-    cl = torch.channels_last
-    big = problem.replace(c=cp, k=kp)
-    if kp != k:
-        dy_p = torch.empty((n, kp, pq_p, pq_q), dtype=dy.dtype, device=dy.device, memory_format=cl).zero_()
-        dy_p[:, :k].copy_(dy)
+    shape = list(t.shape)
+    want = list(shape)
+    if dim0 is not None:
+        want[0] = dim0
+    if dim1 is not None and t.dim() > 1:
+        want[1] = dim1
+    if want == shape:
+        return t
+    if t.dim() == 4:
+        big = torch.empty(want, dtype=t.dtype, device=t.device, memory_format=torch.channels_last).zero_()
+        big[: shape[0], : shape[1]].copy_(t)
     else:
-        dy_p = dy
-    w_p = torch.empty((kp, cp, problem.r, problem.s), dtype=w.dtype, device=w.device, memory_format=cl).zero_()
-    w_p[:k, :c].copy_(w)
-    dx_p = torch.empty((n, cp, problem.h, problem.w), dtype=dx.dtype, device=dx.device, memory_format=cl)
+        big = torch.zeros(want, dtype=t.dtype, device=t.device)
+        big[: shape[0]].copy_(t)
+    return big
+
+
+_padded_problems: dict[tuple[Conv2dProblem, LaunchConfig], Conv2dProblem] = {}
+
+
+def _run_channel_padded(problem: Conv2dProblem, launch: LaunchConfig, a, b, out, source) -> None:
+    """Run a channel-padded launch: zero-pad C and K of the operands that hold them (fprop: x, w, y; dgrad: dy, w,
+    dx; wgrad: dy, x, dw; and the epilogue source like the output), run the kernel on the padded problem, copy the
+    real channels out. Zero channels add nothing to any kind (a zero input channel or filter contributes 0 to each
+    sum; padded output channels are dropped), so the result is exact. Everything runs on the current stream: the
+    profiler times this whole function, padding included, as it times every launch through run_problem."""
+    big = _padded_problems.get((problem, launch))
+    if big is None:  # validated once per (problem, launch); the kernel's own checks run in the inner run_problem
+        why = launch.reject_reason(problem)
+        if why:
+            raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
+        big = _padded_problems.setdefault((problem, launch), launch.kernel_problem(problem))
+    cp, kp = big.c, big.k
+    kind = problem.kind
+    if kind is ConvKind.FPROP:  # a = x (N, C, H, W), b = w (K, C, R, S), out = y (N, K, P, Q)
+        a_p, b_p = _pad_channels(a, None, cp), _pad_channels(b, kp, cp)
+        out_rows, out_chans = None, kp
+    elif kind is ConvKind.DGRAD:  # a = dy (N, K, P, Q), b = w (K, C, R, S), out = dx (N, C, H, W)
+        a_p, b_p = _pad_channels(a, None, kp), _pad_channels(b, kp, cp)
+        out_rows, out_chans = None, cp
+    else:  # wgrad: a = dy (N, K, P, Q), b = x (N, C, H, W), out = dw (K, C, R, S)
+        a_p, b_p = _pad_channels(a, None, kp), _pad_channels(b, None, cp)
+        out_rows, out_chans = kp, cp
     src_p = None
     if source is not None:
-        src_p = torch.zeros_like(dx_p)
-        src_p[:, :c].copy_(source)
-    if config is not None and config.reject_reason(big) is not None:
-        config = None  # a config chosen for the unpadded problem does not apply
-    run_problem(big, dy_p, w_p, dx_p, src_p, config=config, select=select)
-    dx.copy_(dx_p[:, :c])
+        src_p = _pad_channels(source, kp, None) if source.dim() == 1 else _pad_channels(source, out_rows, out_chans)
+    torch = _torch()
+    shape = list(out.shape)
+    want = [out_rows or shape[0], out_chans, *shape[2:]]
+    out_p = out if want == shape else torch.empty(want, dtype=out.dtype, device=out.device,
+                                                  memory_format=torch.channels_last)
+    run_problem(big, a_p, b_p, out_p, src_p, config=launch.unpadded)
+    if out_p is not out:
+        out.copy_(out_p[: shape[0], : shape[1]])
 
 
 # ---------------------------------------------------------------------------------------------- public ops

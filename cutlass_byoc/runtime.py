@@ -14,6 +14,7 @@ from .cache import KernelCache, cache_root_path
 from .config import KernelConfig, LaunchConfig
 from .problem import Conv2dProblem
 from .render import ABI_VERSION
+from .trust import ensure_trusted_kernel, ensure_trusted_root
 from .types import SourceKind
 
 
@@ -57,9 +58,15 @@ def make_args(
 
 
 def open_library(path: Path | str) -> ctypes.CDLL:
-    """dlopen a kernel library with the signatures of its extern "C" API declared (no checks: see KernelLibrary)."""
+    """dlopen a kernel library with the signatures of its extern "C" API declared (no checks: see KernelLibrary).
+
+    dlopen runs the library's code (its initialisers) as this user: open only files you trust. `load_kernel` checks
+    that a cached library and its cache are the user's alone first (trust.py)."""
     lib = ctypes.CDLL(str(path))
-    lib.cb_abi_version.restype = ctypes.c_int64
+    try:
+        lib.cb_abi_version.restype = ctypes.c_int64
+    except AttributeError as e:
+        raise KernelLaunchError(f"{path} is not a cutlass-byoc kernel library ({e})") from None
     lib.cb_config_json.restype = ctypes.c_char_p
     lib.cb_kernel_name.restype = ctypes.c_char_p
     lib.cb_can_implement.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_char_p, ctypes.c_int]
@@ -71,7 +78,9 @@ def open_library(path: Path | str) -> ctypes.CDLL:
 
 
 class KernelLibrary:
-    """One compiled kernel, loaded. Thread-safe: each launch builds its own CUTLASS operator on the stack."""
+    """One compiled kernel, loaded. Thread-safe: each launch builds its own CUTLASS operator on the stack.
+
+    It opens the file it is given without asking who wrote it; `load_kernel` is the checked way in."""
 
     def __init__(self, config: KernelConfig, path: Path):
         self.config = config
@@ -141,12 +150,17 @@ _lock = threading.Lock()
 
 
 def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, build_missing: bool = True) -> KernelLibrary:
-    """The loaded library of `config`, compiling it first if it is not in the cache (and `build_missing`)."""
+    """The loaded library of `config`, compiling it first if it is not in the cache (and `build_missing`).
+
+    Before the first library of a cache root is opened, the root must be the user's alone, and so must the
+    kernel's folder and kernel.so (trust.UntrustedCacheError otherwise, unless $CUTLASS_BYOC_TRUST_CACHE_DIR=1).
+    A library once loaded is remembered, so a launch checks nothing on disk."""
     key = (str(cache.root) if cache else str(Path(cache_root_path())), config)
     lib = _loaded.get(key)
     if lib is not None:
         return lib
     cache = cache or KernelCache()
+    ensure_trusted_root(cache.root)  # KernelCache() checked it already; a cache made by the caller too (memoised)
     if build_missing:
         result = build([config], cache=cache)[config]
     else:
@@ -157,6 +171,7 @@ def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, bu
         if not build_missing and result.entry.state.value == "missing":
             raise KernelLaunchError(f"{config.name} is not compiled (run `cutlass-byoc tune` or build it)")
         raise CompileError(result.error_report())
+    ensure_trusted_kernel(result.entry.path)
     lib = KernelLibrary(config, result.library)
     with _lock:
         return _loaded.setdefault(key, lib)

@@ -4,7 +4,9 @@ What CUTLASS 4.2 offers for sm90 conv (BRIEF.md, read in the wheel's headers): o
 ``KernelImplicitTmaWarpSpecializedSm90`` (one producer warp group issuing TMA, one consumer warp group issuing
 wgmma; the Cooperative and Pingpong schedules hit a ``static_assert`` for conv), no split-k, operands that TMA can
 load (16-byte aligned channel extents, so C and K multiples of 8 for 16-bit types), groups == 1, padding <= 256, and
-no strided dgrad (the collective ignores the stride). This module only proposes configs; the rules are in
+no strided dgrad (the collective ignores the stride). Split-k is the project's own, for wgrad only (`split_k_mode`
+PARALLEL: one launch whose grid z slices the N*P*Q reduction's k tiles into fp32 partials, then a reduction kernel of
+the template's own; see templates/conv2d_sm90_tma_wgmma.cu.j2). This module only proposes configs; the rules are in
 ``KernelConfig.static_error`` / ``reject_reason`` and in the compiled kernel's ``cb_can_implement``.
 
 Tile shapes come from ``cutlass_library.generator.GenerateSM90_Conv3x`` (the tiles CUTLASS generates and tests for
@@ -101,18 +103,26 @@ def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: D
     return max(2, min(8, (SMEM_CAPACITY - epilogue_smem_bytes(tile, element_out)) // per_stage))
 
 
-def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1)) -> KernelConfig:
-    """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid)."""
+def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1),
+                split_k_mode: SplitKMode = SplitKMode.SERIAL) -> KernelConfig:
+    """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid).
+    `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials."""
     p = problem
+    kernel_out = p.element_acc if split_k_mode is SplitKMode.PARALLEL else p.element_out
     return KernelConfig(
         family=KernelFamily.SM90_TMA_WGMMA, kind=p.kind,
         element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
-        tile=tile, warps=WARPS, stages=stage_count(tile, p.element_a, p.element_b, p.element_out),
+        tile=tile, warps=WARPS, stages=stage_count(tile, p.element_a, p.element_b, kernel_out),
         stride_support=StrideSupport.UNITY,
-        align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // p.element_out.nbytes,
-        split_k_mode=SplitKMode.SERIAL, activation=p.epilogue.activation,
+        align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // kernel_out.nbytes,
+        split_k_mode=split_k_mode, activation=p.epilogue.activation,
         cluster=cluster, schedule=SCHEDULE,
     )
+
+
+def sm90_split_k_modes(problem: Conv2dProblem) -> tuple[SplitKMode, ...]:
+    """SERIAL (the plain kernel: with one slice it is unsplit) always; PARALLEL (the project's split-k) for wgrad."""
+    return (SplitKMode.SERIAL, SplitKMode.PARALLEL) if problem.kind is ConvKind.WGRAD else (SplitKMode.SERIAL,)
 
 
 def sm90_applicable(problem: Conv2dProblem) -> Optional[str]:
@@ -135,17 +145,21 @@ def sm90_candidates(
     *,
     tile_filter: Optional[Callable[[Shape3], bool]] = None,
     clusters: tuple[Shape3, ...] = CLUSTERS,
+    split_k: bool = True,
 ) -> Iterator[KernelConfig]:
-    """Every sm90 config that can implement `problem` (before compiling): tiles x clusters, pruned by reject_reason."""
+    """Every sm90 config that can implement `problem` (before compiling): tiles x clusters x split-k modes (the
+    split-k kernel for wgrad only), pruned by reject_reason."""
     if sm90_applicable(problem) is not None:
         return
+    modes = sm90_split_k_modes(problem) if split_k else (SplitKMode.SERIAL,)
     for tile in sm90_tiles():
         if tile_filter and not tile_filter(tile):
             continue
         for cluster in clusters:
-            try:
-                cfg = sm90_config(problem, tile, cluster)
-            except ValueError:
-                continue
-            if cfg.reject_reason(problem) is None:
-                yield cfg
+            for mode in modes:
+                try:
+                    cfg = sm90_config(problem, tile, cluster, mode)
+                except ValueError:
+                    continue
+                if cfg.reject_reason(problem) is None:
+                    yield cfg

@@ -12,7 +12,8 @@ Kernel families:
   of the budget instead of competing on estimates the model cannot make for it.
 
 Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
-few slice counts the model ranks best for each problem.
+few slice counts the model ranks best for each problem (`heuristics.launch_slices`: 2.x kernels, and the sm90
+split-k wgrad kernels of the project's own).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import dataclasses
 import logging
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from ..candidates import sm80_candidates
-from ..config import KernelConfig, LaunchConfig
-from ..depthwise import depthwise_candidates, split_candidates as depthwise_split_candidates
-from ..heuristics import H200_SMS, estimate_us, order_key, split_k_slice_candidates
+from ..candidates import channel_pad_options, sm80_candidates
+from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
+from ..depthwise import depthwise_candidates
+from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
 from ..types import KernelFamily, SplitKMode
 
@@ -140,14 +141,8 @@ def enumerate_kernels(problem: Conv2dProblem, arch: int = 90) -> tuple[list[Kern
 
 def launches_for(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS) -> list[tuple[float, LaunchConfig]]:
     """(estimate, launch) for each slice count worth trying with `kernel`, best first."""
-    if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
-        slices = split_k_slice_candidates(problem, kernel.tile, sms)
-    elif kernel.family is KernelFamily.DEPTHWISE_DIRECT:
-        slices = depthwise_split_candidates(problem, kernel, sms)  # wgrad's splits of N*P*Q; [1] otherwise
-    else:
-        slices = [1]  # the 3.x kernels have no split-k
     out = []
-    for s in slices:
+    for s in launch_slices(problem, kernel, sms):
         if s > 1 and kernel.split_k_mode is SplitKMode.NONE:
             continue
         launch = LaunchConfig(kernel, s)
@@ -162,9 +157,46 @@ def plan_problem(
     slices_per_kernel: int = DEFAULT_SLICES_PER_KERNEL,
 ) -> ProblemPlan:
     """The launches to time for `problem`: the `max_candidates` kernels the model likes best (each family
-    getting a fair share), each with its best `slices_per_kernel` split-k counts."""
+    getting a fair share), each with its best `slices_per_kernel` split-k counts.
+
+    Channel padding (`candidates.channel_pad_options`: the stem's C=3, the odd 7->33 layer) makes more than one
+    problem a kernel may compute for `problem`: the unpadded one and each padded one. Each of them that some kernel
+    takes gets its share of the budget, so the profiler always times a padded launch against its unpadded twin
+    (where the unpadded problem has any kernel at all) and keeps the faster; a padded launch's estimate includes
+    the padding's copies (`heuristics.padding_cost_us`), and it is timed through ops.run_problem, copies included."""
     if max_candidates < 1:
         raise ValueError(f"max_candidates: expected >= 1, got {max_candidates}")
+    options = []  # (pad_c, pad_k, families ranked, valid kernels)
+    pruned: list[Pruned] = []
+    n_valid = 0
+    for pad_c, pad_k in channel_pad_options(problem):
+        why = padding_reject_reason(problem, pad_c, pad_k)
+        if why:
+            pruned.append(Pruned(f"padc{pad_c}_padk{pad_k}", why))
+            continue
+        kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
+        by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
+        tag = "" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})"
+        pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
+        n_valid += valid
+        if by_family:
+            options.append((pad_c, pad_k, by_family))
+    cands: list[Candidate] = []
+    for i, (pad_c, pad_k, by_family) in enumerate(options):
+        budget = max(1, max_candidates // len(options) + (1 if i < max_candidates % len(options) else 0))
+        for _, _, launches in _take_budget(by_family, budget):
+            for us, l in launches[:slices_per_kernel]:
+                if (pad_c, pad_k) != (1, 1):
+                    l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k)
+                    us += padding_cost_us(problem, l)
+                cands.append(Candidate(l, us))
+    cands.sort(key=lambda c: (c.estimate_us, c.name))
+    return ProblemPlan(problem, tuple(cands), n_valid, tuple(pruned))
+
+
+def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:
+    """The kernels of each family for `problem` with their launches, ranked by the model, hopeless families
+    dropped; and the number of valid kernels and the pruned ones."""
     valid, pruned = enumerate_kernels(problem, arch)
     by_family: dict[KernelFamily, list[tuple[float, KernelConfig, list[tuple[float, LaunchConfig]]]]] = {}
     for kc in valid:
@@ -183,7 +215,11 @@ def plan_problem(
             by_family[fam] = [t for t in by_family[fam] if t[0] <= OTHER_FAMILY_CUTOFF * best_2x]
             if not by_family[fam]:
                 del by_family[fam]
+    return by_family, len(valid), pruned
 
+
+def _take_budget(by_family: dict, max_candidates: int) -> list:
+    """Up to `max_candidates` kernels (with their launches) across the families."""
     # Budget: the families share max_candidates; 2.x first as the model is calibrated on it, the others get an
     # equal share each (at least one kernel) because the model cannot rank them against 2.x.
     others = [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]
@@ -197,10 +233,7 @@ def plan_problem(
         taken = {id(t) for t in chosen}
         spare = sorted((t for lst in by_family.values() for t in lst if id(t) not in taken), key=lambda t: t[0])
         chosen += spare[: max_candidates - len(chosen)]
-
-    cands = [Candidate(l, us) for _, _, launches in chosen for us, l in launches[:slices_per_kernel]]
-    cands.sort(key=lambda c: (c.estimate_us, c.name))
-    return ProblemPlan(problem, tuple(cands), len(valid), tuple(pruned))
+    return chosen
 
 
 def _spread_over_tiles(ranked: list) -> list:
@@ -227,22 +260,15 @@ def plan_workload(
     ))
 
 
-def kernel_problem(problem: Conv2dProblem) -> Conv2dProblem:
-    """The problem a kernel computes when `ops.run_problem` runs `problem`: the same one, except for strided
-    dgrad of channel counts too narrow for any strided-dgrad kernel, which ops zero-pads to whole 16-byte vectors
-    (C=3 stem dgrad runs as C=8). Tuning plans and records decisions for this problem, since it is the one
-    `select.choose` is asked about on the shipped path; its candidates are still timed through `run_problem` on
-    the original problem, padding included."""
-    from ..ops import channel_padding  # noqa: PLC0415 - ops owns the padding rule
-
-    padded = channel_padding(problem)
-    return problem if padded is None else problem.replace(c=padded[0], k=padded[1])
-
-
 def has_kernels(problem: Conv2dProblem, arch: int = 90) -> bool:
-    """Whether any kernel family of this build can compute `problem` (e.g. depthwise layers join the default
-    workload only once a family yields configs for them)."""
-    return bool(enumerate_kernels(kernel_problem(problem), arch)[0])
+    """Whether any kernel family of this build can compute `problem`, unpadded or channel-padded (e.g. depthwise
+    layers join the default workload only once a family yields configs for them)."""
+    for pad_c, pad_k in channel_pad_options(problem):
+        if padding_reject_reason(problem, pad_c, pad_k):
+            continue
+        if enumerate_kernels(problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k)), arch)[0]:
+            return True
+    return False
 
 
 def iter_candidate_names(plan: WorkloadPlan) -> Iterator[str]:

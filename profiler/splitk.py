@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from ..config import LaunchConfig
 from ..types import ConvKind, KernelFamily, SplitKMode
 from ..workloads import WorkloadItem
-from .plan import enumerate_kernels, kernel_problem, launches_for
+from .plan import enumerate_kernels, launches_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Opt
     from .worker import WorkerSettings, evaluate_candidate, make_problem_sets  # noqa: PLC0415
 
     items = [it for it in items if it.problem.kind is ConvKind.WGRAD]
-    plans = {it: _sides(kernel_problem(it.problem), per_side) for it in items}
+    plans = {it: _sides(it.problem, per_side) for it in items}
     build([l.kernel for s, u in plans.values() for l in s + u], jobs=jobs, progress=progress)
     torch.backends.cudnn.benchmark = True
     ws = WorkerSettings()

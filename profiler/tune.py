@@ -21,8 +21,9 @@ from ..cache import KernelCache
 from ..config import LaunchConfig
 from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
 from ..problem import Conv2dProblem
+from ..trust import make_private_dir
 from ..types import KernelFamily
-from .plan import DEFAULT_MAX_CANDIDATES, kernel_problem, plan_workload
+from .plan import DEFAULT_MAX_CANDIDATES, plan_workload
 from .worker import COMPILE_FAILED, CandidateResult, CandidateRunner, WorkerSettings
 
 log = logging.getLogger("cutlass_byoc.profiler.tune")
@@ -93,8 +94,7 @@ class TuneReport:
 
 
 def _log_file(cache: KernelCache) -> Path:
-    d = cache.root / "logs"
-    d.mkdir(parents=True, exist_ok=True)
+    d = make_private_dir(cache.root / "logs")
     return d / f"tune-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
 
 
@@ -134,7 +134,7 @@ def tune_workload(
     outcomes: dict[Conv2dProblem, ProblemOutcome] = {}
     todo: list[Conv2dProblem] = []
     for p in problems:
-        dec = lookup(kernel_problem(p), gpu=gpu, store=store) if (gpu is not None and not force) else None
+        dec = lookup(p, gpu=gpu, store=store) if (gpu is not None and not force) else None
         if dec is not None:
             outcomes[p] = ProblemOutcome(p, CACHED, dec.launch, dec.time_us, message="decision cache")
         else:
@@ -143,9 +143,8 @@ def tune_workload(
         return TuneReport(tuple(outcomes[p] for p in problems), gpu, gpu is not None,
                           total_s=time.perf_counter() - t_start, message="every problem was decided before")
 
-    # Plans are made for the problem the kernel computes (see plan.kernel_problem); `todo` stays the user's.
-    kernel_problems = {p: kernel_problem(p) for p in todo}
-    plan = plan_workload(list(kernel_problems.values()), max_candidates, arch=arch)
+    # Plans and decisions are for the user's problem; a channel-padded launch carries its padding (pad_c, pad_k).
+    plan = plan_workload(todo, max_candidates, arch=arch)
     plan_of = {pp.problem: pp for pp in plan.plans}
     kernels = plan.kernels
     log.info("planned %d launches of %d distinct kernels for %d problems", plan.launches, len(kernels), len(todo))
@@ -174,7 +173,7 @@ def tune_workload(
 
         if not timed:
             for p in todo:
-                pp = plan_of[kernel_problems[p]]
+                pp = plan_of[p]
                 n_ok = sum(1 for c in pp.candidates if builds[c.launch.kernel].ok)
                 status = COMPILED if pp.candidates else NO_CANDIDATES
                 outcomes[p] = ProblemOutcome(
@@ -190,7 +189,7 @@ def tune_workload(
                 bar = tqdm(total=len(todo), desc="timing", unit="problem")
             with CandidateRunner(dataclasses.replace(settings, cache_root=str(cache.root))) as runner:
                 for p in todo:
-                    pp = plan_of[kernel_problems[p]]
+                    pp = plan_of[p]
                     runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
                     results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
                                for c in pp.candidates if not builds[c.launch.kernel].ok]
@@ -212,7 +211,7 @@ def tune_workload(
                     else:
                         others = sorted((r for r in results if r.ok and r is not win), key=lambda r: r.median_us)
                         record_decision(
-                            kernel_problems[p], win.launch, win.median_us, gpu=gpu, store=store,
+                            p, win.launch, win.median_us, gpu=gpu, store=store,
                             candidates_timed=sum(1 for r in results if r.ok),
                             runner_up=others[0].launch.name if others else None,
                             runner_up_us=others[0].median_us if others else None, max_error=win.max_error,

@@ -85,11 +85,9 @@ def evaluate_candidate(problem: Conv2dProblem, launch: LaunchConfig, sets, ref, 
     from .timing import time_gpu  # noqa: PLC0415
     from .verify import compare, poison  # noqa: PLC0415
 
-    from .plan import kernel_problem  # noqa: PLC0415
-
     s0 = sets[0]
-    kp = kernel_problem(problem)  # what the kernel computes (ops pads some strided dgrads)
-    why = launch.reject_reason(kp) or load_kernel(launch.kernel, build_missing=False).can_implement(
+    kp = launch.kernel_problem(problem)  # what the kernel computes (a channel-padded launch pads C and K)
+    why = launch.reject_reason(problem) or load_kernel(launch.kernel, build_missing=False).can_implement(
         kp, launch.split_k_slices)
     if why:
         return CandidateResult(launch, CANNOT_IMPLEMENT, message=why[:500])

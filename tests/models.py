@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 # ---------------------------------------------------------------------------------------------- ResNet
@@ -201,3 +202,85 @@ def conv_counts(model: nn.Module) -> dict[str, int]:
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     dw = [m for m in convs if m.groups > 1 and m.groups == m.in_channels == m.out_channels]
     return {"all": len(convs), "depthwise": len(dw), "dense": len(convs) - len(dw)}
+
+
+# ---------------------------------------------------------------------------------------------- families the partitioner
+# must never break (conv+bias+ReLU chains, UNet, grouped, dilated): CPU tests and GPU tests share them
+class Chain(nn.Module):
+    """VGG-style conv + bias + ReLU chains (fire-module-like 1x1/3x3 mix), optionally pooled between convs."""
+
+    def __init__(self, pool: bool):
+        super().__init__()
+        self.pool = pool
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.c3 = nn.Conv2d(16, 32, 1)
+        self.c4 = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.c1(x))
+        y = F.relu(self.c2(y))
+        if self.pool:
+            y = F.max_pool2d(y, 2)
+        y = F.relu(self.c3(y))
+        if self.pool:
+            y = F.avg_pool2d(y, 2)
+        return F.relu(self.c4(y))
+
+
+class UNet(nn.Module):
+    """A small UNet: encoder blocks, pooling, a transposed-conv decoder with channel concat, a 1x1 head of 2
+    classes."""
+
+    def __init__(self):
+        super().__init__()
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1),
+                                 nn.ReLU())
+
+        self.e1, self.e2, self.mid = block(3, 16), block(16, 32), block(32, 64)
+        self.up2, self.d2 = nn.ConvTranspose2d(64, 32, 2, stride=2), block(64, 32)
+        self.up1, self.d1 = nn.ConvTranspose2d(32, 16, 2, stride=2), block(32, 16)
+        self.head = nn.Conv2d(16, 2, 1)
+
+    def forward(self, x):
+        e1 = self.e1(x)
+        e2 = self.e2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.d2(torch.cat([self.up2(m), e2], dim=1))
+        d1 = self.d1(torch.cat([self.up1(d2), e1], dim=1))
+        return self.head(d1)
+
+
+class Grouped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 16, 3, padding=1)
+        self.g = nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.c2 = nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        return self.c2(F.relu(self.g(F.relu(self.c1(x)))))
+
+
+class Dilated(nn.Module):
+    """DeepLab-style dilated convs at stride 1 (dilation 2 and 3) and one at stride 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(8, 16, 3, padding=1)
+        self.d2 = nn.Conv2d(16, 16, 3, padding=2, dilation=2)
+        self.d3 = nn.Conv2d(16, 24, 3, padding=3, dilation=3)
+        self.s2 = nn.Conv2d(24, 24, 3, stride=2, padding=2, dilation=2)
+
+    def forward(self, x):
+        y = F.relu(self.c0(x))
+        y = F.relu(self.d2(y))
+        y = F.relu(self.d3(y))
+        return self.s2(y)
+
+
+FAMILIES = {"chain": lambda: Chain(False), "chain_pool": lambda: Chain(True), "unet": UNet, "grouped": Grouped,
+            "dilated": Dilated}
+

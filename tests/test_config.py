@@ -90,7 +90,7 @@ def test_static_rules_reject_impossible_kernels():
         dataclasses.replace(good, element_out=DType.F32, align_c=8)
     with pytest.raises(ValueError, match="wgrad accumulates in f32"):
         dataclasses.replace(good, kind=ConvKind.WGRAD, element_acc=DType.F16)
-    with pytest.raises(ValueError, match="no split-k"):
+    with pytest.raises(ValueError, match="splits wgrad only"):
         dataclasses.replace(good, family=KernelFamily.SM90_TMA_WGMMA, split_k_mode=SplitKMode.PARALLEL, align_c=4)
 
 
@@ -136,15 +136,13 @@ def test_serial_split_k_only_where_partials_stay_fp32():
 
 def test_strided_dgrad_of_odd_channels_is_padded_not_run_narrow():
     from cutlass_byoc.candidates import unsupported_reason
-    from cutlass_byoc.ops import channel_padding
 
     stem = P("dgrad", 32, 3, 224, 64, 7, stride=2)
     assert not list(sm80_candidates(stem))
-    assert unsupported_reason(stem).startswith("alignment: strided dgrad")
-    assert channel_padding(stem) == (8, 64)
-    assert channel_padding(P("dgrad", 1, 7, 15, 33, 3, stride=2)) == (8, 40)
-    assert channel_padding(P("dgrad", 1, 7, 15, 33, 3)) is None  # unit stride runs alignment 1 directly
-    assert channel_padding(P("dgrad", 1, 6, 15, 10, 3, stride=2)) is None  # 4-byte accesses are fine
+    assert unsupported_reason(stem) is None  # it runs channel-padded
+    d = default_launch(stem)
+    assert d.padded and d.pad_k == 1 and d.kernel_problem(stem).c in (4, 8)
+    assert d.reject_reason(stem) is None and "alignment" in d.unpadded.reject_reason(stem)
 
 
 def test_unsupported_reason_names_the_parameter():
@@ -153,5 +151,35 @@ def test_unsupported_reason_names_the_parameter():
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=2)).startswith("groups:")
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16)) is None  # depthwise: the depthwise family
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3, groups=16, dilation=2)).startswith("depthwise: dilation")
-    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, dilation=2)).startswith("dilation:")
+    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, stride=2, dilation=2)).startswith("dilation:")
+    assert unsupported_reason(P("dgrad", 2, 16, 8, 16, 3, dilation=2)) is None  # unity-stride dgrad
     assert unsupported_reason(P("fprop", 2, 16, 8, 16, 3)) is None
+
+
+def test_dilated_dgrad_rules():
+    """Unity-stride dgrad kernels apply dilation (2.x analytic and optimized iterators, the 3.x collective);
+    strided-dgrad kernels do not."""
+    from cutlass_byoc.candidates import sm80_candidates
+    from cutlass_byoc.sm90 import sm90_candidates
+
+    p = Conv2dProblem.make("dgrad", 2, 16, 9, 9, 24, 3, padding=3, dilation=3)
+    cands = list(sm80_candidates(p, split_k=False))
+    assert cands and {c.stride_support.value for c in cands} == {"unity"}
+    assert {c.iterator.value for c in cands} >= {"analytic", "optimized"}
+    assert any(c.reject_reason(p) is None for c in sm90_candidates(p))
+    strided = Conv2dProblem.make("dgrad", 2, 16, 9, 9, 24, 3, stride=2, padding=2, dilation=2)
+    for c in list(sm80_candidates(strided.replace(dilation_h=1, dilation_w=1), split_k=False))[:20]:
+        assert "dilation" in c.reject_reason(strided)
+
+
+def test_default_launch_considers_the_3x_family():
+    """Untuned, layers 3-4 ran 2-3x slower on a 2.x-only default than on the tuned 3.x winner (H200): the default
+    ranks both families; early wgrad (few output tiles, needs split-k) stays on 2.x split-k."""
+    l3 = P("fprop", 32, 256, 14, 256, 3)
+    assert default_launch(l3).kernel.family is KernelFamily.SM90_TMA_WGMMA
+    assert default_launch(l3, sm90=False).kernel.family is KernelFamily.SM80_IMPLICIT_GEMM
+    early_wgrad = P("wgrad", 32, 64, 56, 64, 3)
+    launch = default_launch(early_wgrad)
+    assert launch.kernel.family is KernelFamily.SM80_IMPLICIT_GEMM and launch.split_k_slices > 1
+    fp32 = P("fprop", 8, 64, 14, 64, 3, dtype="f32")  # the 3.x family is built for 16-bit inputs
+    assert default_launch(fp32).kernel.family is KernelFamily.SM80_IMPLICIT_GEMM

@@ -54,6 +54,24 @@ EPI_LAYER = ("3x3", 8, 64, 28, 64, 3, 1, 1)
 SPLIT_PROBLEMS = [make_problem(kind, ("3x3_14", 32, 256, 14, 256, 3, 1, 1), ("f16", "f16")) for kind in (ConvKind.FPROP, ConvKind.DGRAD)]
 
 
+# stride-1 dilated dgrad (DeepLab-style): (layer, dilation, dtype, iterator): odd channels, bf16, both iterators
+DILATED_DGRAD = [
+    (("d2_c16_k32", 4, 16, 21, 32, 3, 1, 2), 2, ("f16", "f16"), IteratorAlgorithm.OPTIMIZED),
+    (("d2_c16_k32", 4, 16, 21, 32, 3, 1, 2), 2, ("f16", "f16"), IteratorAlgorithm.ANALYTIC),
+    (("d3_c7_k33", 3, 7, 19, 33, 3, 1, 3), 3, ("f16", "f16"), None),
+    (("d3_c24_k40", 2, 24, 17, 40, 3, 1, 3), 3, ("bf16", "bf16"), IteratorAlgorithm.OPTIMIZED),
+    (("d2_c24_k40_pad1", 2, 24, 17, 40, 5, 1, 1), 2, ("bf16", "f32"), IteratorAlgorithm.ANALYTIC),
+]
+
+
+def dilated_config(layer, dilation, dt, iterator):
+    problem = make_problem("dgrad", layer, dt, dilation=dilation)
+    if iterator is None:
+        return problem, pick(problem)
+    return problem, next(c for c in sm80_candidates(problem, split_k=False)
+                         if c.iterator is iterator and c.tile == (64, 64, 32))
+
+
 STRIDED_DGRAD_VARIANTS = [  # (layer, iterator) beyond CASES: the alignments and iterators strided dgrad runs with
     (("s2_c6_k10", 4, 6, 20, 10, 3, 2, 1), None),
     (("s2_c12_k20", 4, 12, 20, 20, 3, 2, 1), None),
@@ -63,8 +81,9 @@ STRIDED_DGRAD_VARIANTS = [  # (layer, iterator) beyond CASES: the alignments and
 
 
 def config_for(problem):
-    """The fixed pick, or None where ops pads channels first (strided dgrad of odd channel counts)."""
-    return None if ops.channel_padding(problem) else pick(problem)
+    """The fixed pick, or None where only a channel-padded launch computes the problem (strided dgrad of odd channel
+    counts): ops then runs the model's padded default."""
+    return pick(problem) if next(sm80_candidates(problem), None) is not None else None
 
 
 def variant_config(layer, iterator):
@@ -78,6 +97,7 @@ def all_configs():
     cfgs = [config_for(make_problem(kind, layer, dt)) for kind, layer, dt in CASES]
     cfgs = [c for c in cfgs if c is not None]
     cfgs += [variant_config(*v)[1] for v in STRIDED_DGRAD_VARIANTS]
+    cfgs += [dilated_config(*v)[1] for v in DILATED_DGRAD]
     cfgs += [pick(make_problem("fprop", EPI_LAYER, ("f16", "f16"), epilogue=e)) for e in EPILOGUES]
     cfgs += [pick(make_problem("fprop", EPI_LAYER, ("f16", "f32"), epilogue=EPILOGUES[0]))]
     cfgs += [pick(p, m) for p in SPLIT_PROBLEMS for m in (SplitKMode.SERIAL, SplitKMode.PARALLEL)]
@@ -125,6 +145,14 @@ def test_kind_layer_dtype(kind, layer, dt):
 def test_strided_dgrad_alignments_and_iterators(layer, iterator):
     problem, cfg = variant_config(layer, iterator)
     check(problem, cfg, seed=17)
+
+
+@pytest.mark.parametrize("layer, dilation, dt, iterator", DILATED_DGRAD,
+                         ids=[f"{l[0]}-{d[0]}to{d[1]}-{i.value if i else 'default'}" for l, _, d, i in DILATED_DGRAD])
+def test_dilated_unity_stride_dgrad(layer, dilation, dt, iterator):
+    problem, cfg = dilated_config(layer, dilation, dt, iterator)
+    assert problem.dilation_h == dilation and problem.stride_h == 1
+    check(problem, cfg, seed=hash((layer[0], dilation, dt)) % 2**31)
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
@@ -201,25 +229,33 @@ def test_refusals_name_the_parameter():
         ops.conv2d(x.double(), w.double(), padding=1)
     with pytest.raises(ops.UnsupportedConvError, match="groups"):
         ops.conv2d(x, w[:, :8].contiguous(memory_format=torch.channels_last), padding=1, groups=2)
-    with pytest.raises(ops.UnsupportedConvError, match="dilation"):
-        ops.conv2d_dgrad(torch.randn(2, 16, 4, 4, device="cuda", dtype=torch.float16).contiguous(
-            memory_format=torch.channels_last), w, x.shape, padding=0, dilation=2)
+    with pytest.raises(ops.UnsupportedConvError, match="dilation"):  # strided + dilated dgrad
+        ops.conv2d_dgrad(torch.randn(2, 16, 2, 2, device="cuda", dtype=torch.float16).contiguous(
+            memory_format=torch.channels_last), w, x.shape, stride=2, padding=0, dilation=2)
     # fallback=True runs PyTorch instead, with the reason logged
     y = ops.conv2d(x, w[:, :8].contiguous(memory_format=torch.channels_last), padding=1, groups=2, fallback=True)
     ref = torch.nn.functional.conv2d(x.double(), w[:, :8].double(), None, 1, 1, 1, 2)
     assert rel_err(y, ref) < 1e-2
 
 
-def test_workspace_is_allocated_once_and_reused():
+def test_workspace_comes_from_the_caching_allocator_per_call():
+    """No buffer outlives a call (CUDA-graph safe); the caching allocator hands the same block back, so the
+    per-call allocation costs no cudaMalloc after the first."""
     problem = SPLIT_PROBLEMS[0]
     cfg = pick(problem, SplitKMode.PARALLEL)
     x, w, _ = operands(problem, seed=5)
     out = poisoned_output(problem)
     ops.run_problem(problem, x, w, out, config=LaunchConfig(cfg, 4))
-    before = {k: v.data_ptr() for k, v in ops._workspaces.items()}
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    allocated = torch.cuda.memory_allocated()
     for _ in range(3):
         ops.run_problem(problem, x, w, out, config=LaunchConfig(cfg, 4))
-    assert {k: v.data_ptr() for k, v in ops._workspaces.items()} == before
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved and torch.cuda.memory_allocated() == allocated
+    assert not hasattr(ops, "_workspaces")
+    ref = reference(problem, x, w, None)
+    assert rel_err(out, ref) < TOLERANCE[problem.element_out]
 
 
 def test_raw_device_pointers_through_cuda_python():

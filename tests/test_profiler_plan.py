@@ -9,14 +9,14 @@ import pytest
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import plan as plan_mod
-from cutlass_byoc.profiler.plan import enumerate_kernels, kernel_problem, plan_problem, plan_workload
+from cutlass_byoc.profiler.plan import enumerate_kernels, plan_problem, plan_workload
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 from cutlass_byoc.workloads import default_workload
 
 
 @pytest.fixture(scope="module")
 def workload_plan():
-    return plan_workload([kernel_problem(it.problem) for it in default_workload()], 8)
+    return plan_workload([it.problem for it in default_workload()], 8)
 
 
 def test_default_workload_plan_fits_budget(workload_plan):
@@ -74,8 +74,11 @@ def test_pruning_happens_before_compiling(monkeypatch):
     assert "alignment" in reasons[bad_align.name]
     assert "kind" in reasons[wrong_kind.name]
     pp = plan_problem(p, 8)
-    assert {c.launch.kernel for c in pp.candidates} == {good}
-    assert len(pp.pruned) == 2
+    assert {c.launch.kernel for c in pp.candidates if not c.launch.padded} == {good}
+    assert len([x for x in pp.pruned if "padded" not in x.name]) == 2
+    # C=12 (8-byte rows) is also planned zero-padded to C=16, where the 8-wide kernel fits
+    assert {c.launch.kernel for c in pp.candidates if c.launch.padded} == {good, bad_align}
+    assert all(c.launch.pad_c == 8 for c in pp.candidates if c.launch.padded)
 
 
 def test_max_candidates_keeps_the_models_best():
@@ -127,13 +130,13 @@ def test_plan_ranks_by_estimate():
     assert all(isinstance(c.launch, LaunchConfig) for c in pp.candidates)
 
 
-def test_narrow_strided_dgrad_is_planned_as_the_padded_problem_ops_runs():
+def test_narrow_strided_dgrad_is_planned_as_padded_launches_of_the_users_problem():
     p = Conv2dProblem.make("dgrad", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
-    kp = kernel_problem(p)
-    assert (kp.c, kp.k) == (8, 64) and kp.replace(c=3) == p
-    assert plan_problem(kp, 4).candidates
-    q = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
-    assert kernel_problem(q) is q
+    pp = plan_problem(p, 4)
+    assert pp.problem == p and pp.candidates
+    # no strided-dgrad kernel reads C=3 (2-byte accesses): every launch pads C, to 4 or to 8
+    assert {c.launch.pad_c for c in pp.candidates} == {4, 8}
+    assert all(c.launch.pad_k == 1 and c.launch.reject_reason(p) is None for c in pp.candidates)
 
 
 def test_memory_bound_ties_spread_over_tile_shapes():
@@ -153,12 +156,15 @@ def test_memory_bound_ties_spread_over_tile_shapes():
 
 
 def test_hopeless_other_family_candidates_give_their_share_back():
-    """wgrad of a 64x64 filter over N*P*Q = 100352: one output tile, so only split-k fills the GPU; the 3.x kernels
-    (no split-k) are estimated far beyond the cutoff and the whole budget goes to 2.x split-k launches."""
+    """wgrad of a 64x64 filter over N*P*Q = 100352: one output tile, so only split-k fills the GPU; the unsplit 3.x
+    kernels are estimated far beyond the cutoff and give their share back; the 3.x split-k kernels (the project's
+    own) compete, with more than one slice."""
     p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
     pp = plan_problem(p, 8)
     assert len(pp.kernels) == 8
-    assert all(k.family is KernelFamily.SM80_IMPLICIT_GEMM for k in pp.kernels)
+    for c in pp.candidates:
+        if c.launch.kernel.family is not KernelFamily.SM80_IMPLICIT_GEMM:
+            assert c.launch.kernel.split_k_mode is SplitKMode.PARALLEL and c.launch.split_k_slices > 1
     assert max(c.launch.split_k_slices for c in pp.candidates) > 64
     # where the model cannot tell (compute-bound 3x3), 3.x keeps its share
     q = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)

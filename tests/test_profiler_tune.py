@@ -81,11 +81,12 @@ def test_tune_orchestration(fakes):
         assert statuses[o.launch] == W.OK
         assert o.time_us > 0  # the time-0 candidate never wins
         assert o.time_us == min(r.median_us for r in o.results if r.ok and r.median_us > 0)
-    # the padded dgrad is timed on the user's problem but decided for the problem the kernel computes
+    # the narrow strided dgrad is timed and decided on the user's problem, its launch carrying the padding
     dgrad = rep.outcomes[2]
     assert any(p == PROBLEMS[2] for p, _ in FakeRunner.calls)
-    assert lookup(PROBLEMS[2], gpu=GPU, store=store) is None
-    assert lookup(PROBLEMS[2].replace(c=8), gpu=GPU, store=store).launch == dgrad.launch
+    assert dgrad.launch.padded and dgrad.launch.pad_c in (4, 8)
+    assert lookup(PROBLEMS[2], gpu=GPU, store=store).launch == dgrad.launch
+    assert lookup(PROBLEMS[2].replace(c=8), gpu=GPU, store=store) is None
     recs = [json.loads(l) for l in rep.log_path.read_text().splitlines()]
     events = {r["event"] for r in recs}
     assert {"plan", "compile_failed", "candidate", "decision"} <= events

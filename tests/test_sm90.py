@@ -40,7 +40,7 @@ def test_tiles_come_from_the_generator_filtered():
 @pytest.mark.parametrize("kind", KINDS)
 def test_candidates_are_valid_sm90_configs(kind):
     p = problem(kind)
-    cands = list(sm90_candidates(p))
+    cands = list(sm90_candidates(p, split_k=False))
     assert len(cands) == len(sm90_tiles()) * len(CLUSTERS)
     for cfg in cands:
         assert cfg.family is KernelFamily.SM90_TMA_WGMMA
@@ -112,6 +112,79 @@ def test_static_rules():
         dataclasses.replace(one(problem("dgrad")), stride_support=StrideSupport.STRIDED)
     with pytest.raises(ValueError):
         LaunchConfig(cfg, split_k_slices=2)
+
+
+# ---------------------------------------------------------------------------------------------- split-k (wgrad)
+def split_one(p: Conv2dProblem, tile=(128, 128, 64), cluster=(1, 1, 1)) -> KernelConfig:
+    return sm90_config(p, tile, cluster, SplitKMode.PARALLEL)
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+def test_split_k_candidates_are_wgrad_kernels_storing_fp32_partials(out):
+    p = problem("wgrad", out_dtype=out)
+    cands = list(sm90_candidates(p))
+    split = [c for c in cands if c.split_k_mode is SplitKMode.PARALLEL]
+    assert len(split) == len(cands) // 2 == len(sm90_tiles()) * len(CLUSTERS)
+    for cfg in split:
+        assert cfg.element_kernel_out is DType.F32 and cfg.element_out is DType(out)
+        assert cfg.align_c == 4  # 16-byte TMA stores of fp32
+        assert cfg.reject_reason(p) is None and "splitk_parallel" in cfg.name
+    for kind in ("fprop", "dgrad"):
+        assert all(c.split_k_mode is SplitKMode.SERIAL for c in sm90_candidates(problem(kind)))
+
+
+def test_split_k_rules():
+    p = problem("wgrad", n=32, h=56, w=56, k=64)
+    cfg = split_one(p)
+    for kind in ("fprop", "dgrad"):  # refused: only wgrad has the split-k kernel
+        with pytest.raises(ValueError, match="splits wgrad only"):
+            dataclasses.replace(one(problem(kind)), split_k_mode=SplitKMode.PARALLEL, align_c=4)
+    with pytest.raises(ValueError, match="no split-k"):
+        LaunchConfig(one(p), split_k_slices=2)  # the plain kernel takes one slice only
+    npq = p.n * p.p * p.q  # 100352: 1568 k tiles of 64
+    assert LaunchConfig(cfg, 1).reject_reason(p) is None
+    assert LaunchConfig(cfg, 64).reject_reason(p) is None
+    assert LaunchConfig(cfg, npq // 64).reject_reason(p) is None
+    assert "exceed the reduction extent" in LaunchConfig(cfg, npq // 64 + 1).reject_reason(p)
+    tiny = problem("wgrad", n=1, h=8, w=8)  # N*P*Q = 64: one k tile
+    assert LaunchConfig(split_one(tiny), 1).reject_reason(tiny) is None
+    assert "exceed" in LaunchConfig(split_one(tiny), 2).reject_reason(tiny)
+    assert LaunchConfig.from_dict(LaunchConfig(cfg, 16).to_dict()) == LaunchConfig(cfg, 16)
+    assert LaunchConfig(cfg, 16).name.endswith("_k16")
+
+
+def test_split_k_slice_counts_come_from_the_problem():
+    from cutlass_byoc.heuristics import launch_slices, split_k_slice_candidates  # noqa: PLC0415
+
+    early = problem("wgrad", n=32, h=56, w=56, c=64, k=64)  # K x CRS = 64 x 576: 5 output tiles of 128x128
+    late = problem("wgrad", n=32, h=7, w=7, c=512, k=512)  # 4 x 36 output tiles, N*P*Q = 1568
+    assert launch_slices(early, one(early)) == [1]  # the plain kernel runs unsplit
+    s_early = launch_slices(early, split_one(early))
+    assert 1 not in s_early and max(s_early) >= 64  # one slice is the plain kernel's job
+    assert s_early == [s for s in split_k_slice_candidates(early, (128, 128, 64)) if s > 1]
+    assert max(launch_slices(late, split_one(late)), default=1) <= 4  # many output tiles, short reduction
+    b64 = problem("wgrad", n=64, h=56, w=56, c=64, k=64)
+    assert all(LaunchConfig(split_one(b64), s).reject_reason(b64) is None for s in (1, 2, 4, 8, 16, 32, 64))
+
+
+def test_split_k_is_planned_for_early_wgrad():
+    from cutlass_byoc.profiler.plan import launches_for, plan_problem  # noqa: PLC0415
+
+    p = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
+    launches = launches_for(p, split_one(p))
+    assert launches and all(l.split_k_slices > 1 for _, l in launches)
+    sm90 = [c.launch for c in plan_problem(p, 8).candidates if c.launch.kernel.family is KernelFamily.SM90_TMA_WGMMA]
+    assert sm90 and all(l.kernel.split_k_mode is SplitKMode.PARALLEL and l.split_k_slices > 1 for l in sm90)
+
+
+def test_render_split_k_wgrad():
+    p = problem("wgrad")
+    src = render(split_one(p), "nvcc")
+    assert "cb_split_wgrad_kernel" in src and "cb_splitk_reduce" in src
+    assert "using ElementKernelOut = float;" in src and "using ElementOutput = cutlass::half_t;" in src
+    assert "return cb_splitk::partial_bytes(*x);" in src
+    plain = render(one(p), "nvcc")
+    assert "cb_split_wgrad_kernel" not in plain and "using ElementKernelOut = ElementOutput;" in plain
 
 
 def test_reject_reason_strided_dgrad_and_padding():
@@ -238,3 +311,43 @@ def test_compile_one_fprop_kernel(tmp_path):
     args.p = 7
     buf = ctypes.create_string_buffer(512)
     assert lib.cb_can_implement(ctypes.byref(args), buf, len(buf)) and b"output size" in buf.value
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(900)
+def test_compile_one_split_k_wgrad_kernel(shared_cache):
+    """The project's split-k wgrad kernel (its own kernel body over a grid z of slices, fp32 partials, reduction
+    kernel) builds for sm_90a; its host API sizes the partials and refuses what it cannot do."""
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.runtime import KernelLibrary, make_args  # noqa: PLC0415
+
+    p = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
+    cfg = split_one(p, tile=(64, 128, 64))
+    result = build([cfg], jobs=1, cache=shared_cache)[cfg]
+    assert result.ok, result.error_report()
+    assert "error" not in result.entry.log.lower()
+    lib = KernelLibrary(cfg, result.library)
+    raw = lib._lib
+
+    fake = dict(a=0x10000, b=0x20000, d=0x30000)
+
+    def why(q, slices, **kw):
+        args = make_args(q, slices, **{**fake, **kw})
+        buf = ctypes.create_string_buffer(512)
+        rc = raw.cb_can_implement(ctypes.byref(args), buf, len(buf))
+        return rc, buf.value.decode()
+
+    partial = p.k * p.r * p.s * p.c * 4  # one slice's fp32 partials
+    for slices in (1, 2, 16, 64, 1568):
+        assert why(p, slices) == (0, ""), slices
+        assert lib.workspace_size(p, slices) == -(-slices * partial // 256) * 256
+    rc, msg = why(p, 1569)  # N*P*Q = 100352 is 1568 k tiles of 64
+    assert rc and "split_k_slices" in msg
+    rc, msg = why(p, 4, d=0x30004)  # the reduction stores 4 fp16 (8 bytes) at a time
+    assert rc and "output address" in msg
+    assert why(p, 4, d=0x30008) == (0, "")
+    res = p.replace(epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    assert why(res, 8, source=0x40000) == (0, "")
+    rc, msg = why(problem("wgrad", c=4), 2)
+    assert rc and "alignment" in msg
+    assert lib.can_implement(p, 64) is None

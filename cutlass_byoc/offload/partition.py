@@ -149,6 +149,7 @@ class _Rewriter:
                        if isinstance(gn, fx.Node) and pn.op != "placeholder"):
                     continue
                 try:
+                    self._rebind(pat, m)
                     self._rewrite_fprop(pat, m)
                 except Reject as e:
                     self.rejections.setdefault(conv, []).append((pat, str(e)))
@@ -166,6 +167,34 @@ class _Rewriter:
             if offloaded and pat.size > 1:
                 entry.notes.append(f"not fused {'+'.join(pat.steps)}: {why}")
         return self.report.add(entry)
+
+    def _rebind(self, pat: ConvPattern, m: InternalMatch) -> None:
+        """Bind the match's placeholders to the values its operations use *now*.
+
+        The matcher finds every match of a pattern before any is rewritten, so a placeholder can still name a node
+        an earlier rewrite replaced and erased (``conv -> relu -> conv -> relu``: the second conv's input was the
+        first relu, now the first fused op). The operations' own arguments were rerouted by that rewrite, so reading
+        them again gives the live operands; a replacement node is always defined before the operation using it."""
+        nm = m.nodes_map
+
+        def bind(pa, ga) -> None:
+            if isinstance(pa, fx.Node):
+                if pa.op == "placeholder":
+                    nm[pa] = ga
+            elif isinstance(pa, (list, tuple)) and isinstance(ga, (list, tuple)) and len(pa) == len(ga):
+                for x, y in zip(pa, ga):
+                    bind(x, y)
+
+        for pn in pat.gm.graph.nodes:
+            if pn.op == "call_function":
+                gn = nm[pn]
+                bind(pn.args, gn.args)
+                for key, pa in pn.kwargs.items():
+                    if key in gn.kwargs:
+                        bind(pa, gn.kwargs[key])
+        stale = [f"{pn.name}->{gn.name}" for pn, gn in nm.items() if isinstance(gn, fx.Node) and gn._erased]
+        if stale:
+            raise Reject(f"match refers to erased nodes {stale}")
 
     def _rewrite_fprop(self, pat: ConvPattern, m: InternalMatch) -> None:
         nm = m.nodes_map
@@ -248,10 +277,12 @@ class _Rewriter:
                 # the kernel adds one source: fold the bias into the residual (PyTorch/Inductor does this add)
                 res_arg = self.call(aten.add.Tensor, (res_arg, self.call(aten.view.default, (bias_arg, [1, k, 1, 1]))))
                 bias_arg = None
+            site = library.register_site("fprop", problem, opts.select.value,
+                                         y_shape if res_arg is not None else (k,) if bias_arg is not None else None)
             new = self.call(library.FPROP, (x, w, bias_arg, res_arg, list(stride), list(padding), list(dilation),
-                                            groups, pat.activation.value, out_dtype, opts.select.value))
+                                            groups, pat.activation.value, out_dtype, opts.select.value, site))
         self._replace(pat.gm.graph, nm, last, new)
-        entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(launch),
+        entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch),
                                  pattern=pat.name, fused=tuple(fused))
         entry.node = conv.name
 
@@ -271,7 +302,8 @@ class _Rewriter:
         launch = kernel_for(problem, opts)
         with self.graph.inserting_before(conv):
             new = self.call(library.DGRAD, (x, w, list(y_shape), list(stride), list(padding), list(dilation), groups,
-                                            val(conv).dtype, opts.select.value))
+                                            val(conv).dtype, opts.select.value,
+                                            library.register_site("dgrad", problem, opts.select.value)))
             if b is not None:
                 bias4 = self.call(aten.view.default, (b, [1, y_shape[1], 1, 1]))
                 new2 = self.call(aten.add.Tensor, (new, bias4))
@@ -280,7 +312,7 @@ class _Rewriter:
         self.new_nodes.append(new)
         self._substitute(conv, new2)
         self.graph.erase_node(conv)
-        self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(launch), pattern=pat.name,
+        self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch), pattern=pat.name,
                          fused=(), notes=["bias added by PyTorch"] if b is not None else [])
 
     def _cast(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -305,12 +337,13 @@ class _Rewriter:
             if not gn._erased:
                 self.graph.erase_node(gn)
 
-    def _kernel_name(self, launch) -> str:
+    def _kernel_name(self, problem, launch) -> str:
         from ..select import SelectMode  # noqa: PLC0415
 
         self.report.launches.append(launch)
+        self.report.problems.append(problem)
         if self.options.select is SelectMode.TUNE:
-            return f"tuned at first call (heuristic: {launch.name})"
+            return f"tuned at compile time (heuristic until then: {launch.name})"
         return launch.name
 
     # ------------------------------------------------------------------ backward
@@ -369,13 +402,14 @@ class _Rewriter:
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
                     new = self.call(library.DGRAD, (go, w, list(common["x_shape"]), *args, out_dtype,
-                                                    opts.select.value))
+                                                    opts.select.value,
+                                                    library.register_site("dgrad", problem, opts.select.value)))
                 self.new_nodes.append(new)
                 for g in getitems[0]:
                     self._substitute(g, new)
                     self.graph.erase_node(g)
                 done[0] = True
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(launch),
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
                                              "convolution_backward[grad_input]"))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
@@ -399,7 +433,8 @@ class _Rewriter:
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
                     new = self.call(library.WGRAD, (go, inp, list(common["w_shape"]), *args, out_dtype,
-                                                    opts.select.value))
+                                                    opts.select.value,
+                                                    library.register_site("wgrad", problem, opts.select.value)))
                 self.new_nodes.append(new)
                 if fuse_cast is not None:
                     self._substitute(fuse_cast, new)
@@ -411,7 +446,7 @@ class _Rewriter:
                         self.graph.erase_node(g)
                 done[1] = True
                 fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
-                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(launch),
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
                                              "convolution_backward[grad_weight]", fused, notes=notes))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
@@ -562,31 +597,77 @@ def _layout_differs(a, b) -> bool:
 def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict | None = None,
               name: str = "graph") -> OffloadReport:
     """Offload every convolution of `graph` that CUTLASS can take, in place; return the report."""
+    """Offload every convolution of `graph` that CUTLASS can take, in place; return the report.
+
+    Never breaks the graph: if partitioning raises, or leaves a graph that fails ``lint`` (a node used before it is
+    defined, ...), the graph is put back exactly as it came, the reason is logged as a warning and recorded in
+    ``report.failure``, and the caller compiles it as it would have without this backend. ``strict=True`` re-raises
+    instead (tests)."""
     options = OffloadOptions.from_any(options)
     gm = graph if isinstance(graph, fx.GraphModule) else graph.owning_module
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     report = OffloadReport(name)
-    rw = _Rewriter(g, options, report)
-    rw.run_fprop()
-    rw.run_backward()
-    if rw.new_nodes:
-        rw.fix_layouts()
-        g.lint()
-        if gm is not None:
-            gm.recompile()
+    backup = _snapshot(g)
+    try:
+        rw = _Rewriter(g, options, report)
+        rw.run_fprop()
+        rw.run_backward()
+        changed = bool(rw.new_nodes)
+        if changed:
+            rw.fix_layouts()
+            g.lint()
+    except Exception as e:  # noqa: BLE001 - any failure of ours must leave the user's graph as it was
+        if options.strict:
+            raise
+        _restore(g, backup)
+        report.fail(f"partitioning raised {type(e).__name__}: {e}")
+        changed = False
+    if changed and gm is not None:
+        gm.recompile()
     log.info("%s", report.summary())
-    if rw.new_nodes and options.prebuild:
+    if changed and options.prebuild:
         prebuild(report, options)
     return report
 
 
+def _snapshot(g: fx.Graph) -> fx.Graph:
+    """A copy of g's nodes (metadata dicts copied, their values shared) to put back if partitioning fails."""
+    copy, env = fx.Graph(), {}
+    for n in g.nodes:
+        env[n] = copy.node_copy(n, lambda a: env[a])
+    return copy
+
+
+def _restore(g: fx.Graph, backup: fx.Graph) -> None:
+    """Make g hold backup's nodes again, keeping g's own placeholders (the graph's signature)."""
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    bphs = [n for n in backup.nodes if n.op == "placeholder"]
+    if len(phs) != len(bphs):
+        raise RuntimeError(f"cannot restore the graph: {len(phs)} placeholders now, {len(bphs)} before")
+    for n in list(g.nodes):  # drop every edge first: a misordered graph cannot be erased in reverse order
+        if n.op != "placeholder":
+            n.args, n.kwargs = (), {}
+    for n in reversed(list(g.nodes)):
+        if n.op != "placeholder":
+            g.erase_node(n)
+    env = dict(zip(bphs, phs))
+    for n in backup.nodes:
+        if n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.lint()
+
+
 def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
     """Compile the kernels the report's ops will launch, in parallel, now rather than one by one at their first
-    call. Only where they can run (CUDA) and are known (not when tuning at the first call); failures are logged
-    (the op then falls back to PyTorch at run time, with the reason recorded)."""
+    call; with ``select="tune"``, tune every new problem of the graph in one batch (one parallel build of all
+    candidates, then timing, with a progress bar) and show the winners in the report. Only where the kernels can run
+    (CUDA); failures are logged (the op then falls back to PyTorch at run time, with the reason recorded)."""
     from ..select import SelectMode  # noqa: PLC0415
 
-    if options.select is SelectMode.TUNE or not report.launches or not torch.cuda.is_available():
+    if not report.launches or not torch.cuda.is_available():
+        return
+    if options.select is SelectMode.TUNE:
+        tune_report(report)
         return
     try:
         from ..build import build  # noqa: PLC0415
@@ -597,6 +678,25 @@ def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
                  report.graph, len(failed))
     except Exception as e:  # noqa: BLE001 - building is an optimisation; the first call builds or falls back
         log.warning("cutlass_byoc: could not prebuild the kernels of %s: %s", report.graph, e)
+
+
+def tune_report(report: OffloadReport) -> None:
+    """Tune the report's problems that have no decision yet, all at once, and name the winners in its entries."""
+    from ..profiler.tune import CACHED, TUNED, tune_workload  # noqa: PLC0415
+
+    problems = list(dict.fromkeys(report.problems))
+    try:
+        tuned = tune_workload(problems, progress=True)
+    except Exception as e:  # noqa: BLE001 - tuning is an optimisation: the ops then use the model's launch
+        log.warning("cutlass_byoc: could not tune the problems of %s: %s", report.graph, e)
+        return
+    won = {o.problem.name: o for o in tuned.outcomes if o.status in (CACHED, TUNED) and o.launch is not None}
+    log.info("cutlass_byoc: %s: %d problems, %d tuned now, %d decided before", report.graph, len(problems),
+             sum(1 for o in tuned.outcomes if o.status == TUNED), sum(1 for o in tuned.outcomes if o.status == CACHED))
+    for e in report.offloaded:
+        o = won.get(e.problem)
+        if o is not None:
+            e.kernel = f"{o.launch.name} ({o.status}, {o.time_us:.1f} us)" if o.time_us else o.launch.name
 
 
 def offloaded_calls(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:

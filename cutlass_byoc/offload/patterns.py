@@ -77,6 +77,9 @@ class OffloadOptions:
     require_cuda: bool = True  # offload only CUDA tensors (False: any device; the ops' reference runs off CUDA)
     allow_tf32: Optional[bool] = None  # fp32 convs run as TF32; None: follow torch.backends.cudnn.allow_tf32
     prebuild: bool = True  # compile the chosen kernels in parallel at graph compile time (CUDA, select != tune)
+    strict: bool = False  # re-raise a partitioning failure instead of compiling that graph without offload (tests)
+    cudagraphs: bool = False  # Inductor's CUDA graphs (cudagraph trees) around the compiled graphs, ops included
+    mode: Optional[str] = None  # torch.compile's mode, passed to Inductor ("reduce-overhead" implies cudagraphs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))
@@ -394,14 +397,14 @@ def kernel_for(problem: Conv2dProblem, options: OffloadOptions) -> LaunchConfig:
     elif problem.groups != 1:
         raise Reject(f"groups: grouped conv (groups={problem.groups}); implicit-GEMM kernels need groups == 1 "
                      "and depthwise kernels groups == C == K")
-    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1):
-        raise Reject(f"dilation: dgrad kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}")
     why = problem.int32_overflow
     if why:
         raise Reject(f"size: {why}")
     launch = _choose(problem, options.compile_time_select)
     if launch is None:
-        raise Reject(f"no kernel: {_why_none(problem)}")
+        from ..candidates import unsupported_reason  # noqa: PLC0415
+
+        raise Reject(unsupported_reason(problem) or f"no kernel: {_why_none(problem)}")
     why = launch.reject_reason(problem)
     if why:
         raise Reject(f"kernel {launch.name}: {why}")

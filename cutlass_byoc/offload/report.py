@@ -55,6 +55,19 @@ class OffloadReport:
     output_restrides: int = 0  # clones restoring a graph output's original layout
     layout_restores: int = 0  # copies giving an op that needs the traced strides (a view) its original layout
     launches: list = dataclasses.field(default_factory=list, repr=False)  # LaunchConfigs chosen at compile time
+    problems: list = dataclasses.field(default_factory=list, repr=False)  # their Conv2dProblems, in the same order
+    #: why the graph was left to PyTorch/Inductor whole (partitioning raised or gave an invalid graph), else None
+    failure: Optional[str] = None
+
+    def fail(self, reason: str) -> None:
+        """Record that this graph was compiled without offload; the entries found before the failure are dropped
+        (none of them took effect)."""
+        self.failure = reason
+        self.entries.clear()
+        self.launches.clear()
+        self.problems.clear()
+        self.layout_conversions = self.output_restrides = self.layout_restores = 0
+        log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
         self.entries.append(entry)
@@ -82,6 +95,9 @@ class OffloadReport:
     def summary(self) -> str:
         kinds = [k for k in Pass if self.count(k, None)]
         head = ", ".join(f"{k.value} {self.count(k)}/{self.count(k, None)}" for k in kinds) or "no convolutions"
+        if self.failure:
+            return (f"cutlass_byoc offload report for {self.graph}: nothing offloaded, the graph was compiled as "
+                    f"without this backend: {self.failure}")
         lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded; "
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
                  f"{self.layout_restores} layout restores"]
@@ -92,7 +108,9 @@ class OffloadReport:
         return OffloadReport(f"{self.graph}+{other.graph}", self.entries + other.entries,
                              self.layout_conversions + other.layout_conversions,
                              self.output_restrides + other.output_restrides,
-                             self.layout_restores + other.layout_restores, self.launches + other.launches)
+                             self.layout_restores + other.layout_restores, self.launches + other.launches,
+                             self.problems + other.problems,
+                             "; ".join(f for f in (self.failure, other.failure) if f) or None)
 
     def __str__(self) -> str:
         return self.summary()

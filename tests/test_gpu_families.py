@@ -1,0 +1,65 @@
+"""GPU: the model families the partitioner must never break (conv+bias+ReLU chains with and without pooling, a UNet
+with transposed convs, concat and a 2-class 1x1 head, grouped convs, dilated convs at stride 1 and 2), each through
+the real backend on the H200: one fp16-autocast training step against an fp32 reference, the backend's error no
+worse than eager autocast's (within SLACK), no op falling back at run time.
+
+The partitioned graphs run eagerly (``make_backend(inductor=False)``): Inductor's compile of each family would cost
+device time and is covered by the CPU tests and the offload benchmark; the kernels are the ones that ship."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from models import FAMILIES
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (these tests run on the H200)"),
+]
+
+SLACK, ABS = 2.5, 1e-3
+CL = torch.channels_last
+
+
+def _step(model, x, autocast):
+    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+        out = model(x)
+    loss = out.float().square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_training_step_vs_fp32(family):
+    from cutlass_byoc.offload import library, make_backend
+    from cutlass_byoc.offload.bench import relative_errors
+
+    torch.manual_seed(0)
+    base = FAMILIES[family]().cuda().to(memory_format=CL).train()
+    c = next(m for m in base.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+    x = torch.randn(8, c, 64, 64, device="cuda").contiguous(memory_format=CL)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        truth = _step(copy.deepcopy(base), x, autocast=False)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    eager = _step(copy.deepcopy(base), x, autocast=True)
+    torch._dynamo.reset()
+    library.RUNTIME.clear()
+    backend = make_backend({"select": "heuristic", "strict": True}, inductor=False)
+    ours = _step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
+    torch.cuda.synchronize()
+    e_eager = relative_errors(*eager, *truth)
+    e_ours = relative_errors(*ours, *truth)
+    rep = backend.report()
+    print(f"\n{family}: relative errors (loss, grad, worst param) vs fp32: eager fp16 {e_eager}, backend {e_ours}; "
+          f"kernel calls {dict(library.RUNTIME.kernel_calls)}\n{rep.summary()}")
+    assert rep.failure is None and rep.offloaded
+    assert not library.RUNTIME.fallbacks, library.RUNTIME.fallbacks
+    assert sum(library.RUNTIME.kernel_calls.values()) >= len(rep.offloaded)
+    assert e_ours[0] <= SLACK * e_eager[0] + ABS, (e_ours, e_eager)
+    assert e_ours[1] <= SLACK * e_eager[1] + ABS, (e_ours, e_eager)

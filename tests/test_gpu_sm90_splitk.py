@@ -1,0 +1,138 @@
+"""The project's split-k for CUTLASS 3.x wgrad (issue 11, part 2) on the H200: the sm90 split-k kernel (grid z over
+slices of the N*P*Q reduction's k tiles, fp32 partials, one reduction kernel) against the float64 reference, for
+1..64 slices (batch 64 for 64) and 256, uneven slice sizes, fp16 and fp32 outputs, a cluster of two, and accumulate-into.
+
+Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 3 sm90 kernels (~60-90 s
+each): split wgrad 64x128x64 fp16 out, the same with fp32 out, and 64x128x64 with a 2x1x1 cluster, fp16 out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cutlass_byoc import ops  # noqa: E402
+from cutlass_byoc.build import build  # noqa: E402
+from cutlass_byoc.config import LaunchConfig  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.sm90 import sm90_config  # noqa: E402
+from cutlass_byoc.types import DType, SourceKind, SplitKMode  # noqa: E402
+
+from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TILE = (64, 128, 64)
+SLICES = (1, 2, 3, 4, 7, 8, 16, 32, 64, 256)  # 3 and 7 leave uneven slices of the k tiles; the planner offers up to 256
+# ResNet-50 wgrad layers: C -> K, R, stride, H
+LAYERS = [(64, 64, 3, 1, 56), (64, 256, 1, 1, 56), (128, 128, 3, 1, 28), (512, 512, 3, 1, 7), (128, 128, 3, 2, 56)]
+
+
+def problem(layer, batch, out, epilogue=Epilogue()):
+    c, k, r, s, h = layer
+    return Conv2dProblem.make("wgrad", batch, c, h, h, k, r, stride=s, padding=r // 2, dtype="f16", out_dtype=out,
+                              epilogue=epilogue)
+
+
+def split_config(p: Conv2dProblem, cluster=(1, 1, 1)):
+    return sm90_config(p, TILE, cluster, SplitKMode.PARALLEL)
+
+
+def used_configs():
+    """The module's kernels: a config never depends on the shape, only on the output type and the cluster."""
+    p16, p32 = problem(LAYERS[0], 32, "f16"), problem(LAYERS[0], 32, "f32")
+    return [split_config(p16), split_config(p32), split_config(p16, (2, 1, 1))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt(shared_cache):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
+    if not os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
+        build(used_configs(), cache=shared_cache, progress=True)
+    yield
+    mp.undo()
+
+
+def run(p: Conv2dProblem, launch: LaunchConfig, a, b, source=None):
+    out = poisoned_output(p)
+    ops.run_problem(p, a, b, out, source, config=launch)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda l: f"{l[0]}to{l[1]}_{l[2]}x{l[2]}_s{l[3]}_{l[4]}")
+def test_sm90_wgrad_split_k(layer, out):
+    errors = {}
+    for batch in (32, 64):
+        p = problem(layer, batch, out)
+        cfg = split_config(p)
+        x, w, dy = operands(p, seed=batch + layer[0] + layer[1])
+        a, b = kernel_operands(p, x, w, dy)
+        ref = reference(p, x, w, dy)
+        for slices in SLICES:
+            launch = LaunchConfig(cfg, slices)
+            why = launch.reject_reason(p)
+            if why:  # only where the reduction has fewer k tiles than slices (512 channels at 7x7)
+                assert "exceed the reduction extent" in why and slices * TILE[2] > p.gemm_mnk[2], why
+                continue
+            got = run(p, launch, a, b)
+            err = rel_err(got, ref)
+            assert not math.isnan(err), f"NaN (unwritten or corrupt output): {launch.name} batch {batch}"
+            assert err < TOLERANCE[p.element_out], f"{launch.name} batch {batch}: {err:.3e}"
+            errors[(batch, slices)] = err
+    assert (64, 64) in errors or layer[4] == 7  # 64 slices run at batch 64 on every layer but the 7x7 one
+    floor = 1e-6 if out == "f32" else 1e-4
+    for (batch, slices), err in errors.items():
+        # fp32 partials and one final conversion: more slices never cost accuracy
+        assert err <= 2 * errors[(batch, 1)] + floor, f"error grows with slices: {errors}"
+
+
+def test_sm90_split_k_matches_the_unsplit_kernel_and_cluster():
+    """The same problem on the plain sm90 kernel, the split kernel and the split kernel with a 2x1x1 cluster (whose
+    CTA pair shares multicast loads, so both must walk the same k range)."""
+    p = problem(LAYERS[0], 32, "f16")
+    x, w, dy = operands(p, seed=7)
+    a, b = kernel_operands(p, x, w, dy)
+    ref = reference(p, x, w, dy)
+    for launch in (LaunchConfig(split_config(p, (2, 1, 1)), 16), LaunchConfig(split_config(p, (2, 1, 1)), 3),
+                   LaunchConfig(split_config(p), 16)):
+        err = rel_err(run(p, launch, a, b), ref)
+        assert err < TOLERANCE[DType.F16], f"{launch.name}: {err:.3e}"
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+def test_sm90_split_k_accumulates_into(out):
+    """accumulate_into (the residual source): dw = sum of slices + the existing gradient, applied by the reduction."""
+    p = problem(LAYERS[2], 32, out, Epilogue(source=SourceKind.RESIDUAL))
+    x, w, dy = operands(p, seed=11)
+    prev = torch.randn(p.k, p.c, p.r, p.s, device="cuda").to(TORCH[p.element_out]).contiguous(
+        memory_format=torch.channels_last)
+    ref = reference(p, x, w, dy) + prev.double()
+    launch = LaunchConfig(split_config(p), 8)
+    got = ops.conv2d_wgrad(dy, x, w.shape, 1, 1, out_dtype=TORCH[p.element_out], accumulate_into=prev, config=launch)
+    torch.cuda.synchronize()
+    assert rel_err(got, ref) < TOLERANCE[p.element_out]
+
+
+def test_sm90_split_k_back_to_back_on_one_workspace():
+    """Two split launches of different problems queued on one stream share ops' workspace: the second must not
+    overwrite partials the first's reduction has not read (stream order guarantees it; this checks the wiring)."""
+    p1, p2 = problem(LAYERS[0], 32, "f16"), problem(LAYERS[2], 32, "f16")
+    ins = []
+    for p, seed in ((p1, 1), (p2, 2)):
+        x, w, dy = operands(p, seed=seed)
+        ins.append((p, kernel_operands(p, x, w, dy), reference(p, x, w, dy)))
+    outs = []
+    for p, (a, b), _ in ins:
+        out = poisoned_output(p)
+        ops.run_problem(p, a, b, out, config=LaunchConfig(split_config(p), 16))
+        outs.append(out)
+    torch.cuda.synchronize()
+    for (p, _, ref), out in zip(ins, outs):
+        assert rel_err(out, ref) < TOLERANCE[DType.F16]
