@@ -99,10 +99,16 @@ def problem_for(sig: tuple):
         from ..types import ConvKind, SourceKind  # noqa: PLC0415
         from .patterns import Reject, make_problem  # noqa: PLC0415
 
-        kind, x_shape, w_shape, stride, padding, dilation, groups, in_dtype, out_dtype, activation, source, _ = sig
+        kind, x_shape, w_shape, stride, padding, dilation, groups, in_dtype, out_dtype, activation, source, odt = sig
+        from ..types import DType  # noqa: PLC0415
+
+        # fprop's operand dtypes are (weight, residual, bias): the bias may be fp32 under a 16-bit output
+        bias_dt = odt[2] if kind == "fprop" and len(odt) > 2 and isinstance(odt[2], torch.dtype) else None
         try:
             problem = make_problem(ConvKind(kind), x_shape, w_shape, _pair(stride), _pair(padding), _pair(dilation),
-                                   groups, in_dtype, out_dtype, Epilogue(Activation(activation), SourceKind(source)))
+                                   groups, in_dtype, out_dtype,
+                                   Epilogue(Activation(activation), SourceKind(source),
+                                            DType.from_torch(bias_dt) if bias_dt is not None else None))
         except Reject as e:
             log.info("no kernel for %s: %s", sig, e)
             problem = None
@@ -125,10 +131,11 @@ def _call(kind: str, sig: tuple, select: str, checked: Callable[[object], torch.
 
     def run() -> torch.Tensor:
         if sig in _VALIDATED:
-            a, b, source = operands()
+            a, b, source, *bias = operands()  # fprop with bias and residual: the residual is source, then the bias
             n, h, w, c = problem.out_shape
             out = torch.empty((n, c, h, w), dtype=out_dtype, device=a.device, memory_format=CL)
-            ops.run_problem(problem, a, b, out, source, config=launch)
+            kw = {"bias": bias[0]} if bias and bias[0] is not None else {}
+            ops.run_problem(problem, a, b, out, source, config=launch, **kw)
             return out
         y = checked(launch)
         with _problem_lock:
@@ -228,16 +235,18 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                  residual: Optional[torch.Tensor], stride: Sequence[int], padding: Sequence[int],
                  dilation: Sequence[int], groups: int, activation: str, out_dtype: Optional[torch.dtype],
                  select: str) -> torch.Tensor:
-    """``act(conv2d(input, weight) + bias | residual)`` stored as out_dtype, channels_last."""
+    """``act(conv2d(input, weight) + bias + residual)`` stored as out_dtype, channels_last (either source optional; the
+    bias may be fp32 under a 16-bit output)."""
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
     if input.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
 
         out_t = out_dtype or input.dtype
-        src = residual if residual is not None else bias
+        source = ("bias_residual" if bias is not None and residual is not None else "residual" if residual is not None
+                  else "bias" if bias is not None else "none")
         sig = _signature("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype, out_t,
-                         activation, "residual" if residual is not None else "bias" if bias is not None else "none",
-                         (weight.dtype, src.dtype if src is not None else None))
+                         activation, source, (weight.dtype, residual.dtype if residual is not None else None,
+                                              bias.dtype if bias is not None else None))
 
         y = _call(
             "fprop", sig, select,
@@ -245,7 +254,8 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                                       _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
                                       residual=_cl(residual), out_dtype=out_t, config=launch),
             lambda: (_cl(input), _cl(weight), _cl(residual) if residual is not None else
-                     bias.contiguous() if bias is not None else None),
+                     bias.contiguous() if bias is not None else None,
+                     bias.contiguous() if bias is not None and residual is not None else None),
             out_t,
             lambda: f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}")
         if y is not None:
