@@ -59,8 +59,17 @@ def _problem_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--groups", type=int, default=1)
     g.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
     g.add_argument("--out-dtype", default=None, choices=["f16", "bf16", "f32"])
-    p.add_argument("--batch", type=int, default=32, help="batch of the embedded workload (default 32)")
+    p.add_argument("--batch", type=int, default=32, help="batch of the embedded workload or --model (default 32)")
     p.add_argument("--kinds", default="fprop,dgrad,wgrad", help="kinds of the embedded workload")
+    m = p.add_argument_group("the convs of a model, as the torch.compile backend partitions them")
+    m.add_argument("--model", default=None, metavar="SPEC",
+                   help="torchvision:resnet50, timm:NAME or package.module:factory (a user's own model)")
+    mode = m.add_mutually_exclusive_group()
+    mode.add_argument("--training", dest="training", action="store_true", default=True,
+                      help="forward and backward (fprop, dgrad, wgrad; the default)")
+    mode.add_argument("--inference", dest="training", action="store_false", help="forward only")
+    m.add_argument("--amp", choices=["fp16", "bf16", "none"], default="fp16", help="autocast dtype (default fp16)")
+    m.add_argument("--image", type=int, default=224, help="input height and width (default 224)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +125,10 @@ def _items_from_args(args) -> list:
     flags = {n: getattr(args, n) for n in ("n", "c", "h", "w", "k", "r", "s")}
     if args.workload and (args.kind or any(v is not None for v in flags.values())):
         raise UsageError("give either a workload file or problem flags, not both")
+    if args.model:
+        if args.workload or args.kind or any(v is not None for v in flags.values()):
+            raise UsageError("give either --model or a workload file or problem flags")
+        return _model_items(args)
     try:
         if args.workload:
             return load_workload(args.workload)
@@ -142,6 +155,28 @@ def _items_from_args(args) -> list:
         raise UsageError(str(e)) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _model_items(args) -> list:
+    """The problems the backend would offload from --model (traced on fake tensors), named by layer position."""
+    from .workloads import WorkloadItem  # noqa: PLC0415
+
+    try:
+        import torch  # noqa: PLC0415
+
+        from .offload.trace import model_problems  # noqa: PLC0415
+    except ImportError as e:
+        raise UsageError(f"--model needs PyTorch: {e}") from None
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
+    try:
+        problems, report = model_problems(args.model, args.batch, training=args.training, autocast=amp,
+                                          image=args.image)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    log.info("%s", report.summary())
+    if not problems:
+        raise UsageError(f"--model {args.model}: no conv of this model is offloaded (see the report with -v)")
+    return [WorkloadItem(f"{args.model.split(':')[-1]}#{i}", p) for i, p in enumerate(problems)]
 
 
 # ---------------------------------------------------------------------------------------------- tune

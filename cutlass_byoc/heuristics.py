@@ -13,6 +13,8 @@ from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode
 
 H200_SMS = 132
 MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
+#: wgmma (the 3.x family): the fp16 matmul ceiling measured on the H200 (BRIEF.md: 708 TFLOP/s)
+WGMMA_TFLOPS = {DType.F16: 700.0, DType.BF16: 700.0}
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
 MAX_SLICES = 256  # one 64x64 output tile (early wgrad) needs ~2 waves of 132 SMs
@@ -53,7 +55,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         eff *= 0.7
     align = min(c.align_a, c.align_b)
     eff *= min(1.0, (align * c.element_a.nbytes / 16) ** 0.5)
-    per_sm = MMA_SYNC_TFLOPS[c.element_a] * 1e12 / sms
+    rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
+    per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
     bytes_ = problem.bytes_moved
     extra_us = 0.0
@@ -92,7 +95,14 @@ def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H20
     return ranked
 
 
-def default_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
-    """The model's best 2.x launch for `problem`, or None if no kernel can take it."""
-    ranked = rank(problem, sm80_candidates(problem), sms)
+def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, sm90: bool = True) -> Optional[LaunchConfig]:
+    """The model's best launch for `problem` over the 2.x and (where they apply, unless `sm90` is False) 3.x
+    families, or None if no kernel can take it. Untuned layers 3-4 ran 2-3x slower on the 2.x-only default than on
+    the tuned 3.x winner (H200); early wgrad layers, which need split-k, stay on 2.x through the model's estimate."""
+    kernels = list(sm80_candidates(problem))
+    if sm90:
+        from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
+
+        kernels += list(sm90_candidates(problem))
+    ranked = rank(problem, kernels, sms)
     return ranked[0][1] if ranked else None

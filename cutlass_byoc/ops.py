@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Optional, Sequence
 
 from .candidates import unsupported_reason
@@ -76,20 +75,12 @@ def _dtype(t, name: str = "input") -> DType:
 
 
 # ---------------------------------------------------------------------------------------------- workspace
-_workspaces: dict[tuple[int, int], object] = {}
-_ws_lock = threading.Lock()
-
-
-def _workspace(device, stream: int, nbytes: int):
-    """A device buffer per (device, stream), allocated once and grown when a launch needs more."""
+def _workspace(device, nbytes: int):
+    """The launch's workspace, from PyTorch's caching allocator and dead after the call (stream-ordered reuse makes
+    it as cheap as a persistent buffer). Never a buffer kept across calls: under CUDA graph capture that would be a
+    tensor of the graph's pool that no output tracks (cudagraph trees refuse it)."""
     torch = _torch()
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
-    with _ws_lock:
-        buf = _workspaces.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
-            _workspaces[key] = buf
-        return buf
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -150,6 +141,23 @@ def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
                      problem.epilogue.source is not SourceKind.NONE, rules.get("source", 0), rules.get("bias", 0))
 
 
+def bind(problem: Conv2dProblem, launch: LaunchConfig) -> Optional[_Prepared]:
+    """`launch` validated for `problem` once (config rules, the kernel's can_implement, workspace size, the argument
+    block), for callers that then launch on checked pointers themselves (the offload's call sites); None where
+    the launch needs run_problem's general path (channel-padded problems). Raises UnsupportedConvError (naming the
+    parameter) when the launch cannot compute the problem."""
+    why = problem.int32_overflow
+    if why:
+        raise UnsupportedConvError(f"size: {why}")
+    if channel_padding(problem) is not None:
+        return None
+    prep = _prepared.get((problem, launch))
+    if prep is None:
+        prep = _prepare(problem, launch)
+        _prepared[(problem, launch)] = prep
+    return prep
+
+
 def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
                 select: SelectMode | str = SelectMode.CACHED, bias=None) -> None:
     """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream.
@@ -188,7 +196,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     stream = torch.cuda.current_stream(device).cuda_stream
     ws_ptr = ws_len = 0
     if prep.workspace_bytes:
-        ws = _workspace(device, stream, prep.workspace_bytes)
+        ws = _workspace(device, prep.workspace_bytes)
         ws_ptr, ws_len = ws.data_ptr(), ws.numel()
     if device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):

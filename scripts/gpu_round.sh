@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The whole GPU round, the same every session: install, gpu tests, tune, bench, offload. Run on the H200 machine from
 # the repository root (the device tool does), with the nvidia-cutlass (+ platformdirs) wheels in .whl/ beside it:
-#   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload] [offload-bench]   (no argument: the first four)
-# tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them)
+#   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload] [tune-model] [offload-bench]
+#   (no argument: tests tune bench offload)
+# tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them, GPU_TESTS_K="expr" selects)
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
-#           that must compile and time nothing; the tuned cache is exported to $OUT/tuned.tar.gz
+#           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
 #           when the cache is empty, e.g. on a fresh machine)
-# offload:  tests/test_gpu_offload.py with its output (training-step accuracy, the benchmark table)
-# offload-bench: `python -m cutlass_byoc.offload.bench` alone
+# offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
+# tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
+#           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50)
+# offload-bench: `python -m cutlass_byoc.offload.bench` ($BENCH_CASES, default the issue's six cases; all five modes;
+#           host overhead per call) -> $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
+# At most 8 files come back from the device: gpu-tests.log, tune.log, bench.json, bench-splitk.json, bench.log,
+# gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log).
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -62,17 +68,20 @@ for step in "${steps[@]}"; do
   case $step in
     tests)
       # run from tests/ so the installed package (not the source tree) is what gets imported
-      (cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
-        --timeout=900 ${GPU_TESTS:---ignore=test_gpu_offload.py .} 2>&1 | tee "$OUT/gpu-tests.log") || rc=1
+      (cd tests && python3 -m pytest -m gpu -q -rA -p no:cacheprovider --timeout=900 \
+        ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:---ignore=test_gpu_offload.py .} 2>&1 \
+        | grep -v "^PASSED" | tee "$OUT/gpu-tests.log") || rc=1
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune --verbose --json "$OUT/tune.json" 2>&1 \
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune --verbose --no-progress 2>&1 \
         | tee "$OUT/tune.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune 2>&1 | tee -a "$OUT/tune.log" || rc=1
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1 ;;
+      if [ -n "${TUNE_EXPORT:-}" ]; then
+        CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1
+      fi ;;
     bench)
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
         CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
@@ -84,8 +93,12 @@ for step in "${steps[@]}"; do
     offload)
       (cd tests && python3 -m pytest -m gpu -q -s -p no:cacheprovider \
         --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
+    tune-model)
+      cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
+        --training --amp fp16 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     offload-bench)
-      python3 -m cutlass_byoc.offload.bench 2>&1 | tee "$OUT/offload-bench.log" || rc=1 ;;
+      python3 -m cutlass_byoc.offload.bench ${BENCH_CASES:+--cases $BENCH_CASES} --steps "${BENCH_STEPS:-20}" \
+        --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "== step $step: $(( $(date +%s) - t0 )) s"

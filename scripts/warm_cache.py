@@ -27,44 +27,57 @@ from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
 
-#: (model, batch, channels_last) of the offload GPU tests and benchmark, at 224x224
-OFFLOAD_RUNS = [("resnet50", 16, True), ("mobilenet_v2", 16, True), ("resnet18", 16, False),
-                ("resnet50", 64, True), ("mobilenet_v2", 64, True)]
+#: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
+OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
+                ("resnet50", 32, True, True), ("resnet50", 64, True, True), ("mobilenet_v2", 32, True, True),
+                ("mobilenet_v2", 64, True, True), ("resnet50", 1, True, False), ("resnet50", 32, True, False)]
+#: (family, batch, image) of tests/test_gpu_families.py and tests/test_gpu_host_path.py (fp16 autocast, training)
+FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated")] + [("chain_pool", 8, 32)]
 
 
 def test_kernels() -> list[KernelConfig]:
     import test_gpu_conv  # noqa: PLC0415
+    import test_gpu_epilogues  # noqa: PLC0415
     import test_gpu_sm90  # noqa: PLC0415
     import test_gpu_splitk  # noqa: PLC0415
     import test_gpu_tune  # noqa: PLC0415
     from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
 
     cfgs = test_gpu_conv.all_configs() + test_gpu_splitk.used_configs() + test_gpu_sm90._used_configs()
+    cfgs += test_gpu_epilogues.all_configs()
     cfgs += plan_workload(test_gpu_tune.PROBLEMS, max_candidates=2).kernels
     return cfgs
 
 
-def offload_kernels(runs=OFFLOAD_RUNS) -> list[KernelConfig]:
-    from models import MODELS  # noqa: PLC0415
+def _launch_kernels(model, batch: int, image: int, channels_last: bool, training: bool, what: str) -> list:
+    from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
+    from cutlass_byoc.select import choose  # noqa: PLC0415
 
-    from cutlass_byoc.offload import OffloadOptions  # noqa: PLC0415
-    from cutlass_byoc.offload.trace import explain  # noqa: PLC0415
+    c = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+    problems, rep = model_problems(model, batch, training=training, image=image, in_channels=c,
+                                   channels_last=channels_last)
+    kernels = []
+    for p in problems:  # what the call sites bind at run time (the channel-padded ones run a padded problem)
+        from cutlass_byoc.ops import channel_padding  # noqa: PLC0415
+
+        padded = channel_padding(p)
+        launch = choose(p.replace(c=padded[0], k=padded[1]) if padded else p, "cached")
+        if launch is not None:
+            kernels.append(launch.kernel)
+    print(f"{what}: {len(problems)} problems, {len(set(kernels))} kernels", flush=True)
+    return kernels
+
+
+def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
+    from models import FAMILIES, MODELS  # noqa: PLC0415
 
     out: list[KernelConfig] = []
-    for name, batch, channels_last in runs:
+    for name, batch, channels_last, training in runs:
         torch.manual_seed(0)
-        model = MODELS[name]()
-        x = torch.randn(batch, 3, 224, 224)
-        if channels_last:
-            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
-
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            _, rep = explain(model, x, training=True, autocast=torch.float16,
-                             options=OffloadOptions(require_cuda=False, prebuild=False))
-        kernels = [launch.kernel for launch in rep.launches]
-        print(f"{name} batch {batch}: {len(rep.launches)} launches, {len(set(kernels))} kernels", flush=True)
-        out += kernels
+        out += _launch_kernels(MODELS[name](), batch, 224, channels_last, training,
+                               f"{name} batch {batch} {'training' if training else 'inference'}")
+    for name, batch, image in families:
+        out += _launch_kernels(FAMILIES[name](), batch, image, True, True, f"family {name} batch {batch}")
     return out
 
 
@@ -74,8 +87,9 @@ def main() -> int:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / ".kcache")
     ap.add_argument("--archive", type=Path, default=ROOT / ".kcache.tar.xz")
     ap.add_argument("--list", action="store_true", help="print the kernels and stop")
+    ap.add_argument("--offload-only", action="store_true", help="only the offload tests' and benchmark's kernels")
     a = ap.parse_args()
-    cfgs = list(dict.fromkeys(test_kernels() + offload_kernels()))
+    cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels()))
     print(f"{len(cfgs)} kernels", flush=True)
     if a.list:
         for c in cfgs:

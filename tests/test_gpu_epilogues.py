@@ -58,7 +58,8 @@ def fusion_problem(case, c=64, k=64) -> Conv2dProblem:
 
 
 def config_2x(case):
-    return default_launch(fusion_problem(case)).kernel  # the model's pick: also what ops / the custom op choose
+    """The model's 2.x pick (for fp32 inputs also what ops and the custom op choose: the 3.x family takes 16-bit)."""
+    return default_launch(fusion_problem(case), sm90=False).kernel
 
 
 def config_3x(case):
@@ -237,14 +238,23 @@ def test_public_op_and_custom_op_take_bias_and_residual_together():
 
     p = fusion_problem(FUSIONS_2X[0])
     x, w, bias, residual = operands(p, seed=21)
-    y = ops.conv2d(x, w, bias, padding=1, activation="relu", residual=residual, select="heuristic")
+    y = ops.conv2d(x, w, bias, padding=1, activation="relu", residual=residual,
+                   config=LaunchConfig(config_2x(FUSIONS_2X[0])))
     assert rel_err(y, reference(p, x, w, bias, residual)) < TOLERANCE[DType.F16]
 
     p = fusion_problem(FUSIONS_2X[2])  # fp32 inputs, fp32 bias, fp16 residual, relu, fp16 output
+    assert default_launch(p).kernel == config_2x(FUSIONS_2X[2])  # what the op will choose: compiled ahead
     library.RUNTIME.clear()
-    for seed in (22, 23):
+    for seed in (22, 23):  # the general path: first call checked, the second direct
         x, w, bias, residual = operands(p, seed)
-        y = library.conv2d_fprop(x, w, bias, residual, [1, 1], [1, 1], [1, 1], 1, "relu", torch.float16, "heuristic")
+        y = library.FPROP(x, w, bias, residual, [1, 1], [1, 1], [1, 1], 1, "relu", torch.float16, "heuristic")
         assert y.dtype == torch.float16 and y.is_contiguous(memory_format=CL)
         assert rel_err(y, reference(p, x, w, bias, residual)) < TOLERANCE[DType.F16]
-    assert library.RUNTIME.kernel_calls.get("fprop") == 2 and not library.RUNTIME.fallbacks, library.RUNTIME
+    assert library.RUNTIME.general_calls.get("fprop") == 2 and not library.RUNTIME.fallbacks, library.RUNTIME
+    # a call site (what the partitioner registers): the residual as the source, the fp32 bias beside it
+    index = library.register_site("fprop", p, "heuristic", (p.n, p.k, p.p, p.q))
+    for seed in (24, 25):
+        x, w, bias, residual = operands(p, seed)
+        y = library.FPROP(x, w, bias, residual, [1, 1], [1, 1], [1, 1], 1, "relu", torch.float16, "heuristic", index)
+        assert rel_err(y, reference(p, x, w, bias, residual)) < TOLERANCE[DType.F16]
+    assert library.site(index).calls == 2, "the call site took the general path"

@@ -1,11 +1,11 @@
 """GPU tests of the offload (H200): ResNet-50 and MobileNetV2 training steps under fp16 autocast, channels_last,
-with the cutlass_byoc backend against eager (loss and gradients close; the relative errors are printed and recorded)
-and the step-time benchmark against torch.compile with Inductor alone, in one run."""
+with the cutlass_byoc backend against eager (loss and gradients close; the relative errors are printed and recorded).
+The step-time benchmark against Inductor (with and without CUDA graphs) is the GPU round's offload-bench step
+(``python -m cutlass_byoc.offload.bench``), which writes benchmarks/h200/offload.json."""
 
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -106,18 +106,3 @@ def test_nchw_model_runs_channels_last_inside():
     assert all(g.is_contiguous() for g in grads)
     n_spatial = sum(1 for m in base.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1))
     assert backend.report().layout_conversions <= n_spatial + 2
-
-
-def test_benchmark_backend_vs_inductor_vs_eager():
-    """The benchmark table of the issue: step time of the backend vs Inductor alone (and eager), with the relative
-    errors against eager, measured in one run. Speed is reported, not asserted."""
-    from cutlass_byoc.offload.bench import benchmark
-
-    rows = benchmark(models=("resnet50", "mobilenet_v2"), batch=64, image=224, steps=20, warmup=3,
-                     options={"select": "cached"})
-    assert len(rows) == 6
-    for r in rows:
-        assert r.step_ms > 0 and math.isfinite(r.loss)
-        if r.mode == "cutlass_byoc":
-            assert r.loss_rel_err < 1e-2, r
-            assert r.fallbacks == 0, r.offload

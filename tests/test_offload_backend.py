@@ -184,3 +184,22 @@ def test_first_call_of_a_signature_is_checked_later_calls_go_direct(monkeypatch)
     assert call().shape == (2, 32, 8, 8)
     assert seen == ["checked", "checked", "direct"]
     library._VALIDATED.discard(sig)
+
+
+def test_cudagraph_options_reach_inductor():
+    from cutlass_byoc.offload.backend import inductor_patches
+
+    assert inductor_patches(OffloadOptions()) == {}
+    assert inductor_patches(OffloadOptions(cudagraphs=True)) == {"triton.cudagraphs": True}
+    assert inductor_patches(OffloadOptions(mode="reduce-overhead"))["triton.cudagraphs"] is True
+
+
+def test_torch_compile_mode_is_accepted():
+    """torch.compile passes its mode to a named backend (options and mode are exclusive there): the backend turns
+    "reduce-overhead" into Inductor's CUDA graphs (skipped by Inductor on CPU tensors)."""
+    m, ref = _pair()
+    x = torch.randn(2, 8, 8, 8).contiguous(memory_format=CL)
+    torch._dynamo.reset()
+    out = torch.compile(m, backend="cutlass_byoc", mode="reduce-overhead")(x)
+    assert torch.allclose(out, ref(x), rtol=1e-4, atol=1e-5)
+    assert last_report().count(Pass.FPROP) == 0  # require_cuda (the default): nothing offloaded off the GPU

@@ -11,7 +11,9 @@ transpose is needed around any conv. Everything not offloaded is compiled by Ind
 
 Options (a dict or keyword arguments, see :class:`OffloadOptions`): ``select`` = ``"tune"`` (profile on the first
 call of each new problem), ``"cached"`` (recorded decisions, else the heuristic; the default) or ``"heuristic"``;
-switches for fprop/dgrad/wgrad/transposed offload and epilogue/cast fusion; ``require_cuda``.
+switches for fprop/dgrad/wgrad/transposed offload and epilogue/cast fusion; ``require_cuda``; ``cudagraphs=True``
+(or ``torch.compile(..., mode="reduce-overhead")``) for Inductor's CUDA graphs around everything, the offloaded ops
+included (they allocate their workspaces per call from the caching allocator and never synchronize); ``strict``.
 
 The report of each compiled graph is logged (logger ``cutlass_byoc.offload``) and kept: :func:`last_report`,
 :func:`reports`, or ``backend.reports`` of a :func:`make_backend` instance; what the ops did at run time (kernel
@@ -90,8 +92,9 @@ def compile_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
         passes: Any = ours
     else:
         passes = [*(existing if isinstance(existing, (list, tuple)) else [existing]), ours]
+    patches = inductor_patches(options)
     try:
-        return compile_fx(gm, list(example_inputs), config_patches={"joint_custom_pre_pass": passes})
+        return compile_fx(gm, list(example_inputs), config_patches={**patches, "joint_custom_pre_pass": passes})
     except Exception as e:  # noqa: BLE001 - a model never fails to compile because of this backend
         if options.strict or not ours.ran:
             raise  # strict, or the failure came before our pass touched the graph: it is not ours
@@ -101,7 +104,19 @@ def compile_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], opti
         ours.sink.append(report)
         with _lock:
             _REPORTS.append(report)
-    return compile_fx(gm, list(example_inputs))
+    return compile_fx(gm, list(example_inputs), config_patches=patches)
+
+
+def inductor_patches(options: OffloadOptions) -> dict[str, Any]:
+    """Inductor config for these options: torch.compile's mode as Inductor applies it, and CUDA graphs."""
+    patches: dict[str, Any] = {}
+    if options.mode not in (None, "default"):
+        from torch._inductor import list_mode_options  # noqa: PLC0415
+
+        patches.update(list_mode_options(options.mode))
+    if options.cudagraphs:
+        patches["triton.cudagraphs"] = True
+    return patches
 
 
 def compile_eager_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any], options: OffloadOptions,
@@ -139,8 +154,9 @@ def compile_eager_with_offload(gm: fx.GraphModule, example_inputs: Sequence[Any]
 def cutlass_byoc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[dict] = None,
                          **kwargs: Any) -> Callable:
     """The torch.compile backend (entry point ``torch_dynamo_backends: cutlass_byoc``)."""
-    if kwargs.pop("mode", None) is not None:
-        log.info("cutlass_byoc: torch.compile's mode is ignored; pass options instead")
+    mode = kwargs.pop("mode", None)
+    if mode is not None:
+        kwargs["mode"] = mode  # e.g. "reduce-overhead": Inductor's CUDA graphs, the ops captured with the rest
     opts = OffloadOptions.from_any(options, **kwargs)
     return compile_with_offload(gm, example_inputs, opts)
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("cutlass_byoc.offload")
 
-MODES = ("eager", "inductor", "cutlass_byoc")
+MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_byoc-cudagraphs")
 
 
 @dataclasses.dataclass
@@ -44,6 +44,16 @@ class BenchRow:
     speedup_vs_inductor: float = float("nan")
     offload: str = ""  # the offload report's head line (cutlass_byoc mode)
     fallbacks: int = 0  # op calls that fell back to PyTorch at run time (cutlass_byoc mode)
+    batch: int = 0
+    training: bool = True
+
+    def record(self) -> dict:
+        """The row as benchmarks/h200/offload.json holds it."""
+        return {"model": self.model, "batch": self.batch, "training": self.training, "mode": self.mode,
+                "step_ms": round(self.step_ms, 4), "speedup_vs_inductor_same_mode": round(self.speedup_vs_inductor, 4),
+                "first_step_s": round(self.first_step_s, 2), "loss_rel_err_vs_eager": self.loss_rel_err,
+                "grad_rel_err_vs_eager": None if math.isnan(self.grad_rel_err) else self.grad_rel_err,
+                "fallbacks": self.fallbacks, "offload": self.offload}
 
     def line(self) -> str:
         return (f"{self.model:14s} {self.mode:13s} {self.step_ms:9.2f} {self.speedup_vs_inductor:8.3f} "
@@ -130,77 +140,205 @@ def compile_mode(model: nn.Module, mode: str, options: Optional[dict] = None):
         return model, None
     if mode == "inductor":
         return torch.compile(model), None
-    if mode == "cutlass_byoc":
+    if mode == "inductor-cudagraphs":
+        return torch.compile(model, mode="reduce-overhead"), None
+    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs"):
         from .backend import make_backend  # noqa: PLC0415
 
-        backend = make_backend(options or {})
+        backend = make_backend({**(options or {}), "cudagraphs": mode.endswith("-cudagraphs")})
         return torch.compile(model, backend=backend), backend
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmarked workload: a model at a batch size, a training step or an inference forward."""
+
+    model: str
+    batch: int
+    training: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} b{self.batch} {'training' if self.training else 'inference'}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Case":
+        """``resnet50:32`` (a training step) or ``resnet50:32:inference``."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in
+                                                                   ("training", "inference")):
+            raise ValueError(f"case: expected MODEL:BATCH[:training|inference], got {text!r}")
+        return cls(parts[0], int(parts[1]), len(parts) == 2 or parts[2] == "training")
+
+
+#: the cases of the issue: ResNet-50 and MobileNetV2 training at batch 32 and 64, ResNet-50 inference at 1 and 32
+DEFAULT_CASES = (Case("resnet50", 32), Case("resnet50", 64), Case("mobilenet_v2", 32), Case("mobilenet_v2", 64),
+                 Case("resnet50", 1, False), Case("resnet50", 32, False))
+
+
+def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: int = 20, warmup: int = 3,
+             dtype: torch.dtype = torch.float16, channels_last: bool = True, options: Optional[dict] = None,
+             seed: int = 0) -> list[BenchRow]:
+    """Every mode of one case, in this process, from the same weights on the same batch. Training: the first step
+    (compile included) is compared with eager's; then SGD-with-momentum + GradScaler steps are timed. With CUDA
+    graphs (cudagraph trees) each step starts with ``torch.compiler.cudagraph_mark_step_begin()`` and gradients
+    are set to None, so no replay reads another's outputs. Inference: ``torch.no_grad()`` forwards, outputs
+    compared with eager's."""
+    from . import library  # noqa: PLC0415
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    torch.manual_seed(seed)
+    base = model_factory(case.model)().cuda().to(memory_format=fmt).train(case.training)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(case.batch, 3, image, image, device="cuda", generator=g).contiguous(memory_format=fmt)
+    y = torch.randint(0, 1000, (case.batch,), device="cuda", generator=g)
+    rows: list[BenchRow] = []
+    ref = None
+    for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference of the errors
+        torch._dynamo.reset()
+        library.RUNTIME.clear()
+        model = copy.deepcopy(base)
+        run, backend = compile_mode(model, mode, options)
+        graphs = mode.endswith("-cudagraphs")
+        mark = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if case.training:
+            mark()
+            loss = _step(run, x, y, None, dtype).detach().clone()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            if ref is None:
+                ref = (loss, grads)
+            lerr, gerr, gmax = relative_errors(loss, grads, *ref)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+
+            def one() -> None:
+                mark()
+                _step(run, x, y, opt, dtype, scaler)
+            value = loss.item()
+        else:
+            def fwd():
+                mark()
+                with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+                    return run(x).float().clone()
+            out = fwd()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            if ref is None:
+                ref = (out, None)
+            lerr = _rel(out, ref[0])
+            gerr = gmax = math.nan
+            value = float(out.float().norm())
+
+            def one() -> None:
+                fwd()
+        ms = _timed_loop(one, steps, warmup)
+        row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
+                       training=case.training)
+        if backend is not None:
+            row.offload = backend.report().summary().splitlines()[0]
+            row.fallbacks = len(library.RUNTIME.fallbacks)
+        rows.append(row)
+        log.info("%s", row.line())
+    for r in rows:
+        same = "inductor-cudagraphs" if r.mode.endswith("-cudagraphs") else "inductor"
+        ind = next((q.step_ms for q in rows if q.mode == same), math.nan)
+        r.speedup_vs_inductor = ind / r.step_ms
+    return rows
 
 
 def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int = 64, image: int = 224,
               steps: int = 20, warmup: int = 3, dtype: torch.dtype = torch.float16, channels_last: bool = True,
               modes: Sequence[str] = MODES, options: Optional[dict] = None, seed: int = 0,
-              print_table: bool = True) -> list[BenchRow]:
-    """Run the benchmark; every mode of a model starts from the same weights and sees the same batches."""
+              print_table: bool = True, cases: Optional[Sequence[Case]] = None) -> list[BenchRow]:
+    """Run the benchmark (`cases`, else training steps of `models` at `batch`); every mode of a case starts from
+    the same weights and sees the same batches."""
     if not torch.cuda.is_available():
         raise RuntimeError("the offload benchmark needs a CUDA GPU")
-    from . import library  # noqa: PLC0415
-
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    modes = sorted(modes, key=lambda m: m != "eager")  # eager first: the reference of the errors
+    cases = list(cases) if cases is not None else [Case(m, batch) for m in models]
+    torch.backends.cudnn.benchmark = True  # cuDNN's best algorithms for every mode (eager, Inductor, ours' rest)
     rows: list[BenchRow] = []
-    for name in models:
-        torch.manual_seed(seed)
-        base = model_factory(name)().cuda().to(memory_format=fmt).train()
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x = torch.randn(batch, 3, image, image, device="cuda", generator=g).contiguous(memory_format=fmt)
-        y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
-        ref = None
-        for mode in modes:
-            torch._dynamo.reset()
-            library.RUNTIME.clear()
-            model = copy.deepcopy(base)
-            run, backend = compile_mode(model, mode, options)
-            # the first step from the shared weights: timed (compile included) and compared with eager
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = _step(run, x, y, None, dtype)
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            grads = [p.grad.detach().clone() for p in model.parameters()]
-            if ref is None:
-                ref = (loss.detach(), grads)
-            lerr, gerr, gmax = relative_errors(loss.detach(), grads, *ref)
-            model.zero_grad(set_to_none=True)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-            for _ in range(warmup):
-                _step(run, x, y, opt, dtype, scaler)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                _step(run, x, y, opt, dtype, scaler)
-            end.record()
-            torch.cuda.synchronize()
-            row = BenchRow(name, mode, start.elapsed_time(end) / steps, first, loss.item(), lerr, gerr, gmax)
-            if backend is not None:
-                row.offload = backend.report().summary().splitlines()[0]
-                row.fallbacks = len(library.RUNTIME.fallbacks)
-            rows.append(row)
-        ind = next((r.step_ms for r in rows if r.model == name and r.mode == "inductor"), math.nan)
-        for r in rows:
-            if r.model == name:
-                r.speedup_vs_inductor = ind / r.step_ms
-    if print_table:
-        print(format_table(rows, batch, image, dtype, channels_last))
+    for case in cases:
+        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed)
+        rows += case_rows
+        if print_table:
+            print(format_table(case_rows, case, image, dtype, channels_last), flush=True)
     return rows
 
 
-def format_table(rows: Sequence[BenchRow], batch: int, image: int, dtype: torch.dtype, channels_last: bool) -> str:
-    lines = [f"training step, batch {batch}, {image}x{image}, autocast {dtype}, "
-             f"{'channels_last' if channels_last else 'NCHW'}, {torch.cuda.get_device_name()}", HEADER]
+def host_overhead(calls: int = 3000, warmup: int = 200, n: int = 1, c: int = 16, hw: int = 8, k: int = 16,
+                  r: int = 3) -> list[dict]:
+    """Host microseconds per call on a tiny problem (the GPU finishes each kernel faster than the host issues the next,
+    so wall time per call is host time): the offloaded ops through a call site (what compiled graphs run), the same
+    ops on the general path (site -1), and aten.convolution / aten.convolution_backward (cuDNN), fp16 channels_last."""
+    from . import library  # noqa: PLC0415
+    from .patterns import make_problem  # noqa: PLC0415
+    from ..types import ConvKind  # noqa: PLC0415
+
+    cl = torch.channels_last
+    x = torch.randn(n, c, hw, hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    w = torch.randn(k, c, r, r, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    dy = torch.randn(n, k, hw, hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    st, pd, dl = [1, 1], [r // 2, r // 2], [1, 1]
+    xs, ws = (n, c, hw, hw), (k, c, r, r)
+    site = {kind: library.register_site(kind.value, make_problem(kind, xs, ws, (1, 1), tuple(pd), (1, 1), 1,
+                                                                 torch.half, torch.half), "heuristic")
+            for kind in ConvKind}
+    aten = torch.ops.aten
+    cases = {
+        "fprop": (lambda s: library.FPROP(x, w, None, None, st, pd, dl, 1, "identity", torch.half, "heuristic", s),
+                  lambda: aten.convolution.default(x, w, None, st, pd, dl, False, [0, 0], 1)),
+        "dgrad": (lambda s: library.DGRAD(dy, w, list(xs), st, pd, dl, 1, torch.half, "heuristic", s),
+                  lambda: aten.convolution_backward.default(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
+                                                            [True, False, False])),
+        "wgrad": (lambda s: library.WGRAD(dy, x, list(ws), st, pd, dl, 1, torch.half, "heuristic", s),
+                  lambda: aten.convolution_backward.default(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
+                                                            [False, True, False])),
+    }
+
+    def per_call(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    rows = []
+    for kind, (ours, theirs) in cases.items():
+        s = site[ConvKind(kind)]
+        rows.append({"pass": kind, "path": "cutlass_byoc call site", "us_per_call": per_call(lambda: ours(s))})
+        rows.append({"pass": kind, "path": "cutlass_byoc general path", "us_per_call": per_call(lambda: ours(-1))})
+        rows.append({"pass": kind, "path": "aten (cuDNN)", "us_per_call": per_call(theirs)})
+        assert library.site(s).calls > 0, f"{kind}: the call site never launched (it fell back to the general path)"
+    return rows
+
+
+def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.dtype, channels_last: bool) -> str:
+    what = "training step" if case.training else "inference forward (loss err: output, grad errs: n/a)"
+    lines = [f"{case.model} {what}, batch {case.batch}, {image}x{image}, autocast {dtype}, "
+             f"{'channels_last' if channels_last else 'NCHW'}, {torch.cuda.get_device_name()}; vs ind.: Inductor's "
+             "time in the same mode (with or without CUDA graphs) over this row's", HEADER]
     lines += [r.line() for r in rows]
     for r in rows:
         if r.offload:
@@ -210,7 +348,10 @@ def format_table(rows: Sequence[BenchRow], batch: int, image: int, dtype: torch.
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["resnet50", "mobilenet_v2"])
+    ap.add_argument("--cases", nargs="+", type=Case.parse, default=None, metavar="MODEL:BATCH[:inference]",
+                    help="e.g. resnet50:32 mobilenet_v2:64 resnet50:1:inference (default: the issue's six cases, "
+                         "or --models at --batch)")
+    ap.add_argument("--models", nargs="+", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--image", type=int, default=224)
     ap.add_argument("--steps", type=int, default=20)
@@ -219,10 +360,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--nchw", action="store_true", help="NCHW model and input (default channels_last)")
     ap.add_argument("--select", choices=["heuristic", "cached", "tune"], default="cached")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--json", type=Path, default=None, help="write the rows (model, batch, training, mode, step_ms, ...)")
+    ap.add_argument("--host-overhead", action="store_true", help="also measure host microseconds per call")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    benchmark(a.models, a.batch, a.image, a.steps, a.warmup, getattr(torch, a.dtype), not a.nchw, a.modes,
-              {"select": a.select})
+    cases = a.cases if a.cases else ([Case(m, a.batch) for m in a.models] if a.models else list(DEFAULT_CASES))
+    rows = benchmark(steps=a.steps, warmup=a.warmup, image=a.image, dtype=getattr(torch, a.dtype),
+                     channels_last=not a.nchw, modes=a.modes, options={"select": a.select}, cases=cases)
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "cudnn": torch.backends.cudnn.version(), "image": a.image, "steps": a.steps, "dtype": a.dtype,
+                 "rows": [r.record() for r in rows]}
+    if a.host_overhead:
+        out["host_overhead"] = host_overhead()
+        for r in out["host_overhead"]:
+            print(f"host overhead {r['pass']:6s} {r['path']:28s} {r['us_per_call']:8.2f} us/call")
+    if a.json:
+        import json  # noqa: PLC0415
+
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,15 @@ Layout contract (the design decision of the offload):
   memory_format=torch.channels_last)`` where a graph value is not channels_last (an NCHW model's input and weights),
   and the ops carry ``needs_fixed_stride_order`` so Inductor keeps that stride order. The CUDA path still checks and
   converts (a copy) if it is handed anything else: a wrong layout must never reach a kernel.
-* On CUDA the ops call :mod:`cutlass_byoc.ops` with the launch chosen once per distinct problem (:func:`_call`;
+* Call sites: the partitioner resolves each offloaded call's problem when the graph is compiled and registers it
+  as a :class:`CallSite`, whose index the op receives (``site``). A site's first call chooses the launch, loads the
+  library and prepares its argument block, output shape and strides and workspace size (``ops.bind``); every later
+  call checks the operands' shapes, dtypes, layout and pointer alignment against that (a few attribute reads), fills
+  in the pointers and launches: no problem is rebuilt and nothing is looked up by key. Any mismatch takes the general
+  path below, which checks everything; nothing unchecked ever reaches a kernel. Workspaces come from PyTorch's
+  caching allocator per call and no call synchronizes, so the ops can be captured in CUDA graphs.
+* General path (``site=-1``, or a call that does not match its site): the ops call :mod:`cutlass_byoc.ops` with the
+  launch chosen once per distinct problem (:func:`_call`;
   ``select`` = tune / cached / heuristic as given by the backend's options): a call signature's first call goes
   through the checked public op, later ones straight to ``ops.run_problem``. If the kernel library cannot run a call
   (no kernel, a launch or compile error, no CUDA toolchain), the call falls back to the PyTorch reference and the
@@ -21,6 +29,7 @@ Layout contract (the design decision of the offload):
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -30,6 +39,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..runtime import CbConv2dArgs
 from ..types import Activation
 
 log = logging.getLogger("cutlass_byoc.offload")
@@ -45,14 +55,22 @@ class RuntimeRecord:
     """What the ops did at run time: kernel launches per pass, and the calls that fell back (by signature) with
     their reasons."""
 
-    kernel_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # "fprop" / "dgrad" / "wgrad" -> count
+    general_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # kernel launches off the call sites
     fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
     reference_calls: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
+    @property
+    def kernel_calls(self) -> dict[str, int]:
+        """Kernel launches by pass ("fprop" / "dgrad" / "wgrad"): call sites' and the general path's."""
+        out = dict(self.general_calls)
+        for k, n in site_calls().items():
+            out[k] = out.get(k, 0) + n
+        return out
+
     def kernel(self, key: str) -> None:
         with self._lock:
-            self.kernel_calls[key] = self.kernel_calls.get(key, 0) + 1
+            self.general_calls[key] = self.general_calls.get(key, 0) + 1
 
     def fallback(self, key: str, reason: str) -> None:
         with self._lock:
@@ -66,7 +84,9 @@ class RuntimeRecord:
 
     def clear(self) -> None:
         with self._lock:
-            self.kernel_calls.clear()
+            self.general_calls.clear()
+            for site in list(_SITES):
+                site.calls = 0
             self.fallbacks.clear()
             self.reference_calls = 0
 
@@ -212,6 +232,173 @@ def reference_wgrad(grad_output, input, weight_size, stride, padding, dilation, 
     return gw.to(out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
+# ---------------------------------------------------------------------------------------------- call sites
+_TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class CallSite:
+    """One offloaded call of a compiled graph: its problem, resolved when the graph is compiled; the launch bound at
+    its first call (:meth:`bind`); every call after that only checks its operands against the binding and launches.
+
+    ``__call__`` returns None where the call must take the general path: the binding failed (the reason is recorded
+    there), or the operands differ from what the site was compiled for (shape, dtype, layout, or a pointer alignment
+    the kernel cannot take)."""
+
+    __slots__ = ("kind", "problem", "select", "source_shape", "state", "calls", "__weakref__")
+
+    def __init__(self, kind: str, problem, select: str, source_shape: Optional[tuple] = None) -> None:
+        self.kind = kind
+        self.problem = problem
+        self.select = select
+        self.source_shape = source_shape  # the epilogue source's shape: (K,) for a bias, the output's for a residual
+        self.state = None  # None: not bound yet; False: general path; else a _Bound
+        self.calls = 0
+
+    def bind(self, device: torch.device):
+        """Choose the launch and prepare it (``ops.bind``); False if the site must take the general path."""
+        from .. import ops  # noqa: PLC0415
+        from ..select import choose  # noqa: PLC0415
+
+        try:
+            launch = choose(self.problem, self.select)
+            prep = ops.bind(self.problem, launch) if launch is not None else None
+        except (ValueError, *_kernel_errors()) as e:
+            log.info("call site %s takes the general path: %s", self.problem.name, e)
+            prep = None
+        if prep is None:
+            self.state = False
+            return False
+        p = self.problem
+        n, h, w, c = p.out_shape
+        a, b = p.a_shape, p.b_shape  # NHWC / KRSC extents
+        el = _TORCH_DTYPES
+        src = p.epilogue.source.value
+        # the source is the bias for "bias" (its own type: fp32 under a 16-bit output on a bias-vector kernel), the
+        # residual otherwise; "bias_residual" also takes the bias, (K,) of its type, in CbConv2dArgs.bias
+        dt_src = el[p.element_bias.value] if src == "bias" else el[p.element_out.value]
+        self.state = _Bound(
+            prep.lib._lib.cb_run, prep.template, prep.workspace_bytes, *prep.align_bytes,
+            (a[0], a[3], a[1], a[2]), (b[0], b[3], b[1], b[2]), el[p.element_a.value], el[p.element_b.value],
+            (n, c, h, w), (h * w * c, 1, w * c, c), el[p.element_out.value],
+            self.source_shape if src != "none" else None, prep.lib.name,
+            ctypes.create_string_buffer(256), dt_src, prep.source_bytes or prep.align_bytes[2],
+            el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,))
+        return self.state
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, src: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        st = self.state
+        if st is None:
+            if not a.is_cuda:
+                return None
+            st = self.bind(a.device)
+        if st is False:
+            return None
+        if (a.shape != st.a_shape or b.shape != st.b_shape or a.dtype != st.dt_a or b.dtype != st.dt_b
+                or not a.is_contiguous(memory_format=CL) or not b.is_contiguous(memory_format=CL)):
+            return None
+        pa, pb = a.data_ptr(), b.data_ptr()
+        ps = 0
+        if st.source_shape is not None:
+            if src is None or src.shape != st.source_shape or src.dtype != st.dt_source:
+                return None
+            if not (src.is_contiguous(memory_format=CL) if src.dim() == 4 else src.is_contiguous()):
+                return None
+            ps = src.data_ptr()
+            if not ps or ps % st.align_source:
+                return None
+        elif src is not None:
+            return None
+        pbias = 0
+        if st.dt_bias is not None:  # bias and residual: the bias too
+            if bias is None or bias.shape != st.bias_shape or bias.dtype != st.dt_bias or not bias.is_contiguous():
+                return None
+            pbias = bias.data_ptr()
+            if not pbias or pbias % st.align_bias:
+                return None
+        elif bias is not None:
+            return None
+        if not (pa and pb) or pa % st.align_a or pb % st.align_b:
+            return None
+        dev = a.get_device()
+        out = torch.empty_strided(st.out_size, st.out_stride, dtype=st.dt_out, device=a.device)
+        args = CbConv2dArgs.from_buffer_copy(st.template)
+        args.a, args.b, args.d, args.source = pa, pb, out.data_ptr(), ps or None
+        if pbias:
+            args.bias = pbias
+        if st.workspace_bytes:  # from the caching allocator, dead after the call: safe under CUDA graph capture
+            ws = torch.empty(st.workspace_bytes, dtype=torch.uint8, device=a.device)
+            ws_ptr, ws_len = ws.data_ptr(), st.workspace_bytes
+        else:
+            ws_ptr, ws_len = None, 0
+        stream = _get_stream(dev) if _get_stream is not None else torch.cuda.current_stream(a.device).cuda_stream
+        if dev != torch.cuda.current_device():
+            with torch.cuda.device(dev):
+                rc = st.run(ctypes.byref(args), ws_ptr, ws_len, stream, st.msg, 256)
+        else:
+            rc = st.run(ctypes.byref(args), ws_ptr, ws_len, stream, st.msg, 256)
+        if rc:
+            from ..runtime import KernelLaunchError  # noqa: PLC0415
+
+            raise KernelLaunchError(f"{st.name}: {st.msg.value.decode()}")
+        self.calls += 1
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What a call site's calls need, resolved once (plain attributes: read on every call)."""
+
+    run: Callable  # the library's cb_run (ctypes function with its argtypes declared)
+    template: object  # CbConv2dArgs with everything but the pointers
+    workspace_bytes: int
+    align_a: int  # byte alignments the kernel needs of A, B and the output / epilogue source
+    align_b: int
+    align_c: int
+    a_shape: tuple
+    b_shape: tuple
+    dt_a: torch.dtype
+    dt_b: torch.dtype
+    out_size: tuple
+    out_stride: tuple
+    dt_out: torch.dtype
+    source_shape: Optional[tuple]
+    name: str
+    msg: object  # the library's error message buffer
+    dt_source: Optional[torch.dtype] = None  # the source's type: the output's, or the bias's for a bias source
+    align_source: int = 0  # byte alignment of the source address
+    dt_bias: Optional[torch.dtype] = None  # bias and residual: the bias's type (else None: no bias pointer)
+    align_bias: int = 0
+    bias_shape: tuple = ()
+
+
+_SITES: list[CallSite] = []
+_sites_lock = threading.Lock()
+
+
+def register_site(kind: str, problem, select: str, source_shape: Optional[Sequence[int]] = None) -> int:
+    """A new call site for `problem` (made by the partitioner for each op it inserts); its index for the op's
+    ``site`` argument."""
+    site = CallSite(kind, problem, select, tuple(source_shape) if source_shape is not None else None)
+    with _sites_lock:
+        _SITES.append(site)
+        return len(_SITES) - 1
+
+
+def site(index: int) -> CallSite:
+    return _SITES[index]
+
+
+def site_calls() -> dict[str, int]:
+    """Kernel launches through call sites, by kind."""
+    out: dict[str, int] = {}
+    for s in list(_SITES):
+        if s.calls:
+            out[s.kind] = out.get(s.kind, 0) + s.calls
+    return out
+
+
 def _on_kernels(kind: str, launch, run: Callable[[], torch.Tensor], what: Callable[[], str]) -> Optional[torch.Tensor]:
     """`run()` on this project's kernels, or None with the reason recorded (the caller then runs the reference)."""
     try:
@@ -226,17 +413,41 @@ def _on_kernels(kind: str, launch, run: Callable[[], torch.Tensor], what: Callab
 
 
 # ---------------------------------------------------------------------------------------------- fprop
-@torch.library.custom_op(
-    f"{NAMESPACE}::conv2d_fprop", mutates_args=(), tags=_TAGS,
-    schema="(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int[] stride, int[] padding, "
-           "int[] dilation, int groups, str activation, ScalarType? out_dtype, str select) -> Tensor",
-)
-def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 residual: Optional[torch.Tensor], stride: Sequence[int], padding: Sequence[int],
-                 dilation: Sequence[int], groups: int, activation: str, out_dtype: Optional[torch.dtype],
-                 select: str) -> torch.Tensor:
+# torch.library.Library define/impl rather than torch.library.custom_op: the same dispatcher entry, about half the
+# per-call host cost (custom_op wraps every call in Python layers; see ANCHORS.md, pytorch#177109).
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+_LIB.define("conv2d_fprop(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int[] stride, int[] padding, "
+            "int[] dilation, int groups, str activation, ScalarType? out_dtype, str select, int site=-1) -> Tensor",
+            tags=_TAGS)
+_LIB.define("conv2d_dgrad(Tensor grad_output, Tensor weight, SymInt[] input_size, int[] stride, int[] padding, "
+            "int[] dilation, int groups, ScalarType? out_dtype, str select, int site=-1) -> Tensor", tags=_TAGS)
+_LIB.define("conv2d_wgrad(Tensor grad_output, Tensor input, SymInt[] weight_size, int[] stride, int[] padding, "
+            "int[] dilation, int groups, ScalarType? out_dtype, str select, int site=-1) -> Tensor", tags=_TAGS)
+
+
+def _impl(name: str):
+    def register(fn):
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+    return register
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_LIB)
+
+
+@_impl("conv2d_fprop")
+def _conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor], stride: Sequence[int], padding: Sequence[int],
+                  dilation: Sequence[int], groups: int, activation: str, out_dtype: Optional[torch.dtype],
+                  select: str, site: int = -1) -> torch.Tensor:
     """``act(conv2d(input, weight) + bias + residual)`` stored as out_dtype, channels_last (either source optional; the
     bias may be fp32 under a 16-bit output)."""
+    if site >= 0 and use_kernels:
+        y = _SITES[site](input, weight, residual if residual is not None else bias,
+                         bias if residual is not None else None) if site < len(_SITES) else None
+        if y is not None:
+            return y
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
     if input.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
@@ -264,9 +475,9 @@ def conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return reference_fprop(*args)
 
 
-@conv2d_fprop.register_fake
+@_fake("conv2d_fprop")
 def _conv2d_fprop_fake(input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype,
-                       select):
+                       select, site=-1):
     n, _, h, w = input.shape
     k, _, r, s = weight.shape
     (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
@@ -275,15 +486,15 @@ def _conv2d_fprop_fake(input, weight, bias, residual, stride, padding, dilation,
 
 
 # ---------------------------------------------------------------------------------------------- dgrad
-@torch.library.custom_op(
-    f"{NAMESPACE}::conv2d_dgrad", mutates_args=(), tags=_TAGS,
-    schema="(Tensor grad_output, Tensor weight, SymInt[] input_size, int[] stride, int[] padding, int[] dilation, "
-           "int groups, ScalarType? out_dtype, str select) -> Tensor",
-)
-def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Sequence[int], stride: Sequence[int],
-                 padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
-                 select: str) -> torch.Tensor:
+@_impl("conv2d_dgrad")
+def _conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Sequence[int], stride: Sequence[int],
+                  padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
+                  select: str, site: int = -1) -> torch.Tensor:
     """grad_input of conv2d (also the forward of a transposed conv), channels_last."""
+    if site >= 0 and use_kernels:
+        y = _SITES[site](grad_output, weight, None) if site < len(_SITES) else None
+        if y is not None:
+            return y
     args = (grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
@@ -304,21 +515,21 @@ def conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Se
     return reference_dgrad(*args)
 
 
-@conv2d_dgrad.register_fake
-def _conv2d_dgrad_fake(grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype, select):
+@_fake("conv2d_dgrad")
+def _conv2d_dgrad_fake(grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype, select, site=-1):
     return grad_output.new_empty(list(input_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
 # ---------------------------------------------------------------------------------------------- wgrad
-@torch.library.custom_op(
-    f"{NAMESPACE}::conv2d_wgrad", mutates_args=(), tags=_TAGS,
-    schema="(Tensor grad_output, Tensor input, SymInt[] weight_size, int[] stride, int[] padding, int[] dilation, "
-           "int groups, ScalarType? out_dtype, str select) -> Tensor",
-)
-def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Sequence[int], stride: Sequence[int],
-                 padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
-                 select: str) -> torch.Tensor:
+@_impl("conv2d_wgrad")
+def _conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Sequence[int], stride: Sequence[int],
+                  padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
+                  select: str, site: int = -1) -> torch.Tensor:
     """grad_weight of conv2d accumulated in fp32, stored as out_dtype (fp32 for fp32 master weights), KRSC."""
+    if site >= 0 and use_kernels:
+        y = _SITES[site](grad_output, input, None) if site < len(_SITES) else None
+        if y is not None:
+            return y
     args = (grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
@@ -340,11 +551,12 @@ def conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Se
     return reference_wgrad(*args)
 
 
-@conv2d_wgrad.register_fake
-def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype, select):
+@_fake("conv2d_wgrad")
+def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype, select, site=-1):
     return input.new_empty(list(weight_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
 FPROP = torch.ops.cutlass_byoc.conv2d_fprop.default
 DGRAD = torch.ops.cutlass_byoc.conv2d_dgrad.default
 WGRAD = torch.ops.cutlass_byoc.conv2d_wgrad.default
+conv2d_fprop, conv2d_dgrad, conv2d_wgrad = FPROP, DGRAD, WGRAD

@@ -281,10 +281,12 @@ class _Rewriter:
                     bias_arg = self.call(aten.add.Tensor, (bias_arg, extra))
             res_arg = self._cast(residual, out_dtype) if residual is not None else None
             # bias and residual both go to the kernel (one epilogue: act(conv + bias + residual), no extra pass)
+            site = library.register_site("fprop", problem, opts.select.value,
+                                         y_shape if res_arg is not None else (k,) if bias_arg is not None else None)
             new = self.call(library.FPROP, (x, w, bias_arg, res_arg, list(stride), list(padding), list(dilation),
-                                            groups, pat.activation.value, out_dtype, opts.select.value))
+                                            groups, pat.activation.value, out_dtype, opts.select.value, site))
         self._replace(pat.gm.graph, nm, last, new)
-        entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(launch),
+        entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch),
                                  pattern=pat.name, fused=tuple(fused))
         entry.node = conv.name
 
@@ -304,7 +306,8 @@ class _Rewriter:
         launch = kernel_for(problem, opts)
         with self.graph.inserting_before(conv):
             new = self.call(library.DGRAD, (x, w, list(y_shape), list(stride), list(padding), list(dilation), groups,
-                                            val(conv).dtype, opts.select.value))
+                                            val(conv).dtype, opts.select.value,
+                                            library.register_site("dgrad", problem, opts.select.value)))
             if b is not None:
                 bias4 = self.call(aten.view.default, (b, [1, y_shape[1], 1, 1]))
                 new2 = self.call(aten.add.Tensor, (new, bias4))
@@ -313,7 +316,7 @@ class _Rewriter:
         self.new_nodes.append(new)
         self._substitute(conv, new2)
         self.graph.erase_node(conv)
-        self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(launch), pattern=pat.name,
+        self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch), pattern=pat.name,
                          fused=(), notes=["bias added by PyTorch"] if b is not None else [])
 
     def _cast(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -338,12 +341,13 @@ class _Rewriter:
             if not gn._erased:
                 self.graph.erase_node(gn)
 
-    def _kernel_name(self, launch) -> str:
+    def _kernel_name(self, problem, launch) -> str:
         from ..select import SelectMode  # noqa: PLC0415
 
         self.report.launches.append(launch)
+        self.report.problems.append(problem)
         if self.options.select is SelectMode.TUNE:
-            return f"tuned at first call (heuristic: {launch.name})"
+            return f"tuned at compile time (heuristic until then: {launch.name})"
         return launch.name
 
     # ------------------------------------------------------------------ backward
@@ -402,13 +406,14 @@ class _Rewriter:
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
                     new = self.call(library.DGRAD, (go, w, list(common["x_shape"]), *args, out_dtype,
-                                                    opts.select.value))
+                                                    opts.select.value,
+                                                    library.register_site("dgrad", problem, opts.select.value)))
                 self.new_nodes.append(new)
                 for g in getitems[0]:
                     self._substitute(g, new)
                     self.graph.erase_node(g)
                 done[0] = True
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(launch),
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
                                              "convolution_backward[grad_input]"))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
@@ -432,7 +437,8 @@ class _Rewriter:
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
                     new = self.call(library.WGRAD, (go, inp, list(common["w_shape"]), *args, out_dtype,
-                                                    opts.select.value))
+                                                    opts.select.value,
+                                                    library.register_site("wgrad", problem, opts.select.value)))
                 self.new_nodes.append(new)
                 if fuse_cast is not None:
                     self._substitute(fuse_cast, new)
@@ -444,7 +450,7 @@ class _Rewriter:
                         self.graph.erase_node(g)
                 done[1] = True
                 fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
-                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(launch),
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
                                              "convolution_backward[grad_weight]", fused, notes=notes))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
@@ -657,11 +663,15 @@ def _restore(g: fx.Graph, backup: fx.Graph) -> None:
 
 def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
     """Compile the kernels the report's ops will launch, in parallel, now rather than one by one at their first
-    call. Only where they can run (CUDA) and are known (not when tuning at the first call); failures are logged
-    (the op then falls back to PyTorch at run time, with the reason recorded)."""
+    call; with ``select="tune"``, tune every new problem of the graph in one batch (one parallel build of all
+    candidates, then timing, with a progress bar) and show the winners in the report. Only where the kernels can run
+    (CUDA); failures are logged (the op then falls back to PyTorch at run time, with the reason recorded)."""
     from ..select import SelectMode  # noqa: PLC0415
 
-    if options.select is SelectMode.TUNE or not report.launches or not torch.cuda.is_available():
+    if not report.launches or not torch.cuda.is_available():
+        return
+    if options.select is SelectMode.TUNE:
+        tune_report(report)
         return
     try:
         from ..build import build  # noqa: PLC0415
@@ -672,6 +682,25 @@ def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
                  report.graph, len(failed))
     except Exception as e:  # noqa: BLE001 - building is an optimisation; the first call builds or falls back
         log.warning("cutlass_byoc: could not prebuild the kernels of %s: %s", report.graph, e)
+
+
+def tune_report(report: OffloadReport) -> None:
+    """Tune the report's problems that have no decision yet, all at once, and name the winners in its entries."""
+    from ..profiler.tune import CACHED, TUNED, tune_workload  # noqa: PLC0415
+
+    problems = list(dict.fromkeys(report.problems))
+    try:
+        tuned = tune_workload(problems, progress=True)
+    except Exception as e:  # noqa: BLE001 - tuning is an optimisation: the ops then use the model's launch
+        log.warning("cutlass_byoc: could not tune the problems of %s: %s", report.graph, e)
+        return
+    won = {o.problem.name: o for o in tuned.outcomes if o.status in (CACHED, TUNED) and o.launch is not None}
+    log.info("cutlass_byoc: %s: %d problems, %d tuned now, %d decided before", report.graph, len(problems),
+             sum(1 for o in tuned.outcomes if o.status == TUNED), sum(1 for o in tuned.outcomes if o.status == CACHED))
+    for e in report.offloaded:
+        o = won.get(e.problem)
+        if o is not None:
+            e.kernel = f"{o.launch.name} ({o.status}, {o.time_us:.1f} us)" if o.time_us else o.launch.name
 
 
 def offloaded_calls(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:

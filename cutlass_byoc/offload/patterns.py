@@ -78,6 +78,8 @@ class OffloadOptions:
     allow_tf32: Optional[bool] = None  # fp32 convs run as TF32; None: follow torch.backends.cudnn.allow_tf32
     prebuild: bool = True  # compile the chosen kernels in parallel at graph compile time (CUDA, select != tune)
     strict: bool = False  # re-raise a partitioning failure instead of compiling that graph without offload (tests)
+    cudagraphs: bool = False  # Inductor's CUDA graphs (cudagraph trees) around the compiled graphs, ops included
+    mode: Optional[str] = None  # torch.compile's mode, passed to Inductor ("reduce-overhead" implies cudagraphs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))

@@ -55,6 +55,7 @@ class OffloadReport:
     output_restrides: int = 0  # clones restoring a graph output's original layout
     layout_restores: int = 0  # copies giving an op that needs the traced strides (a view) its original layout
     launches: list = dataclasses.field(default_factory=list, repr=False)  # LaunchConfigs chosen at compile time
+    problems: list = dataclasses.field(default_factory=list, repr=False)  # their Conv2dProblems, in the same order
     #: why the graph was left to PyTorch/Inductor whole (partitioning raised or gave an invalid graph), else None
     failure: Optional[str] = None
 
@@ -64,6 +65,7 @@ class OffloadReport:
         self.failure = reason
         self.entries.clear()
         self.launches.clear()
+        self.problems.clear()
         self.layout_conversions = self.output_restrides = self.layout_restores = 0
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
@@ -107,6 +109,7 @@ class OffloadReport:
                              self.layout_conversions + other.layout_conversions,
                              self.output_restrides + other.output_restrides,
                              self.layout_restores + other.layout_restores, self.launches + other.launches,
+                             self.problems + other.problems,
                              "; ".join(f for f in (self.failure, other.failure) if f) or None)
 
     def __str__(self) -> str:

@@ -78,3 +78,53 @@ def explain(model: torch.nn.Module, *inputs: torch.Tensor, training: bool = Fals
     gm = trace(model, *inputs, training=training, autocast=autocast, decompositions=decompositions)
     report = partition(gm, options, name=type(model).__name__ + ("(joint)" if training else "(forward)"))
     return gm, report
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    """A model from ``torchvision:resnet50``, ``timm:NAME`` or ``package.module:factory`` (called with no
+    arguments), with random weights."""
+    import importlib  # noqa: PLC0415
+
+    if ":" not in spec:
+        raise ValueError(f"--model: expected torchvision:NAME, timm:NAME or package.module:factory, got {spec!r}")
+    where, name = spec.split(":", 1)
+    if where == "torchvision":
+        import torchvision.models as tvm  # noqa: PLC0415
+
+        if not hasattr(tvm, name):
+            raise ValueError(f"--model: torchvision.models has no {name!r}")
+        return getattr(tvm, name)(weights=None)
+    if where == "timm":
+        import timm  # noqa: PLC0415
+
+        return timm.create_model(name, pretrained=False)
+    try:
+        module = importlib.import_module(where)
+    except ImportError as e:
+        raise ValueError(f"--model: cannot import {where!r}: {e}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"--model: {where} has no callable {name!r}")
+    return factory()
+
+
+def model_problems(model: torch.nn.Module | str, batch: int, *, training: bool = True,
+                   autocast: Optional[torch.dtype] = torch.float16, image: int = 224, in_channels: int = 3,
+                   channels_last: bool = True, options: OffloadOptions | dict | None = None):
+    """The conv problems the backend would offload from `model` (fprop, dgrad and wgrad with the dtypes and
+    epilogues autocast produces), in graph order without repeats, and the partition report; traced on fake
+    tensors (nothing computed, no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+
+    from .partition import partition  # noqa: PLC0415
+
+    m = load_model(model) if isinstance(model, str) else model
+    m = m.train(training)
+    opts = OffloadOptions.from_any(options, require_cuda=False, prebuild=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(batch, in_channels, image, image)
+        if channels_last:
+            m, x = m.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        gm = trace(m, x, training=training, autocast=autocast)
+        report = partition(gm, opts, name=type(m).__name__ + ("(joint)" if training else "(forward)"))
+    return list(dict.fromkeys(report.problems)), report
