@@ -17,8 +17,7 @@ from .problem import Conv2dProblem, Epilogue, ProblemError, max_alignment
 from .runtime import CbConv2dArgs, KernelLaunchError, KernelLibrary, load_kernel, make_args, pointer_rules
 from .select import (SelectMode, accepts_alignments, address_alignments, alignment_refusal, choose,
                      choose_for_alignments)
-from .heuristics import default_launch
-from .types import Activation, ConvKind, DType, KernelFamily, SourceKind
+from .types import Activation, ConvKind, DType, SourceKind
 
 log = logging.getLogger("cutlass_byoc.ops")
 
