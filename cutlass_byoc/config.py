@@ -52,8 +52,15 @@ class KernelConfig:
     schedule: Optional[str] = None
     # direct depthwise only (family DEPTHWISE_DIRECT): filter size and stride fixed at compile time
     filter_rs: Optional[tuple[int, int]] = None
+    # The bias-vector epilogue (fprop): None for the plain kernels, which read a bias as C through a zero stride in the
+    # output's type. Set, the kernel takes the bias as a separate vector of this type (CbConv2dArgs.bias, or .source
+    # for source_kind 1) and an optional residual as C: D = act(alpha * acc + beta * residual + bias), all in fp32,
+    # one rounding at the store. Serves SourceKind.BIAS_RESIDUAL and BIAS with a bias typed unlike the output.
+    element_bias: Optional[DType] = None
 
     def __post_init__(self) -> None:
+        if self.element_bias is not None and not isinstance(self.element_bias, DType):
+            object.__setattr__(self, "element_bias", DType(self.element_bias))
         err = self.static_error()
         if err:
             raise ValueError(f"invalid kernel config: {err}")
@@ -105,6 +112,8 @@ class KernelConfig:
             parts.append("splitk_parallel")
         if self.activation is not Activation.IDENTITY:
             parts.append(self.activation.value)
+        if self.element_bias is not None:
+            parts.append(f"vbias{self.element_bias.value}")
         parts.append(f"sw{self.swizzle}")
         if self.family is KernelFamily.SM90_TMA_WGMMA:
             parts.append("c" + "x".join(map(str, self.cluster)) + (f"_{self.schedule}" if self.schedule else ""))
@@ -115,16 +124,18 @@ class KernelConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        if d["element_bias"] is None:  # omitted when unset: the JSON (and so the source) of other kernels is unchanged
+            del d["element_bias"]
         return {k: (v.value if hasattr(v, "value") else (list(v) if isinstance(v, tuple) else v)) for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
         enums = dict(family=KernelFamily, kind=ConvKind, element_a=DType, element_b=DType, element_out=DType,
                      element_acc=DType, iterator=IteratorAlgorithm, stride_support=StrideSupport,
-                     split_k_mode=SplitKMode, activation=Activation)
+                     split_k_mode=SplitKMode, activation=Activation, element_bias=DType)
         kw = {}
         for k, v in d.items():
-            if k in enums:
+            if k in enums and v is not None:
                 v = enums[k](v)
             elif isinstance(v, list):
                 v = tuple(v)
@@ -160,6 +171,15 @@ class KernelConfig:
             elem = {"align_a": self.element_a, "align_b": self.element_b, "align_c": self.element_kernel_out}[name]
             if a not in ALIGNMENTS or a * elem.bits > 128:
                 return f"{name}: expected one of {ALIGNMENTS} within 128 bits of {elem.value}, got {a}"
+        if self.element_bias is not None:
+            if self.kind is not ConvKind.FPROP:
+                return f"element_bias: the bias-vector epilogue is fprop only, got {self.kind.value}"
+            if self.split_k_mode is SplitKMode.PARALLEL:
+                return "element_bias: parallel split-k applies the epilogue in its reduction, which has no bias vector"
+            if self.family not in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SM90_TMA_WGMMA):
+                return f"element_bias: no bias-vector epilogue in the {self.family.value} family"
+            if self.align_c * self.element_bias.bits > 256:
+                return f"element_bias: {self.align_c} x {self.element_bias.value} per bias access is over 32 bytes"
         if self.family is KernelFamily.SM80_IMPLICIT_GEMM:
             if any(t % w for t, w in zip(self.tile, self.warps)):
                 return f"tile {self.tile} is not divisible by warps {self.warps}"
@@ -217,6 +237,13 @@ class KernelConfig:
                 return f"{f}: kernel has {getattr(self, f).value}, problem has {getattr(problem, f).value}"
         if problem.epilogue.activation is not self.activation:
             return f"activation: kernel applies {self.activation.value}, problem wants {problem.epilogue.activation.value}"
+        if problem.epilogue.bias_vector:
+            if self.element_bias is not problem.element_bias:
+                have = f"a {self.element_bias.value} bias vector" if self.element_bias else "no bias vector"
+                return (f"element_bias: epilogue {problem.epilogue.tag} needs a kernel with a {problem.element_bias.value} "
+                        f"bias vector, kernel has {have}")
+        elif self.element_bias is not None:
+            return f"element_bias: kernel takes a bias vector, epilogue {problem.epilogue.tag} has none"
         if self.family is KernelFamily.DEPTHWISE_DIRECT:
             if not problem.is_depthwise:
                 return "groups: depthwise kernels need groups == C == K"
@@ -344,6 +371,8 @@ class LaunchConfig:
                             "use parallel split-k (fp32 partials) for 16-bit outputs")
                 if problem.epilogue.source is SourceKind.BIAS:
                     return "split_k_slices: serial split-k cannot take a broadcast bias; use parallel split-k"
+            if k.element_bias is not None:
+                return "split_k_slices: the bias-vector epilogue runs unsplit"
             gemm_k = problem.gemm_mnk[2]
             if self.split_k_slices * k.tile[2] > gemm_k:
                 return f"split_k_slices: {self.split_k_slices} slices of {k.tile[2]} exceed the reduction extent {gemm_k}"

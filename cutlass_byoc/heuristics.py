@@ -27,6 +27,8 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
     m, n, k = problem.gemm_mnk
     if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
         return [1]
+    if problem.epilogue.bias_vector:
+        return [1]  # the bias-vector epilogue runs unsplit
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     k_iters = math.ceil(k / tile[2])
     out, s = [1], 2

@@ -24,6 +24,18 @@ _ACTIVATION_HEADERS = {
 }
 
 
+#: The activation as a CUTLASS functor of one value (cutlass/epilogue/thread/activation.h), for the bias-vector
+#: epilogue's ElementwiseOp (GELU is the exact, erf one, as torch's default).
+_ELEMENTWISE_OPS = {
+    Activation.IDENTITY: "cutlass::epilogue::thread::Identity",
+    Activation.RELU: "cutlass::epilogue::thread::ReLu",
+    Activation.SIGMOID: "cutlass::epilogue::thread::Sigmoid",
+    Activation.SILU: "cutlass::epilogue::thread::SiLu",
+    Activation.HARDSWISH: "cutlass::epilogue::thread::HardSwish",
+    Activation.GELU: "cutlass::epilogue::thread::GELU",
+}
+
+
 @functools.lru_cache(maxsize=None)
 def environment() -> jinja2.Environment:
     loader = jinja2.PackageLoader("cutlass_byoc.templates", ".")
@@ -54,7 +66,8 @@ def render(config: KernelConfig, compile_command: str) -> str:
         compile_command=compile_command,
         abi_version=ABI_VERSION,
         parallel=config.split_k_mode is SplitKMode.PARALLEL,
-        activation_header=_ACTIVATION_HEADERS[config.activation],
+        activation_header=None if config.element_bias else _ACTIVATION_HEADERS[config.activation],
+        elementwise_op=_ELEMENTWISE_OPS[config.activation],
         swizzle=_swizzle(config),
         stride_support=config.stride_support.cutlass,
     )

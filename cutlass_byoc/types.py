@@ -126,3 +126,14 @@ class SourceKind(str, enum.Enum):
     NONE = "none"
     BIAS = "bias"  # C broadcast along the output's channel dim (stride 0 elsewhere)
     RESIDUAL = "residual"  # C has the output's shape
+    # A per-output-channel bias vector *and* a residual tensor in one epilogue: act(acc + bias + residual). Fprop only;
+    # runs on the kernels with a bias-vector operand (KernelConfig.element_bias), which read the residual as C.
+    BIAS_RESIDUAL = "bias_residual"
+
+    @property
+    def has_bias(self) -> bool:
+        return self in (SourceKind.BIAS, SourceKind.BIAS_RESIDUAL)
+
+    @property
+    def has_residual(self) -> bool:
+        return self in (SourceKind.RESIDUAL, SourceKind.BIAS_RESIDUAL)

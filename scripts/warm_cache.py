@@ -37,6 +37,7 @@ FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "groupe
 
 def test_kernels() -> list[KernelConfig]:
     import test_gpu_conv  # noqa: PLC0415
+    import test_gpu_epilogues  # noqa: PLC0415
     import test_gpu_padding  # noqa: PLC0415
     import test_gpu_sm90  # noqa: PLC0415
     import test_gpu_sm90_splitk  # noqa: PLC0415
@@ -46,6 +47,7 @@ def test_kernels() -> list[KernelConfig]:
 
     cfgs = test_gpu_conv.all_configs() + test_gpu_splitk.used_configs() + test_gpu_sm90._used_configs()
     cfgs += test_gpu_sm90_splitk.used_configs() + test_gpu_padding.used_configs()
+    cfgs += test_gpu_epilogues.all_configs()
     cfgs += plan_workload(test_gpu_tune.PROBLEMS, max_candidates=2).kernels
     return cfgs
 
