@@ -153,12 +153,14 @@ def test_memory_bound_ties_spread_over_tile_shapes():
 
 
 def test_hopeless_other_family_candidates_give_their_share_back():
-    """wgrad of a 64x64 filter over N*P*Q = 100352: one output tile, so only split-k fills the GPU; the 3.x kernels
-    (no split-k) are estimated far beyond the cutoff and the whole budget goes to 2.x split-k launches."""
+    """wgrad of a 64x64 filter over N*P*Q = 100352: one output tile, so only split-k fills the GPU; the 3.x conv
+    kernels (no split-k) are estimated far beyond the cutoff and give their share to 2.x split-k launches. (The
+    1x1-as-GEMM family stays: its stream-K kernels split the reduction too.)"""
     p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
     pp = plan_problem(p, 8)
     assert len(pp.kernels) == 8
-    assert all(k.family is KernelFamily.SM80_IMPLICIT_GEMM for k in pp.kernels)
+    assert all(k.family in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SM90_GEMM_1X1) for k in pp.kernels)
+    assert all(k.schedule == "cooperative_streamk" for k in pp.kernels if k.family is KernelFamily.SM90_GEMM_1X1)
     assert max(c.launch.split_k_slices for c in pp.candidates) > 64
     # where the model cannot tell (compute-bound 3x3), 3.x keeps its share
     q = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
