@@ -145,7 +145,7 @@ def test_stream_k_and_split_k(name, source):
 def test_refusals_through_ops():
     strided = Conv2dProblem.make("fprop", 2, 64, 8, 8, 136, 1, stride=2)
     x, w, _ = operands(strided, 0)
-    with pytest.raises(ops.UnsupportedConvError, match="stride"):
+    with pytest.raises(ops.UnsupportedConvError, match="strided 1x1 conv"):
         ops.run_problem(strided, x, w, poisoned_output(strided), config=LaunchConfig(KERNELS["fprop"]))
     p = problem_for("fprop")
     x, w, _ = operands(p, 0)
