@@ -131,6 +131,31 @@ def test_name_and_round_trip():
     assert LaunchConfig.from_dict(launch.to_dict()) == launch and launch.name.endswith("_k8")
 
 
+#: sizeof(GemmKernel::SharedStorage) printed by nvcc 13.0 / CUTLASS 4.2 for the tightest configs (16-bit inputs)
+MEASURED_SMEM = {
+    ((64, 128, 64), "pingpong", "f32"): (8, 231424),
+    ((64, 256, 64), "pingpong", "f32"): (4, 198656),
+    ((128, 64, 64), "cooperative_streamk", "f32"): (7, 223232),
+    ((128, 128, 64), "cooperative", "f16"): (6, 230400),
+    ((128, 128, 64), "cooperative", "f32"): (5, 231424),
+    ((256, 128, 64), "cooperative_streamk", "f32"): (3, 215040),
+}
+
+
+@pytest.mark.parametrize("key", list(MEASURED_SMEM), ids=lambda k: f"{k[0][0]}x{k[0][1]}-{k[1]}-{k[2]}")
+def test_stage_count_and_shared_memory_bound_match_nvcc(key):
+    """The stage count chosen in Python is emitted as StageCount<n>; the template static_asserts the fit, and the
+    Python bound must not undercount what nvcc lays out (else a candidate fails to compile)."""
+    from cutlass_byoc.gemm1x1 import SMEM_CAPACITY, epilogue_smem_bytes, stage_count  # noqa: PLC0415
+
+    tile, schedule, out = key
+    stages, actual = MEASURED_SMEM[key]
+    assert stage_count(tile, DType.F16, DType(out), schedule) == stages
+    m, n, k = tile
+    bound = stages * ((m + n) * k * 2 + 16) + epilogue_smem_bytes(tile, DType(out), schedule)
+    assert actual <= bound <= SMEM_CAPACITY
+
+
 # ------------------------------------------------------------------------------------------- split-k / stream-K
 def test_only_the_stream_k_scheduler_splits_at_launch():
     p = p1x1("wgrad")
