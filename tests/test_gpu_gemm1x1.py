@@ -3,8 +3,9 @@ float64 PyTorch reference, with every activation, bias and residual sources, 16-
 split-k launches. Fresh random inputs per test; every output is filled with NaN first, so an element the kernel fails
 to write shows up as an error.
 
-The module compiles 8 kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests' own):
-run with ``CUTLASS_BYOC_TEST_CACHE_DIR`` pointing at a cache to reuse them.
+The module compiles 8 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
+own), plus one 2.x kernel on demand (the misaligned-view fallback): run with ``CUTLASS_BYOC_TEST_CACHE_DIR``
+pointing at a cache to reuse them.
 """
 
 from __future__ import annotations
