@@ -65,6 +65,7 @@ SMEM_CAPACITY = 232448
 #: 64 x 128 for ping-pong on few pixels.
 EXTRA_TILES: tuple[Shape3, ...] = ((64, 64, 64), (64, 128, 64), (128, 64, 64), (256, 64, 64))
 
+#: The generator's cluster shapes (2x1x1 multicasts B, 1x2x1 multicasts A across the pair), and none.
 CLUSTERS: tuple[Shape3, ...] = ((1, 1, 1), (2, 1, 1), (1, 2, 1))
 
 #: fp32 accumulator elements per consumer thread that fit without spilling

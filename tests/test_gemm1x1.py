@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from cutlass_byoc.config import KernelConfig, LaunchConfig
-from cutlass_byoc.gemm1x1 import (SCHEDULES, applicable, gemm1x1_candidates, gemm1x1_config, generator_configs,
+from cutlass_byoc.gemm1x1 import (CLUSTERS, SCHEDULES, applicable, gemm1x1_candidates, gemm1x1_config, generator_configs,
                                   tile_schedules)
 from cutlass_byoc.heuristics import estimate_us, rank
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
@@ -29,6 +29,7 @@ def test_generator_supplies_tiles_clusters_and_all_three_schedules():
     gen = generator_configs()
     assert {s for _, _, s in gen} == set(SCHEDULES)
     assert ((128, 128, 64), (2, 1, 1), "cooperative_streamk") in gen
+    assert {cl for _, cl, _ in gen} | {(1, 1, 1)} == set(CLUSTERS)  # the generator's clusters, and none
     pairs = tile_schedules()
     assert ((128, 64, 64), "pingpong") in pairs  # a narrow extra for 64-channel layers
 
