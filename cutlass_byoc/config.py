@@ -47,7 +47,8 @@ class KernelConfig:
     swizzle: int = 1  # log-tile of the threadblock swizzle: 1, 2, 4 or 8
     activation: Activation = Activation.IDENTITY
     arch: int = 90
-    # CUTLASS 3.x only (family SM90_TMA_WGMMA)
+    # CUTLASS 3.x only (families SM90_TMA_WGMMA and SM90_GEMM_1X1; for the latter the schedule names the kernel
+    # schedule and tile scheduler: "cooperative", "cooperative_streamk" or "pingpong", see gemm1x1.SCHEDULES)
     cluster: Shape3 = (1, 1, 1)
     schedule: Optional[str] = None
     # direct depthwise only (family DEPTHWISE_DIRECT): filter size and stride fixed at compile time
@@ -100,7 +101,7 @@ class KernelConfig:
     @property
     def name(self) -> str:
         fam = {KernelFamily.SM80_IMPLICIT_GEMM: "sm80", KernelFamily.SM90_TMA_WGMMA: "sm90",
-               KernelFamily.DEPTHWISE_DIRECT: "dw"}[self.family]
+               KernelFamily.DEPTHWISE_DIRECT: "dw", KernelFamily.SM90_GEMM_1X1: "gemm1x1"}[self.family]
         parts = [
             f"cb_{fam}", self.kind.value,
             f"{self.element_a.value}{self.element_b.value}_{self.element_out.value}_acc{self.element_acc.value}",
@@ -115,7 +116,7 @@ class KernelConfig:
         if self.element_bias is not None:
             parts.append(f"vbias{self.element_bias.value}")
         parts.append(f"sw{self.swizzle}")
-        if self.family is KernelFamily.SM90_TMA_WGMMA:
+        if self.family in (KernelFamily.SM90_TMA_WGMMA, KernelFamily.SM90_GEMM_1X1):
             parts.append("c" + "x".join(map(str, self.cluster)) + (f"_{self.schedule}" if self.schedule else ""))
         if self.filter_rs:
             parts.append(f"f{self.filter_rs[0]}x{self.filter_rs[1]}")
@@ -141,6 +142,17 @@ class KernelConfig:
                 v = tuple(v)
             kw[k] = v
         return cls(**kw)
+
+    @property
+    def splits_at_launch(self) -> bool:
+        """Whether the slice count is chosen per launch (LaunchConfig.split_k_slices > 1 allowed): 2.x split-k, and
+        the 3.x GEMM family's stream-K scheduler in its split-k decomposition."""
+        if self.family is KernelFamily.SM80_IMPLICIT_GEMM:
+            return True
+        if self.family is KernelFamily.SM90_GEMM_1X1:
+            from .gemm1x1 import scheduler_splits  # noqa: PLC0415 - the family's rules live in its module
+            return scheduler_splits(self)
+        return False
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -225,6 +237,9 @@ class KernelConfig:
             epi = min(64, m) * min(32, n) * 6 * self.element_kernel_out.nbytes + 1024  # TMA epilogue: <= 4 C + 2 D stages
             if self.stages * (self.smem_bytes // self.stages + 16) + epi > 232448:
                 return f"stages {self.stages}: mainloop + epilogue exceed the 227 KiB of shared memory of an sm90 CTA"
+        if self.family is KernelFamily.SM90_GEMM_1X1:
+            from .gemm1x1 import static_error  # noqa: PLC0415 - the family's rules live in its module
+            return static_error(self)
         return None
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
@@ -251,6 +266,11 @@ class KernelConfig:
                 return f"filter: kernel is built for {self.filter_rs}, problem has {(problem.r, problem.s)}"
         elif problem.groups != 1:
             return f"groups: implicit-GEMM kernels need groups == 1, got {problem.groups}"
+        if self.family is KernelFamily.SM90_GEMM_1X1:
+            from .gemm1x1 import reject_reason  # noqa: PLC0415 - the family's rules live in its module
+            why = reject_reason(self, problem)
+            if why:
+                return why
         overflow = problem.int32_overflow
         if overflow:
             return overflow
@@ -329,6 +349,10 @@ class LaunchConfig:
                 and self.kernel.split_k_mode is not SplitKMode.PARALLEL:
             raise ValueError("split_k_slices: this sm90 kernel has no split-k; the sm90 family splits wgrad with "
                              "split_k_mode parallel (fp32 partials + reduction)")
+        if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_GEMM_1X1 \
+                and not self.kernel.splits_at_launch:
+            raise ValueError(f"split_k_slices: only the stream-K scheduler splits K at launch; "
+                             f"{self.kernel.schedule} takes 1, got {self.split_k_slices}")
 
     @property
     def name(self) -> str:
@@ -363,7 +387,9 @@ class LaunchConfig:
             k = self.kernel
             if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
                 return "split_k_slices: strided dgrad has no split-k"
-            if k.split_k_mode is SplitKMode.SERIAL:
+            if k.split_k_mode is SplitKMode.SERIAL and k.family is not KernelFamily.SM90_GEMM_1X1:
+                # (The GEMM family's split-k is the stream-K scheduler's: fp32 partials in the workspace, reduced
+                # before one epilogue, so neither rule below applies to it.)
                 # Serial slices accumulate through the output tensor itself: a 16-bit output would round the
                 # partial sums between slices (the split-k drift TVM saw), and a broadcast bias would be re-added.
                 if k.element_out.bits < 32:

@@ -9,7 +9,7 @@ import jinja2
 
 from . import __version__
 from .config import KernelConfig
-from .types import Activation, ConvKind, SplitKMode, StrideSupport
+from .types import Activation, ConvKind, KernelFamily, SplitKMode, StrideSupport
 
 #: Version of the extern "C" API in templates/conv2d_api.h.j2 (must match runtime.CbConv2dArgs).
 ABI_VERSION = 1
@@ -57,6 +57,12 @@ def render(config: KernelConfig, compile_command: str) -> str:
     """The full source of `config`'s kernel library. `compile_command` is recorded in its header comment."""
     tmpl = environment().get_template(config.family.template)
     items = [(k, v) for k, v in config.to_dict().items() if v is not None]
+    extra = {}
+    if config.family is KernelFamily.SM90_GEMM_1X1:
+        from .gemm1x1 import SCHEDULES  # noqa: PLC0415
+
+        kernel_schedule, epilogue_schedule, tile_scheduler = SCHEDULES[config.schedule]
+        extra = dict(kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule, tile_scheduler=tile_scheduler)
     return tmpl.render(
         c=config,
         version=__version__,
@@ -70,4 +76,5 @@ def render(config: KernelConfig, compile_command: str) -> str:
         elementwise_op=_ELEMENTWISE_OPS[config.activation],
         swizzle=_swizzle(config),
         stride_support=config.stride_support.cutlass,
+        **extra,
     )

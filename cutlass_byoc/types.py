@@ -63,9 +63,12 @@ class KernelFamily(str, enum.Enum):
     SM80_IMPLICIT_GEMM = "sm80_implicit_gemm"  # CUTLASS 2.x, mma.sync, runs on sm_80+
     SM90_TMA_WGMMA = "sm90_tma_wgmma"  # CUTLASS 3.x, TMA + wgmma, needs sm_90a
     DEPTHWISE_DIRECT = "depthwise_direct"  # direct depthwise kernels (groups == C == K)
+    SM90_GEMM_1X1 = "sm90_gemm_1x1"  # 1x1 stride-1 convs as CUTLASS 3.x sm90 GEMMs (TMA, warp-specialized, stream-K)
 
     @property
     def template(self) -> str:
+        if self is KernelFamily.SM90_GEMM_1X1:
+            return "gemm_sm90_1x1.cu.j2"
         return f"conv2d_{self.value}.cu.j2"
 
 
