@@ -188,9 +188,9 @@ def _cudnn_fn(problem: Conv2dProblem, sets):
     if p.kind is ConvKind.FPROP:
         def fn(i: int) -> None:
             s = sets[i]
-            bias = s.source if p.epilogue.source is SourceKind.BIAS else None
-            y = F.conv2d(s.x, s.w, bias, stride, pad, dil, p.groups)
-            if p.epilogue.source is SourceKind.RESIDUAL:
+            bias = s.source if p.epilogue.source is SourceKind.BIAS else s.bias
+            y = F.conv2d(s.x, s.w, bias.to(s.x.dtype) if bias is not None else None, stride, pad, dil, p.groups)
+            if p.epilogue.source.has_residual:
                 y = y.add_(s.source)
             if act is not Activation.IDENTITY:
                 _activation(y, act)
@@ -234,7 +234,7 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
         try:
             s0 = sets[0]
             poison(s0.out)
-            run_problem(p, s0.a, s0.b, s0.out, s0.source, config=launch)
+            run_problem(p, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
             torch.cuda.synchronize()
             chk = compare(p, s0.out, ref)
             err = chk.max_error
@@ -243,7 +243,7 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
             else:
                 def fn(i: int) -> None:
                     s = sets[i]
-                    run_problem(p, s.a, s.b, s.out, s.source, config=launch)
+                    run_problem(p, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
 
                 ours_us = time_gpu(fn, len(sets), ws.timing).median_us
         except Exception as e:  # noqa: BLE001 - reported in the row; a CUDA error would recur on the next row

@@ -84,14 +84,19 @@ def iterators_for(problem: Conv2dProblem, align_a: int) -> list[IteratorAlgorith
     return its
 
 
-def operand_alignments(problem: Conv2dProblem, kernel_out: Optional[DType] = None) -> tuple[int, int, int]:
-    """Widest alignment each operand's channel extent allows (pointer addresses are checked at launch)."""
+def operand_alignments(problem: Conv2dProblem, kernel_out: Optional[DType] = None,
+                       max_align: Optional[tuple[int, int, int]] = None) -> tuple[int, int, int]:
+    """Widest alignment each operand's channel extent allows (pointer addresses are checked at launch), at most
+    `max_align` (what the operands' addresses allow, for a launch on offset views)."""
     ca, cb, cc = problem.channel_dims
-    return (
+    out = (
         max_alignment(ca, problem.element_a),
         max_alignment(cb, problem.element_b),
         max_alignment(cc, kernel_out or problem.element_out),
     )
+    if max_align is None:
+        return out
+    return tuple(min(a, m) for a, m in zip(out, max_align))  # type: ignore[return-value]
 
 
 def split_k_modes(problem: Conv2dProblem) -> list[SplitKMode]:
@@ -105,11 +110,16 @@ def sm80_candidates(
     tile_filter: Optional[Callable[[TileSpec], bool]] = None,
     split_k: bool = True,
     swizzles: tuple[int, ...] = (1,),
+    max_align: Optional[tuple[int, int, int]] = None,
 ) -> Iterator[KernelConfig]:
-    """Every SM80-family config that can implement `problem` (before compiling)."""
+    """Every SM80-family config that can implement `problem` (before compiling); `max_align` caps the alignments of
+    A, B and the output (in elements of each), for operands whose addresses allow less than their extents."""
     math = math_op_for(problem.element_a)
     modes = split_k_modes(problem) if split_k else [SplitKMode.SERIAL]
-    align_a, align_b, _ = operand_alignments(problem)
+    element_bias = problem.element_bias if problem.epilogue.bias_vector else None
+    if element_bias is not None:
+        modes = [SplitKMode.SERIAL]  # the bias-vector epilogue has no parallel split-k (its reduction has no vector)
+    align_a, align_b, _ = operand_alignments(problem, max_align=max_align)
     narrow = min(align_a * problem.element_a.nbytes, align_b * problem.element_b.nbytes) < 4
     # cp.async moves >= 4 bytes: narrower operands run CUTLASS's two-stage register-pipelined mainloop, so the
     # generator's tiles are taken with stages = 2 (deduplicated).
@@ -119,7 +129,7 @@ def sm80_candidates(
             continue
         for mode in modes:
             kernel_out = problem.element_acc if mode is SplitKMode.PARALLEL else problem.element_out
-            align_a, align_b, align_c = operand_alignments(problem, kernel_out)
+            align_a, align_b, align_c = operand_alignments(problem, kernel_out, max_align)
             for it in iterators_for(problem, align_a):
                 if it is IteratorAlgorithm.OPTIMIZED and min(align_a, align_b) < 2 and problem.element_a.bits == 16:
                     continue  # CUTLASS's optimized iterators need >= 32-bit accesses for 16-bit types
@@ -133,6 +143,7 @@ def sm80_candidates(
                             stride_support=default_stride_support(problem, it),
                             align_a=align_a, align_b=align_b, align_c=align_c,
                             split_k_mode=mode, swizzle=sw, activation=problem.epilogue.activation,
+                            element_bias=element_bias,
                         )
                     except ValueError:
                         continue

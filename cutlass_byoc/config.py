@@ -51,7 +51,8 @@ class KernelConfig:
     swizzle: int = 1  # log-tile of the threadblock swizzle: 1, 2, 4 or 8
     activation: Activation = Activation.IDENTITY
     arch: int = 90
-    # CUTLASS 3.x only (family SM90_TMA_WGMMA)
+    # CUTLASS 3.x only (families SM90_TMA_WGMMA and SM90_GEMM_1X1; for the latter the schedule names the kernel
+    # schedule and tile scheduler: "cooperative", "cooperative_streamk" or "pingpong", see gemm1x1.SCHEDULES)
     cluster: Shape3 = (1, 1, 1)
     schedule: Optional[str] = None
     # direct depthwise only (family DEPTHWISE_DIRECT): filter size and stride fixed at compile time
@@ -61,8 +62,15 @@ class KernelConfig:
     # halo in shared memory instead of reading it through L1.
     conv_stride: Optional[tuple[int, int]] = None
     halo_smem: Optional[bool] = None
+    # The bias-vector epilogue (fprop): None for the plain kernels, which read a bias as C through a zero stride in the
+    # output's type. Set, the kernel takes the bias as a separate vector of this type (CbConv2dArgs.bias, or .source
+    # for source_kind 1) and an optional residual as C: D = act(alpha * acc + beta * residual + bias), all in fp32,
+    # one rounding at the store. Serves SourceKind.BIAS_RESIDUAL and BIAS with a bias typed unlike the output.
+    element_bias: Optional[DType] = None
 
     def __post_init__(self) -> None:
+        if self.element_bias is not None and not isinstance(self.element_bias, DType):
+            object.__setattr__(self, "element_bias", DType(self.element_bias))
         err = self.static_error()
         if err:
             raise ValueError(f"invalid kernel config: {err}")
@@ -106,7 +114,7 @@ class KernelConfig:
 
             return depthwise_name(self)
         fam = {KernelFamily.SM80_IMPLICIT_GEMM: "sm80", KernelFamily.SM90_TMA_WGMMA: "sm90",
-               KernelFamily.DEPTHWISE_DIRECT: "dw"}[self.family]
+               KernelFamily.DEPTHWISE_DIRECT: "dw", KernelFamily.SM90_GEMM_1X1: "gemm1x1"}[self.family]
         parts = [
             f"cb_{fam}", self.kind.value,
             f"{self.element_a.value}{self.element_b.value}_{self.element_out.value}_acc{self.element_acc.value}",
@@ -118,8 +126,10 @@ class KernelConfig:
             parts.append("splitk_parallel")
         if self.activation is not Activation.IDENTITY:
             parts.append(self.activation.value)
+        if self.element_bias is not None:
+            parts.append(f"vbias{self.element_bias.value}")
         parts.append(f"sw{self.swizzle}")
-        if self.family is KernelFamily.SM90_TMA_WGMMA:
+        if self.family in (KernelFamily.SM90_TMA_WGMMA, KernelFamily.SM90_GEMM_1X1):
             parts.append("c" + "x".join(map(str, self.cluster)) + (f"_{self.schedule}" if self.schedule else ""))
         if self.filter_rs:
             parts.append(f"f{self.filter_rs[0]}x{self.filter_rs[1]}")
@@ -131,28 +141,46 @@ class KernelConfig:
         for f in _DEPTHWISE_ONLY:
             if d[f] is None:
                 del d[f]
+        if d["element_bias"] is None:  # omitted when unset: the JSON (and so the source) of other kernels is unchanged
+            del d["element_bias"]
         return {k: (v.value if hasattr(v, "value") else (list(v) if isinstance(v, tuple) else v)) for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
         enums = dict(family=KernelFamily, kind=ConvKind, element_a=DType, element_b=DType, element_out=DType,
                      element_acc=DType, iterator=IteratorAlgorithm, stride_support=StrideSupport,
-                     split_k_mode=SplitKMode, activation=Activation)
+                     split_k_mode=SplitKMode, activation=Activation, element_bias=DType)
         kw = {}
         for k, v in d.items():
-            if k in enums:
+            if k in enums and v is not None:
                 v = enums[k](v)
             elif isinstance(v, list):
                 v = tuple(v)
             kw[k] = v
         return cls(**kw)
 
+    @property
+    def splits_at_launch(self) -> bool:
+        """Whether the slice count is chosen per launch (LaunchConfig.split_k_slices > 1 allowed): 2.x split-k, and
+        the 3.x GEMM family's stream-K scheduler in its split-k decomposition."""
+        if self.family is KernelFamily.SM80_IMPLICIT_GEMM:
+            return True
+        if self.family is KernelFamily.SM90_GEMM_1X1:
+            from .gemm1x1 import scheduler_splits  # noqa: PLC0415 - the family's rules live in its module
+            return scheduler_splits(self)
+        return False
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     def with_alignments(self, align_a: int, align_b: int, align_c: int) -> "KernelConfig":
         """This kernel for narrower operands: the multistage mainloop gives way to the two-stage one where an
-        access drops under 4 bytes, and the optimized iterators to the analytic ones under 4 bytes too."""
+        access drops under 4 bytes, and the optimized iterators to the analytic ones under 4 bytes too. (Depthwise
+        kernels: a narrower channel vector, see depthwise.with_alignments.)"""
+        if self.family is KernelFamily.DEPTHWISE_DIRECT:
+            from .depthwise import with_alignments  # noqa: PLC0415
+
+            return with_alignments(self, align_a, align_b, align_c)
         narrow = min(align_a * self.element_a.nbytes, align_b * self.element_b.nbytes) < 4
         it = self.iterator
         if narrow and it is IteratorAlgorithm.OPTIMIZED:
@@ -182,6 +210,15 @@ class KernelConfig:
             elem = {"align_a": self.element_a, "align_b": self.element_b, "align_c": self.element_kernel_out}[name]
             if a not in ALIGNMENTS or a * elem.bits > 128:
                 return f"{name}: expected one of {ALIGNMENTS} within 128 bits of {elem.value}, got {a}"
+        if self.element_bias is not None:
+            if self.kind is not ConvKind.FPROP:
+                return f"element_bias: the bias-vector epilogue is fprop only, got {self.kind.value}"
+            if self.split_k_mode is SplitKMode.PARALLEL:
+                return "element_bias: parallel split-k applies the epilogue in its reduction, which has no bias vector"
+            if self.family not in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SM90_TMA_WGMMA):
+                return f"element_bias: no bias-vector epilogue in the {self.family.value} family"
+            if self.align_c * self.element_bias.bits > 256:
+                return f"element_bias: {self.align_c} x {self.element_bias.value} per bias access is over 32 bytes"
         if self.family is KernelFamily.SM80_IMPLICIT_GEMM:
             if any(t % w for t, w in zip(self.tile, self.warps)):
                 return f"tile {self.tile} is not divisible by warps {self.warps}"
@@ -227,6 +264,9 @@ class KernelConfig:
             epi = min(64, m) * min(32, n) * 6 * self.element_kernel_out.nbytes + 1024  # TMA epilogue: <= 4 C + 2 D stages
             if self.stages * (self.smem_bytes // self.stages + 16) + epi > 232448:
                 return f"stages {self.stages}: mainloop + epilogue exceed the 227 KiB of shared memory of an sm90 CTA"
+        if self.family is KernelFamily.SM90_GEMM_1X1:
+            from .gemm1x1 import static_error  # noqa: PLC0415 - the family's rules live in its module
+            return static_error(self)
         return None
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
@@ -239,12 +279,24 @@ class KernelConfig:
                 return f"{f}: kernel has {getattr(self, f).value}, problem has {getattr(problem, f).value}"
         if problem.epilogue.activation is not self.activation:
             return f"activation: kernel applies {self.activation.value}, problem wants {problem.epilogue.activation.value}"
+        if problem.epilogue.bias_vector:
+            if self.element_bias is not problem.element_bias:
+                have = f"a {self.element_bias.value} bias vector" if self.element_bias else "no bias vector"
+                return (f"element_bias: epilogue {problem.epilogue.tag} needs a kernel with a {problem.element_bias.value} "
+                        f"bias vector, kernel has {have}")
+        elif self.element_bias is not None:
+            return f"element_bias: kernel takes a bias vector, epilogue {problem.epilogue.tag} has none"
         if self.family is KernelFamily.DEPTHWISE_DIRECT:
             from .depthwise import depthwise_reject_reason  # noqa: PLC0415
 
             return depthwise_reject_reason(self, problem)
         if problem.groups != 1:
             return f"groups: implicit-GEMM kernels need groups == 1, got {problem.groups}"
+        if self.family is KernelFamily.SM90_GEMM_1X1:
+            from .gemm1x1 import reject_reason  # noqa: PLC0415 - the family's rules live in its module
+            why = reject_reason(self, problem)
+            if why:
+                return why
         overflow = problem.int32_overflow
         if overflow:
             return overflow
@@ -326,6 +378,10 @@ class LaunchConfig:
                 and self.kernel.split_k_mode is not SplitKMode.PARALLEL:
             raise ValueError("split_k_slices: this sm90 kernel has no split-k; the sm90 family splits wgrad with "
                              "split_k_mode parallel (fp32 partials + reduction)")
+        if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_GEMM_1X1 \
+                and not self.kernel.splits_at_launch:
+            raise ValueError(f"split_k_slices: only the stream-K scheduler splits K at launch; "
+                             f"{self.kernel.schedule} takes 1, got {self.split_k_slices}")
 
     @property
     def name(self) -> str:
@@ -367,7 +423,9 @@ class LaunchConfig:
             k = self.kernel
             if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
                 return "split_k_slices: strided dgrad has no split-k"
-            if k.split_k_mode is SplitKMode.SERIAL:
+            if k.split_k_mode is SplitKMode.SERIAL and k.family is not KernelFamily.SM90_GEMM_1X1:
+                # (The GEMM family's split-k is the stream-K scheduler's: fp32 partials in the workspace, reduced
+                # before one epilogue, so neither rule below applies to it.)
                 # Serial slices accumulate through the output tensor itself: a 16-bit output would round the
                 # partial sums between slices (the split-k drift TVM saw), and a broadcast bias would be re-added.
                 if k.element_out.bits < 32:
@@ -375,6 +433,8 @@ class LaunchConfig:
                             "use parallel split-k (fp32 partials) for 16-bit outputs")
                 if problem.epilogue.source is SourceKind.BIAS:
                     return "split_k_slices: serial split-k cannot take a broadcast bias; use parallel split-k"
+            if k.element_bias is not None:
+                return "split_k_slices: the bias-vector epilogue runs unsplit"
             gemm_k = problem.gemm_mnk[2]
             if self.split_k_slices * k.tile[2] > gemm_k:
                 return f"split_k_slices: {self.split_k_slices} slices of {k.tile[2]} exceed the reduction extent {gemm_k}"

@@ -27,6 +27,8 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
     m, n, k = problem.gemm_mnk
     if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
         return [1]
+    if problem.epilogue.bias_vector:
+        return [1]  # the bias-vector epilogue runs unsplit
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     k_iters = math.ceil(k / tile[2])
     out, s = [1], 2
@@ -40,7 +42,8 @@ def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_
     """The split-k slice counts to try with `kernel` on `problem`: the 2.x kernels take every count
     `split_k_slice_candidates` offers; the sm90 split-k kernels (wgrad, split_k_mode PARALLEL: fp32 partials and a
     reduction, built by the project) take those above 1, since with one slice the plain sm90 kernel does the same
-    work without the partials; every other kernel runs unsplit."""
+    work without the partials; the GEMM family's stream-K kernels
+    take every count too (1: stream-K's own decomposition); every other kernel runs unsplit."""
     if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
         return split_k_slice_candidates(problem, kernel.tile, sms)
     if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode is SplitKMode.PARALLEL:
@@ -49,7 +52,43 @@ def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_
         from .depthwise import split_candidates  # noqa: PLC0415
 
         return split_candidates(problem, kernel, sms)
+    if kernel.splits_at_launch:  # the GEMM family's stream-K scheduler in its split-k decomposition
+        return split_k_slice_candidates(problem, kernel.tile, sms)
     return [1]
+
+
+#: The 3.x GEMM family (1x1 convs): what cuBLAS-class sm90 GEMMs reach on an H200 (issue 11: cuDNN's 1x1 convs
+#: move 2.4-3.5 TB/s, dense fp16 wgmma runs ~600 TF/s in practice).
+GEMM_TFLOPS = 600.0
+GEMM_DRAM_GBS = 3000.0
+
+
+def _gemm1x1_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int) -> float:
+    """A persistent sm90 GEMM: the busiest SM's main-loop iterations at the wgmma rate (data-parallel tiles come
+    in waves; stream-K spreads the iterations evenly; split-k makes slices x tiles units), against the bytes the
+    GEMM must move at DRAM speed (plus fp32 partials through the workspace when the reduction is split)."""
+    c = launch.kernel
+    slices = launch.split_k_slices
+    m, n, k = problem.gemm_mnk
+    tm, tn, tk = c.tile
+    tiles = math.ceil(m / tm) * math.ceil(n / tn)
+    k_iters = math.ceil(k / tk)
+    extra_us = 0.0
+    bytes_ = problem.bytes_moved
+    if slices > 1:
+        iters = math.ceil(tiles * slices / sms) * math.ceil(k_iters / slices)
+        bytes_ += 2 * slices * m * n * 4
+    elif c.schedule == "cooperative_streamk" and tiles < sms:
+        iters = math.ceil(tiles * k_iters / sms)  # stream-K: the reduction is shared out over idle SMs
+        bytes_ += 2 * sms * tm * tn * 4  # partial tiles through the workspace
+        extra_us += 1.0
+    else:
+        iters = math.ceil(tiles / sms) * k_iters
+    intensity = (tm * tn) / (tm + tn) / (128 * 256 / 384)  # tile reuse relative to a 128x256 tile
+    eff = min(1.0, 0.5 + 0.5 * intensity)
+    compute_us = iters * 2 * tm * tn * tk / (GEMM_TFLOPS * 1e12 / sms * eff) * 1e6
+    memory_us = bytes_ / (GEMM_DRAM_GBS * 1e9) * 1e6
+    return max(compute_us, memory_us) + LAUNCH_US + extra_us
 
 
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
@@ -59,6 +98,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         from .depthwise import estimate_us as depthwise_estimate_us  # noqa: PLC0415
 
         return depthwise_estimate_us(problem, launch, sms)
+    if c.family is KernelFamily.SM90_GEMM_1X1:
+        return _gemm1x1_estimate_us(problem, launch, sms)
     slices = launch.split_k_slices
     m, n, k = problem.gemm_mnk
     tm, tn, tk = c.tile

@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 from .candidates import unsupported_reason
 from .config import LaunchConfig
 from .problem import Conv2dProblem, Epilogue, ProblemError, max_alignment
-from .runtime import CbConv2dArgs, KernelLaunchError, KernelLibrary, load_kernel, make_args
-from .select import SelectMode, choose
-from .heuristics import default_launch
-from .types import Activation, ConvKind, DType, KernelFamily, SourceKind
+from .runtime import CbConv2dArgs, KernelLaunchError, KernelLibrary, load_kernel, make_args, pointer_rules
+from .select import (SelectMode, accepts_alignments, address_alignments, alignment_refusal, choose,
+                     choose_for_alignments)
+from .types import Activation, ConvKind, DType, SourceKind
 
 log = logging.getLogger("cutlass_byoc.ops")
 
@@ -83,30 +83,20 @@ def _workspace(device, nbytes: int):
 
 
 # ---------------------------------------------------------------------------------------------- launch
-def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, source) -> LaunchConfig:
-    """Lower the kernel's alignments to what the operands' addresses allow (a view with an odd storage offset)."""
-    k = launch.kernel
-    ca, cb, cc = problem.channel_dims
-    want = (
-        min(k.align_a, max_alignment(ca, k.element_a, a.data_ptr())),
-        min(k.align_b, max_alignment(cb, k.element_b, b.data_ptr())),
-        min(k.align_c, max_alignment(cc, k.element_kernel_out, d.data_ptr()),
-            *( [max_alignment(cc, k.element_kernel_out, source.data_ptr())] if source is not None else [])),
-    )
-    if want == (k.align_a, k.align_b, k.align_c):
+def _narrow_to_pointers(launch: LaunchConfig, problem: Conv2dProblem, a, b, d, source, bias=None, *,
+                        explicit: bool = False) -> LaunchConfig:
+    """The launch for these operands (anything with a data_ptr(); None where absent): `launch` itself if their
+    addresses allow its alignments, else one re-chosen among the configs that accept the alignments the addresses
+    allow (a view with an odd storage offset): see select.choose_for_alignments. `explicit`: `launch` was given
+    by the caller, not chosen. Raises UnsupportedConvError naming the operand(s) when no config accepts them."""
+    addr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+    caps = address_alignments(problem, addr(a), addr(b), addr(d), addr(source), addr(bias))
+    if accepts_alignments(launch.kernel, caps):
         return launch
-    if k.family is KernelFamily.DEPTHWISE_DIRECT:
-        from .depthwise import with_alignments  # noqa: PLC0415
-
-        narrowed = with_alignments(k, *want)
-        return launch if narrowed == k else dataclasses.replace(launch, kernel=narrowed)
-    if k.family is not KernelFamily.SM80_IMPLICIT_GEMM:
-        # TMA kernels need 16-byte aligned operands: an offset view runs on the 2.x family instead.
-        fallback = default_launch(problem, sm90=False, padding=False)
-        if fallback is None:
-            raise UnsupportedConvError(f"alignment: {k.name} needs 16-byte aligned operands and no 2.x kernel fits")
-        return _narrow_to_pointers(fallback, problem, a, b, d, source)
-    return dataclasses.replace(launch, kernel=k.with_alignments(*want))
+    chosen = choose_for_alignments(problem, caps, launch, explicit=explicit)
+    if chosen is None:
+        raise UnsupportedConvError(alignment_refusal(problem, caps, addr(a), addr(b), addr(d), addr(source), addr(bias)))
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +108,17 @@ class _Prepared:
     workspace_bytes: int
     align_bytes: tuple[int, int, int]  # what A, B and the output (and source) addresses must be multiples of
     needs_source: bool
+    source_bytes: int = 0  # what the source address must be a multiple of, where not align_bytes[2] (a bias vector)
+    bias_bytes: int = 0  # what the bias address must be a multiple of (SourceKind.BIAS_RESIDUAL); 0: no bias pointer
 
-    def fits(self, pa: int, pb: int, pd: int, ps: int) -> bool:
+    def fits(self, pa: int, pb: int, pd: int, ps: int, pbias: int = 0) -> bool:
         """Whether these pointers may take the fast path (else the full checks run and say what is wrong)."""
         aa, ab, ac = self.align_bytes
         if not (pa and pb and pd) or (self.needs_source and not ps):
             return False
-        return not (pa % aa or pb % ab or pd % ac or ps % ac)
+        if self.bias_bytes and (not pbias or pbias % self.bias_bytes):
+            return False
+        return not (pa % aa or pb % ab or pd % ac or ps % (self.source_bytes or ac))
 
 
 _prepared: dict[tuple[Conv2dProblem, LaunchConfig], _Prepared] = {}
@@ -140,9 +134,10 @@ def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
         raise UnsupportedConvError(f"{launch.name}: {why}")
     k = launch.kernel
     out_bytes = k.align_c * k.element_out.nbytes
+    rules = {name: nbytes for name, _, nbytes in pointer_rules(k, problem)}
     return _Prepared(lib, make_args(problem, launch.split_k_slices), lib.workspace_size(problem, launch.split_k_slices),
                      (k.align_a * k.element_a.nbytes, k.align_b * k.element_b.nbytes, out_bytes),
-                     problem.epilogue.source is not SourceKind.NONE)
+                     problem.epilogue.source is not SourceKind.NONE, rules.get("source", 0), rules.get("bias", 0))
 
 
 def bind(problem: Conv2dProblem, launch: LaunchConfig) -> Optional[_Prepared]:
@@ -163,8 +158,11 @@ def bind(problem: Conv2dProblem, launch: LaunchConfig) -> Optional[_Prepared]:
 
 
 def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
-                select: SelectMode | str = SelectMode.CACHED) -> None:
+                select: SelectMode | str = SelectMode.CACHED, bias=None) -> None:
     """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream.
+
+    `source` is the epilogue's bias (SourceKind.BIAS) or residual (RESIDUAL, BIAS_RESIDUAL); `bias` is the bias of
+    BIAS_RESIDUAL.
 
     The first call of a (problem, launch) pair validates everything (sizes, config rules, the kernel's own
     can_implement, workspace); later calls with suitably aligned pointers go straight to the launch."""
@@ -172,8 +170,9 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     launch = config or choose(problem, select)
     pa, pb, pd = a.data_ptr(), b.data_ptr(), out.data_ptr()
     ps = source.data_ptr() if source is not None else 0
+    pbias = bias.data_ptr() if bias is not None else 0
     prep = _prepared.get((problem, launch)) if launch is not None else None
-    if prep is None or not prep.fits(pa, pb, pd, ps):
+    if prep is None or not prep.fits(pa, pb, pd, ps, pbias):
         why = problem.int32_overflow
         if why:
             raise UnsupportedConvError(f"size: {why}")
@@ -184,13 +183,13 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         why = launch.reject_reason(problem)
         if why:
             raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
-        narrowed = _narrow_to_pointers(launch, problem, a, b, out, source)
-        prep = _prepare(problem, narrowed)
-        prep.lib.check_pointers(problem, pa, pb, pd, ps)  # null or misaligned pointers: an error naming the operand
-        if narrowed == launch:
-            _prepared[(problem, launch)] = prep
+        narrowed = _narrow_to_pointers(launch, problem, a, b, out, source, bias, explicit=config is not None)
+        prep = _prepared.get((problem, narrowed)) or _prepare(problem, narrowed)
+        prep.lib.check_pointers(problem, pa, pb, pd, ps, pbias)  # null or misaligned pointers: an error naming it
+        _prepared[(problem, narrowed)] = prep  # a re-chosen launch too: later offset views skip its validation
     args = CbConv2dArgs.from_buffer_copy(prep.template)
     args.a, args.b, args.d, args.source = pa, pb, pd, ps or None
+    args.bias = pbias or None
     device = a.device
     stream = torch.cuda.current_stream(device).cuda_stream
     ws_ptr = ws_len = 0
@@ -273,6 +272,8 @@ def conv2d(
 
     ``out_dtype`` (default: the input's) may differ from the input type: fp16 inputs with an fp32 output accumulate
     and store in fp32; fp32 accumulation with an fp16 output stores fp16 directly (no separate cast).
+    ``bias`` has the output's type or float32 (an fp32 bias under a 16-bit output is added in fp32, unrounded);
+    ``residual`` has the output's type. Bias and residual together are one epilogue: act(conv + bias + residual).
     """
     torch = _torch()
     activation = Activation(activation)
@@ -280,32 +281,43 @@ def conv2d(
         _check_tensor(input, "input")
         _check_tensor(weight, "weight", dtype=input.dtype)
         out_t = out_dtype or input.dtype
-        if bias is not None and residual is not None:
-            raise UnsupportedConvError("bias: bias and residual together are not fused yet; add one of them outside")
+        bias_dt = None
         if bias is not None:
-            _check_tensor(bias, "bias", dtype=out_t, channels_last=False)
+            _check_tensor(bias, "bias", channels_last=False)
+            if bias.dtype not in (out_t, torch.float32):
+                raise UnsupportedConvError(f"bias: expected dtype {out_t} (the output's) or torch.float32, got {bias.dtype}")
+            bias_dt = _dtype(bias, "bias")
             if tuple(bias.shape) != (weight.shape[0],):
                 raise UnsupportedConvError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         n, c, h, w = input.shape
         k, cg, r, s = weight.shape
         if cg * groups != c:
             raise UnsupportedConvError(f"weight: expected {c // groups} input channels per group, got {cg}")
-        source = SourceKind.BIAS if bias is not None else SourceKind.RESIDUAL if residual is not None else SourceKind.NONE
+        source = (SourceKind.BIAS_RESIDUAL if bias is not None and residual is not None else SourceKind.BIAS
+                  if bias is not None else SourceKind.RESIDUAL if residual is not None else SourceKind.NONE)
         problem = _problem(ConvKind.FPROP, n, c, h, w, k, r, s, stride, padding, dilation, groups, input,
-                           out_t, acc_dtype, Epilogue(activation, source))
+                           out_t, acc_dtype, Epilogue(activation, source, bias_dt))
         out = torch.empty((n, k, problem.p, problem.q), dtype=out_t, device=input.device,
                           memory_format=torch.channels_last)
         if residual is not None:
             _check_tensor(residual, "residual", dtype=out_t)
             if tuple(residual.shape) != tuple(out.shape):
                 raise UnsupportedConvError(f"residual: expected shape {tuple(out.shape)}, got {tuple(residual.shape)}")
-        run_problem(problem, input, weight, out, bias if bias is not None else residual, config=config, select=select)
+        if source is SourceKind.BIAS_RESIDUAL:
+            run_problem(problem, input, weight, out, residual, config=config, select=select, bias=bias)
+        else:
+            run_problem(problem, input, weight, out, bias if bias is not None else residual, config=config,
+                        select=select)
         return out
     except (UnsupportedConvError, KernelLaunchError) as e:
         if not fallback:
             raise
         log.info("conv2d falls back to PyTorch: %s", e)
-        y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
+        if bias is not None and bias.dtype != input.dtype:  # an fp32 bias under 16-bit inputs: add it unrounded
+            y = torch.nn.functional.conv2d(input, weight, None, stride, padding, dilation, groups).float()
+            y = y + bias.float().view(1, -1, 1, 1)
+        else:
+            y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
         if residual is not None:
             y = y + residual
         return _apply_activation(y, activation).to(out_dtype or input.dtype)

@@ -36,12 +36,27 @@ class Epilogue:
 
     activation: Activation = Activation.IDENTITY
     source: SourceKind = SourceKind.NONE
+    #: The bias's element type where it differs from the output's (an fp32 bias under a 16-bit output); None: the
+    #: output's type. Conv2dProblem normalises a bias_dtype equal to its output type to None.
+    bias_dtype: Optional[DType] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activation", Activation(self.activation))
+        object.__setattr__(self, "source", SourceKind(self.source))
+        if self.bias_dtype is not None:
+            object.__setattr__(self, "bias_dtype", DType(self.bias_dtype))
+
+    @property
+    def bias_vector(self) -> bool:
+        """Whether a kernel needs a separate bias-vector operand for this epilogue: a bias together with a residual,
+        or a bias whose type is not the output's (the plain kernels read the bias as C, in the output's type)."""
+        return self.source is SourceKind.BIAS_RESIDUAL or (self.source is SourceKind.BIAS and self.bias_dtype is not None)
 
     @property
     def tag(self) -> str:
         parts = []
         if self.source is not SourceKind.NONE:
-            parts.append(self.source.value)
+            parts.append(self.source.value + (f"_{self.bias_dtype.value}" if self.bias_dtype is not None else ""))
         if self.activation is not Activation.IDENTITY:
             parts.append(self.activation.value)
         return "+".join(parts) or "linear"
@@ -77,6 +92,8 @@ class Conv2dProblem:
         object.__setattr__(self, "kind", ConvKind(self.kind))
         for f in ("element_a", "element_b", "element_out", "element_acc"):
             object.__setattr__(self, f, DType(getattr(self, f)))
+        if self.epilogue.bias_dtype is self.element_out:  # one spelling per problem: None means the output's type
+            object.__setattr__(self, "epilogue", dataclasses.replace(self.epilogue, bias_dtype=None))
         self.validate()
 
     # ------------------------------------------------------------------ construction helpers
@@ -146,8 +163,11 @@ class Conv2dProblem:
                 raise ProblemError(f"element_acc: f16 accumulation needs f16 inputs, got {self.element_a.value} inputs")
         if self.element_a is DType.F32 and self.element_acc is not DType.F32:
             raise ProblemError("element_acc: f32 inputs (TF32 tensor ops) accumulate in f32")
+        if self.epilogue.bias_dtype is not None and not self.epilogue.source.has_bias:
+            raise ProblemError(f"epilogue: bias_dtype {self.epilogue.bias_dtype.value} given without a bias "
+                               f"(source {self.epilogue.source.value})")
         if self.kind is not ConvKind.FPROP and self.epilogue != Epilogue():
-            if self.epilogue.activation is not Activation.IDENTITY or self.epilogue.source is SourceKind.BIAS:
+            if self.epilogue.activation is not Activation.IDENTITY or self.epilogue.source.has_bias:
                 raise ProblemError(
                     f"epilogue: {self.kind.value} takes only a plain or residual (accumulate-into) epilogue, "
                     f"got {self.epilogue.tag}"
@@ -161,6 +181,13 @@ class Conv2dProblem:
     @property
     def q(self) -> int:
         return (self.w + 2 * self.pad_w - self.dilation_w * (self.s - 1) - 1) // self.stride_w + 1
+
+    @property
+    def element_bias(self) -> Optional[DType]:
+        """The bias's element type (None without a bias)."""
+        if not self.epilogue.source.has_bias:
+            return None
+        return self.epilogue.bias_dtype or self.element_out
 
     @property
     def is_depthwise(self) -> bool:
@@ -215,7 +242,7 @@ class Conv2dProblem:
         a = math.prod(self.a_shape) * self.element_a.nbytes
         b = math.prod(self.b_shape) * self.element_b.nbytes
         out = math.prod(self.out_shape) * self.element_out.nbytes
-        if self.epilogue.source is SourceKind.RESIDUAL:
+        if self.epilogue.source.has_residual:
             out *= 2
         return a + b + out
 
@@ -250,13 +277,16 @@ class Conv2dProblem:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["epilogue"] = {"activation": self.epilogue.activation.value, "source": self.epilogue.source.value}
+        if self.epilogue.bias_dtype is not None:  # only when set: the dicts (decision keys) of other problems stay
+            d["epilogue"]["bias_dtype"] = self.epilogue.bias_dtype.value
         return {k: (v.value if hasattr(v, "value") else v) for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Conv2dProblem":
         d = dict(d)
         ep = d.pop("epilogue", None) or {}
-        return cls(**d, epilogue=Epilogue(Activation(ep.get("activation", "identity")), SourceKind(ep.get("source", "none"))))
+        return cls(**d, epilogue=Epilogue(Activation(ep.get("activation", "identity")), SourceKind(ep.get("source", "none")),
+                                          ep.get("bias_dtype")))
 
 
 def max_alignment(extent: int, dtype: DType, address: Optional[int] = None) -> int:

@@ -9,7 +9,7 @@ import jinja2
 
 from . import __version__
 from .config import KernelConfig
-from .types import Activation, ConvKind, SplitKMode, StrideSupport
+from .types import Activation, ConvKind, KernelFamily, SplitKMode, StrideSupport
 
 #: Version of the extern "C" API in templates/conv2d_api.h.j2 (must match runtime.CbConv2dArgs).
 ABI_VERSION = 1
@@ -21,6 +21,18 @@ _ACTIVATION_HEADERS = {
     Activation.SILU: "linear_combination_silu.h",
     Activation.HARDSWISH: "linear_combination_hardswish.h",
     Activation.GELU: "linear_combination_gelu.h",
+}
+
+
+#: The activation as a CUTLASS functor of one value (cutlass/epilogue/thread/activation.h), for the bias-vector
+#: epilogue's ElementwiseOp (GELU is the exact, erf one, as torch's default).
+_ELEMENTWISE_OPS = {
+    Activation.IDENTITY: "cutlass::epilogue::thread::Identity",
+    Activation.RELU: "cutlass::epilogue::thread::ReLu",
+    Activation.SIGMOID: "cutlass::epilogue::thread::Sigmoid",
+    Activation.SILU: "cutlass::epilogue::thread::SiLu",
+    Activation.HARDSWISH: "cutlass::epilogue::thread::HardSwish",
+    Activation.GELU: "cutlass::epilogue::thread::GELU",
 }
 
 
@@ -45,6 +57,12 @@ def render(config: KernelConfig, compile_command: str) -> str:
     """The full source of `config`'s kernel library. `compile_command` is recorded in its header comment."""
     tmpl = environment().get_template(config.family.template)
     items = [(k, v) for k, v in config.to_dict().items() if v is not None]
+    extra = {}
+    if config.family is KernelFamily.SM90_GEMM_1X1:
+        from .gemm1x1 import SCHEDULES  # noqa: PLC0415
+
+        kernel_schedule, epilogue_schedule, tile_scheduler = SCHEDULES[config.schedule]
+        extra = dict(kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule, tile_scheduler=tile_scheduler)
     return tmpl.render(
         c=config,
         version=__version__,
@@ -54,7 +72,9 @@ def render(config: KernelConfig, compile_command: str) -> str:
         compile_command=compile_command,
         abi_version=ABI_VERSION,
         parallel=config.split_k_mode is SplitKMode.PARALLEL,
-        activation_header=_ACTIVATION_HEADERS[config.activation],
+        activation_header=None if config.element_bias else _ACTIVATION_HEADERS[config.activation],
+        elementwise_op=_ELEMENTWISE_OPS[config.activation],
         swizzle=_swizzle(config),
         stride_support=config.stride_support.cutlass,
+        **extra,
     )

@@ -15,7 +15,7 @@ from .config import KernelConfig, LaunchConfig
 from .problem import Conv2dProblem
 from .render import ABI_VERSION
 from .trust import ensure_trusted_kernel, ensure_trusted_root
-from .types import SourceKind
+from .types import DType, SourceKind
 
 
 class KernelLaunchError(RuntimeError):
@@ -37,23 +37,28 @@ class CbConv2dArgs(ctypes.Structure):
         ("source_kind", ctypes.c_int64),
         ("alpha", ctypes.c_float),
         ("beta", ctypes.c_float),
+        # Declared in the C struct of bias-vector kernels only (after every other field, so kernels without it read
+        # the same prefix): the bias of source_kind 3 (bias and residual).
+        ("bias", ctypes.c_void_p),
     ]
 
 
-_SOURCE_CODES = {SourceKind.NONE: 0, SourceKind.BIAS: 1, SourceKind.RESIDUAL: 2}
+_SOURCE_CODES = {SourceKind.NONE: 0, SourceKind.BIAS: 1, SourceKind.RESIDUAL: 2, SourceKind.BIAS_RESIDUAL: 3}
 
 
 def make_args(
     problem: Conv2dProblem, split_k_slices: int = 1, a: int = 0, b: int = 0, d: int = 0, source: int = 0,
-    alpha: float = 1.0, beta: Optional[float] = None,
+    alpha: float = 1.0, beta: Optional[float] = None, bias: int = 0,
 ) -> CbConv2dArgs:
+    """The launch arguments. `source` is the epilogue's C operand: the bias (SourceKind.BIAS) or the residual
+    (RESIDUAL, BIAS_RESIDUAL); `bias` is the bias of BIAS_RESIDUAL."""
     p = problem
     kind = p.epilogue.source
     return CbConv2dArgs(
         ABI_VERSION, p.n, p.h, p.w, p.c, p.k, p.r, p.s, p.p, p.q,
         p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.dilation_h, p.dilation_w,
         split_k_slices, a or None, b or None, source or None, d or None, _SOURCE_CODES[kind],
-        alpha, (1.0 if kind is not SourceKind.NONE else 0.0) if beta is None else beta,
+        alpha, (1.0 if kind is not SourceKind.NONE else 0.0) if beta is None else beta, bias or None,
     )
 
 
@@ -111,31 +116,23 @@ class KernelLibrary:
     def workspace_size(self, problem: Conv2dProblem, split_k_slices: int = 1) -> int:
         return int(self._lib.cb_workspace_size(ctypes.byref(make_args(problem, split_k_slices))))
 
-    def check_pointers(self, problem: Conv2dProblem, a: int, b: int, d: int, source: int = 0) -> None:
-        c = self.config
-        rules = [("A", a, c.align_a * c.element_a.nbytes), ("B", b, c.align_b * c.element_b.nbytes),
-                 ("output", d, c.align_c * c.element_out.nbytes)]
-        if problem.epilogue.source is not SourceKind.NONE:
-            rules.append(("source", source, c.align_c * c.element_out.nbytes))
-        for name, ptr, align in rules:
-            if not ptr:
-                raise KernelLaunchError(f"{name}: null device pointer")
-            if ptr % align:
-                raise KernelLaunchError(
-                    f"{name}: address {ptr:#x} is not {align}-byte aligned as kernel {c.name} needs "
-                    f"(alignment {align // max(1, {'A': c.element_a, 'B': c.element_b}.get(name, c.element_out).nbytes)} elements)"
-                )
+    def check_pointers(self, problem: Conv2dProblem, a: int, b: int, d: int, source: int = 0, bias: int = 0) -> None:
+        why = pointer_error(self.config, problem, a, b, d, source, bias)
+        if why:
+            raise KernelLaunchError(why)
 
     def run(
         self, problem: Conv2dProblem, *, a: int, b: int, d: int, source: int = 0, split_k_slices: int = 1,
         workspace: int = 0, workspace_bytes: int = 0, stream: int = 0, alpha: float = 1.0, beta: Optional[float] = None,
+        bias: int = 0,
     ) -> None:
         """Launch on raw device pointers (ints) on `stream` (a cudaStream_t as int; 0 is the legacy default stream)."""
         why = LaunchConfig(self.config, split_k_slices).reject_reason(problem)
         if why:
             raise KernelLaunchError(f"{self.name} cannot run {problem.name}: {why}")
-        self.check_pointers(problem, a, b, d, source)
-        self.launch(make_args(problem, split_k_slices, a, b, d, source, alpha, beta), workspace, workspace_bytes, stream)
+        self.check_pointers(problem, a, b, d, source, bias)
+        self.launch(make_args(problem, split_k_slices, a, b, d, source, alpha, beta, bias), workspace, workspace_bytes,
+                    stream)
 
     def launch(self, args: CbConv2dArgs, workspace: int, workspace_bytes: int, stream: int) -> None:
         """The bare launch of already validated arguments (the kernel still runs its own can_implement)."""
@@ -143,6 +140,35 @@ class KernelLibrary:
         rc = self._lib.cb_run(ctypes.byref(args), workspace or None, workspace_bytes, stream or None, buf, 256)
         if rc:
             raise KernelLaunchError(f"{self.name}: {buf.value.decode()}")
+
+
+def pointer_rules(config: KernelConfig, problem: Conv2dProblem) -> list[tuple[str, DType, int]]:
+    """(operand, element type, bytes its address must be a multiple of) for each pointer a launch of `config` on
+    `problem` takes: A, B, the output, and the epilogue's source and bias where the problem has them."""
+    c = config
+    rules = [("A", c.element_a, c.align_a), ("B", c.element_b, c.align_b), ("output", c.element_out, c.align_c)]
+    src = problem.epilogue.source
+    if src.has_residual:
+        rules.append(("residual" if src is SourceKind.BIAS_RESIDUAL else "source", c.element_out, c.align_c))
+    if src.has_bias:
+        el = c.element_bias or c.element_out  # a bias read as C has the output's type
+        rules.append(("bias" if src is SourceKind.BIAS_RESIDUAL else "source", el, c.align_c))
+    return [(name, el, align * el.nbytes) for name, el, align in rules]
+
+
+def pointer_error(config: KernelConfig, problem: Conv2dProblem, a: int, b: int, d: int, source: int = 0,
+                  bias: int = 0) -> Optional[str]:
+    """Why these device addresses cannot go to a launch of `config` (null, or not aligned as it needs), or None.
+    For SourceKind.BIAS the bias is `source`; for BIAS_RESIDUAL the residual is `source` and the bias `bias`."""
+    ptrs = {"A": a, "B": b, "output": d, "source": source, "residual": source, "bias": bias}
+    for name, el, align in pointer_rules(config, problem):
+        ptr = ptrs[name]
+        if not ptr:
+            return f"{name}: null device pointer"
+        if ptr % align:
+            return (f"{name}: address {ptr:#x} is not {align}-byte aligned as kernel {config.name} needs "
+                    f"(alignment {align // el.nbytes} elements of {el.value})")
+    return None
 
 
 _loaded: dict[tuple[str, KernelConfig], KernelLibrary] = {}

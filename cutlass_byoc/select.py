@@ -6,11 +6,12 @@ import enum
 import logging
 from typing import Optional
 
-from .config import LaunchConfig
+from .config import KernelConfig, LaunchConfig
 from .cache import cache_root_path
 from .decisions import generation, lookup_decision
 from .heuristics import default_launch
-from .problem import Conv2dProblem
+from .problem import ALIGNMENTS, Conv2dProblem
+from .types import DType, SourceKind
 
 log = logging.getLogger("cutlass_byoc.select")
 
@@ -50,3 +51,111 @@ def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
                 return won
             log.info("tuning found no winner for %s; using the model's default", problem.name)
     return default_launch(problem)
+
+
+# ---------------------------------------------------------------------------------------------- offset views
+Caps = tuple[int, int, int]
+
+
+def _address_alignment(extent: int, dtype: DType, address: int) -> int:
+    """The widest of 8/4/2/1 elements of `dtype` that divides `extent` and whose byte size divides `address` (no
+    128-bit limit: a kernel's alignment counts elements of several operands, e.g. 8 fp32 bias values under an fp16
+    output)."""
+    for a in ALIGNMENTS:
+        if extent % a == 0 and address % (a * dtype.nbytes) == 0:
+            return a
+    return 1
+
+
+def address_alignments(problem: Conv2dProblem, a: int, b: int, d: int, source: int = 0, bias: int = 0) -> Caps:
+    """The widest alignment (elements) each of A, B and the output side allows at these addresses. The output side
+    is the output, the residual and the bias: a kernel's align_c applies to each of them (a bias counted in its
+    own type). `source` is the bias for SourceKind.BIAS, the residual otherwise; null addresses are left out (a
+    missing operand is reported by the pointer checks, not here)."""
+    ca, cb, cc = problem.channel_dims
+    src = problem.epilogue.source
+    out = [(d, problem.element_out)]
+    if src is SourceKind.BIAS:
+        out.append((source, problem.element_bias))
+    elif src.has_residual:
+        out.append((source, problem.element_out))
+    if src is SourceKind.BIAS_RESIDUAL:
+        out.append((bias, problem.element_bias))
+    cap_c = min(_address_alignment(cc, dt, p) for p, dt in out if p) if any(p for p, _ in out) else ALIGNMENTS[0]
+    return (_address_alignment(ca, problem.element_a, a) if a else ALIGNMENTS[0],
+            _address_alignment(cb, problem.element_b, b) if b else ALIGNMENTS[0], cap_c)
+
+
+def accepts_alignments(kernel: KernelConfig, caps: Caps) -> bool:
+    """Whether `kernel`'s alignments are within what the addresses allow."""
+    return kernel.align_a <= caps[0] and kernel.align_b <= caps[1] and kernel.align_c <= caps[2]
+
+
+_rechosen: dict[tuple, Optional[LaunchConfig]] = {}
+
+
+def choose_for_alignments(problem: Conv2dProblem, caps: Caps, launch: Optional[LaunchConfig] = None, *,
+                          explicit: bool = False) -> Optional[LaunchConfig]:
+    """The launch for `problem` when its operands' addresses allow only the alignments `caps` (views with a storage
+    offset), always a config that accepts the problem, or None if none does.
+
+    The tuned choice first: the recorded decision for the problem (or the caller's own `launch`, if `explicit`) with
+    its alignments lowered (``KernelConfig.with_alignments``: same tile, warps and iterator where they still
+    apply), if that config is valid and accepts the problem. Lowering can break a config's own rules (a few-channels
+    or fixed-channels iterator tied to its alignment, a strided dgrad under 4-byte accesses, a TMA kernel), so
+    otherwise the model's best among the 2.x candidates generated within `caps`. Remembered per (problem, caps,
+    launch) like :func:`choose`."""
+    key = (problem, caps, launch, explicit, cache_root_path(), generation())
+    if key not in _rechosen:
+        _rechosen[key] = _choose_for_alignments(problem, caps, launch, explicit)
+    return _rechosen[key]
+
+
+def _choose_for_alignments(problem: Conv2dProblem, caps: Caps, launch: Optional[LaunchConfig],
+                           explicit: bool) -> Optional[LaunchConfig]:
+    from .candidates import sm80_candidates  # noqa: PLC0415
+    from .heuristics import rank  # noqa: PLC0415
+
+    tuned = launch if explicit else lookup_decision(problem)
+    if tuned is None and problem.is_depthwise:  # only the depthwise family takes it: narrow the model's pick
+        from .heuristics import default_launch  # noqa: PLC0415
+
+        tuned = default_launch(problem)
+    if tuned is not None:
+        k = tuned.kernel
+        try:
+            narrowed = LaunchConfig(k.with_alignments(min(k.align_a, caps[0]), min(k.align_b, caps[1]),
+                                                      min(k.align_c, caps[2])), tuned.split_k_slices)
+        except ValueError:
+            narrowed = None
+        if narrowed is not None and accepts_alignments(narrowed.kernel, caps) and \
+                narrowed.reject_reason(problem) is None:
+            return narrowed
+    ranked = [lc for _, lc in rank(problem, sm80_candidates(problem, max_align=caps))
+              if accepts_alignments(lc.kernel, caps)]
+    return ranked[0] if ranked else None
+
+
+def alignment_refusal(problem: Conv2dProblem, caps: Caps, a: int, b: int, d: int, source: int = 0,
+                      bias: int = 0) -> str:
+    """The error when no config takes operands at these addresses: names each operand whose address lowers its
+    alignment below what its channel extent allows, with the address and the alignment it allows."""
+    ca, cb, cc = problem.channel_dims
+    src = problem.epilogue.source
+    ops = [("A", a, ca, problem.element_a), ("B", b, cb, problem.element_b), ("output", d, cc, problem.element_out)]
+    if src is SourceKind.BIAS:
+        ops.append(("bias", source, cc, problem.element_bias))
+    elif src.has_residual:
+        ops.append(("residual", source, cc, problem.element_out))
+    if src is SourceKind.BIAS_RESIDUAL:
+        ops.append(("bias", bias, cc, problem.element_bias))
+    named = []
+    for name, ptr, extent, dt in ops:
+        if not ptr:
+            continue
+        got, full = _address_alignment(extent, dt, ptr), _address_alignment(extent, dt, 0)
+        if got < full:
+            named.append(f"{name} at address {ptr:#x} allows alignment {got} ({got * dt.nbytes} bytes of "
+                         f"{dt.value}; its {extent} channels would allow {min(full, 16 // dt.nbytes)})")
+    what = "; ".join(named) or f"alignments {caps}"
+    return f"alignment: no kernel computes {problem.name} on these operands: {what}"

@@ -116,7 +116,7 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
         stride_support=StrideSupport.UNITY,
         align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // kernel_out.nbytes,
         split_k_mode=split_k_mode, activation=p.epilogue.activation,
-        cluster=cluster, schedule=SCHEDULE,
+        cluster=cluster, schedule=SCHEDULE, element_bias=p.element_bias if p.epilogue.bias_vector else None,
     )
 
 

@@ -63,9 +63,12 @@ class KernelFamily(str, enum.Enum):
     SM80_IMPLICIT_GEMM = "sm80_implicit_gemm"  # CUTLASS 2.x, mma.sync, runs on sm_80+
     SM90_TMA_WGMMA = "sm90_tma_wgmma"  # CUTLASS 3.x, TMA + wgmma, needs sm_90a
     DEPTHWISE_DIRECT = "depthwise_direct"  # direct depthwise kernels (groups == C == K)
+    SM90_GEMM_1X1 = "sm90_gemm_1x1"  # 1x1 stride-1 convs as CUTLASS 3.x sm90 GEMMs (TMA, warp-specialized, stream-K)
 
     @property
     def template(self) -> str:
+        if self is KernelFamily.SM90_GEMM_1X1:
+            return "gemm_sm90_1x1.cu.j2"
         return f"conv2d_{self.value}.cu.j2"
 
 
@@ -126,3 +129,14 @@ class SourceKind(str, enum.Enum):
     NONE = "none"
     BIAS = "bias"  # C broadcast along the output's channel dim (stride 0 elsewhere)
     RESIDUAL = "residual"  # C has the output's shape
+    # A per-output-channel bias vector *and* a residual tensor in one epilogue: act(acc + bias + residual). Fprop only;
+    # runs on the kernels with a bias-vector operand (KernelConfig.element_bias), which read the residual as C.
+    BIAS_RESIDUAL = "bias_residual"
+
+    @property
+    def has_bias(self) -> bool:
+        return self in (SourceKind.BIAS, SourceKind.BIAS_RESIDUAL)
+
+    @property
+    def has_residual(self) -> bool:
+        return self in (SourceKind.RESIDUAL, SourceKind.BIAS_RESIDUAL)

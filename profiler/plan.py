@@ -10,6 +10,8 @@ Kernel families:
   imported inside ``try/except ImportError`` (the only optional import of the planner), and its configs join
   when the module exists. The analytic model only knows mma.sync ceilings, so each family gets its own share
   of the budget instead of competing on estimates the model cannot make for it.
+- 1x1 stride-1 convs as CUTLASS 3.x GEMMs (`cutlass_byoc.gemm1x1.gemm1x1_candidates`): joins the same way; it
+  yields configs for 1x1 stride-1 unpadded problems only. Its stream-K kernels also take split-k slice counts.
 
 Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
 few slice counts the model ranks best for each problem (`heuristics.launch_slices`: 2.x kernels, and the sm90
@@ -64,6 +66,15 @@ def _import_cutlass_generator() -> None:
         sys.argv = saved
 
 
+def _gemm1x1_enumerator() -> Optional[Callable[[Conv2dProblem], Iterable[KernelConfig]]]:
+    """The 1x1-as-GEMM family's enumerator if that module is present in this build."""
+    try:
+        from ..gemm1x1 import gemm1x1_candidates  # noqa: PLC0415
+    except ImportError:
+        return None
+    return gemm1x1_candidates
+
+
 def kernel_enumerators() -> list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]]:
     _import_cutlass_generator()
     out: list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]] = [
@@ -73,6 +84,9 @@ def kernel_enumerators() -> list[tuple[KernelFamily, Callable[[Conv2dProblem], I
     sm90 = _sm90_enumerator()
     if sm90 is not None:
         out.append((KernelFamily.SM90_TMA_WGMMA, sm90))
+    gemm1x1 = _gemm1x1_enumerator()
+    if gemm1x1 is not None:
+        out.append((KernelFamily.SM90_GEMM_1X1, gemm1x1))
     return out
 
 

@@ -40,6 +40,7 @@ class OperandSet:
     x: object  # the same tensors by conv role, for references (one of them is `out`)
     w: object
     y: object
+    bias: Optional[object] = None  # the bias of SourceKind.BIAS_RESIDUAL (`source` is then the residual)
 
 
 def logical_shapes(p: Conv2dProblem) -> dict[str, tuple[int, int, int, int]]:
@@ -49,7 +50,7 @@ def logical_shapes(p: Conv2dProblem) -> dict[str, tuple[int, int, int, int]]:
 
 def operand_bytes(p: Conv2dProblem) -> int:
     src = 0
-    if p.epilogue.source is SourceKind.RESIDUAL:
+    if p.epilogue.source.has_residual:
         src = math.prod(p.out_shape) * p.element_out.nbytes
     return p.bytes_moved + src
 
@@ -66,12 +67,14 @@ def make_operand_set(p: Conv2dProblem, device, generator=None) -> OperandSet:
             buf.uniform_(-1.0, 1.0, generator=generator)
         t[role] = buf
     a, b = {ConvKind.FPROP: ("x", "w"), ConvKind.DGRAD: ("y", "w"), ConvKind.WGRAD: ("y", "x")}[p.kind]
-    source = None
-    if p.epilogue.source is SourceKind.BIAS:
-        source = torch.empty((p.k,), dtype=torch_dtype(p.element_out), device=device).uniform_(-1, 1, generator=generator)
-    elif p.epilogue.source is SourceKind.RESIDUAL:
+    source = bias = None
+    if p.epilogue.source.has_bias:
+        bias = torch.empty((p.k,), dtype=torch_dtype(p.element_bias), device=device).uniform_(-1, 1, generator=generator)
+    if p.epilogue.source.has_residual:
         source = torch.empty_like(t[out_role]).uniform_(-1, 1, generator=generator)
-    return OperandSet(t[a], t[b], t[out_role], source, t["x"], t["w"], t["y"])
+    if p.epilogue.source is SourceKind.BIAS:
+        source, bias = bias, None
+    return OperandSet(t[a], t[b], t[out_role], source, t["x"], t["w"], t["y"], bias)
 
 
 def _activation(y, act: Activation):
@@ -100,8 +103,10 @@ def reference(p: Conv2dProblem, ops: OperandSet):
                 r = torch.nn.grad.conv2d_weight(ops.x.float(), ops.w.shape, ops.y.float(), stride, pad, dil, p.groups)
             if p.epilogue.source is SourceKind.BIAS:
                 r = r + ops.source.float().view(1, -1, 1, 1)
-            elif p.epilogue.source is SourceKind.RESIDUAL:
+            elif p.epilogue.source.has_residual:
                 r = r + ops.source.float()
+            if p.epilogue.source is SourceKind.BIAS_RESIDUAL:
+                r = r + ops.bias.float().view(1, -1, 1, 1)
             return _activation(r, p.epilogue.activation).contiguous(memory_format=torch.channels_last)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev

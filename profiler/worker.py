@@ -93,7 +93,7 @@ def evaluate_candidate(problem: Conv2dProblem, launch: LaunchConfig, sets, ref, 
         return CandidateResult(launch, CANNOT_IMPLEMENT, message=why[:500])
     try:
         poison(s0.out)
-        run_problem(problem, s0.a, s0.b, s0.out, s0.source, config=launch)
+        run_problem(problem, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
         torch.cuda.synchronize()
     except (UnsupportedConvError, KernelLaunchError) as e:
         if _is_cuda_error(e):
@@ -105,12 +105,12 @@ def evaluate_candidate(problem: Conv2dProblem, launch: LaunchConfig, sets, ref, 
 
     def fn(i: int) -> None:
         s = sets[i]
-        run_problem(problem, s.a, s.b, s.out, s.source, config=launch)
+        run_problem(problem, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
 
     stats = time_gpu(fn, len(sets), settings)
     # Check once more after timing: a kernel racing on its workspace or output shows up here.
     poison(s0.out)
-    run_problem(problem, s0.a, s0.b, s0.out, s0.source, config=launch)
+    run_problem(problem, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
     torch.cuda.synchronize()
     check2 = compare(problem, s0.out, ref)
     if not check2.ok:

@@ -3,6 +3,7 @@
 # the repository root (the device tool does), with the nvidia-cutlass (+ platformdirs) wheels in .whl/ beside it:
 #   bash scripts/gpu_round.sh [tests] [tune] [bench] [offload] [tune-model] [offload-bench] [tune-depthwise]
 #   [bench-depthwise]   (no argument: tests tune bench offload)
+# prebuild: compile the kernels of every GPU test module in one parallel build (then the tests build nothing)
 # tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them, GPU_TESTS_K="expr" selects)
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
 #           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz)
@@ -72,6 +73,12 @@ rc=0
 for step in "${steps[@]}"; do
   t0=$(date +%s)
   case $step in
+    prebuild)
+      # every GPU test module's kernels (and the model-family tests') in ONE parallel build on this machine's cores,
+      # instead of one build per module; the tests then compile nothing up front
+      python3 scripts/warm_cache.py --tests-only --no-archive --cache-dir "$CUTLASS_BYOC_CACHE_DIR" \
+        --jobs "$CUTLASS_BYOC_JOBS" 2>&1 | tr '\r' '\n' | grep -v "kernel/s\]$" | tee -a "$OUT/gpu-tests.log" || rc=1
+      export CUTLASS_BYOC_TEST_NO_PREBUILD=1 ;;
     tests)
       # run from tests/ so the installed package (not the source tree) is what gets imported
       (cd tests && python3 -m pytest -m gpu -q -rA -p no:cacheprovider --timeout=900 \

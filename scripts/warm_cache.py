@@ -39,6 +39,8 @@ FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "groupe
 def test_kernels() -> list[KernelConfig]:
     import test_gpu_conv  # noqa: PLC0415
     import test_gpu_depthwise  # noqa: PLC0415
+    import test_gpu_epilogues  # noqa: PLC0415
+    import test_gpu_gemm1x1  # noqa: PLC0415
     import test_gpu_padding  # noqa: PLC0415
     import test_gpu_sm90  # noqa: PLC0415
     import test_gpu_sm90_splitk  # noqa: PLC0415
@@ -48,6 +50,7 @@ def test_kernels() -> list[KernelConfig]:
 
     cfgs = test_gpu_conv.all_configs() + test_gpu_splitk.used_configs() + test_gpu_sm90._used_configs()
     cfgs += test_gpu_sm90_splitk.used_configs() + test_gpu_padding.used_configs()
+    cfgs += test_gpu_epilogues.all_configs() + list(test_gpu_gemm1x1.KERNELS.values())
     cfgs += plan_workload(test_gpu_tune.PROBLEMS, max_candidates=2).kernels
     cfgs += test_gpu_depthwise.all_kernels()
     return cfgs
@@ -89,8 +92,12 @@ def main() -> int:
     ap.add_argument("--archive", type=Path, default=ROOT / ".kcache.tar.xz")
     ap.add_argument("--list", action="store_true", help="print the kernels and stop")
     ap.add_argument("--offload-only", action="store_true", help="only the offload tests' and benchmark's kernels")
+    ap.add_argument("--tests-only", action="store_true",
+                    help="only the GPU test modules' kernels and the model-family tests' (no ResNet/MobileNet runs)")
+    ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
     a = ap.parse_args()
-    cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels()))
+    runs = [] if a.tests_only else OFFLOAD_RUNS
+    cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels(runs)))
     print(f"{len(cfgs)} kernels", flush=True)
     if a.list:
         for c in cfgs:
@@ -101,6 +108,10 @@ def main() -> int:
     results = build(cfgs, cache=cache, jobs=a.jobs, progress=True)
     failed = [r for r in results.values() if not r.ok]
     print(f"built in {time.time() - t0:.0f} s; {len(failed)} failed", flush=True)
+    for r in failed:
+        print(f"  failed: {r.entry.path}", flush=True)
+    if a.no_archive:
+        return 1 if failed else 0
     wanted = {r.entry.path.relative_to(a.cache_dir) for r in results.values() if r.ok}
     with tarfile.open(a.archive, "w:xz", preset=6) as tar:
         for rel in sorted(wanted):

@@ -174,12 +174,12 @@ def test_dilated_dgrad_rules():
 
 def test_default_launch_considers_the_3x_family():
     """Untuned, layers 3-4 ran 2-3x slower on a 2.x-only default than on the tuned 3.x winner (H200): the default
-    ranks both families; early wgrad (few output tiles, needs split-k) stays on 2.x split-k."""
+    ranks both families; early wgrad (few output tiles) gets a split-k launch (2.x, or the project's 3.x split)."""
     l3 = P("fprop", 32, 256, 14, 256, 3)
     assert default_launch(l3).kernel.family is KernelFamily.SM90_TMA_WGMMA
     assert default_launch(l3, sm90=False).kernel.family is KernelFamily.SM80_IMPLICIT_GEMM
     early_wgrad = P("wgrad", 32, 64, 56, 64, 3)
     launch = default_launch(early_wgrad)
-    assert launch.kernel.family is KernelFamily.SM80_IMPLICIT_GEMM and launch.split_k_slices > 1
+    assert launch.split_k_slices > 1
     fp32 = P("fprop", 8, 64, 14, 64, 3, dtype="f32")  # the 3.x family is built for 16-bit inputs
     assert default_launch(fp32).kernel.family is KernelFamily.SM80_IMPLICIT_GEMM

@@ -26,6 +26,7 @@ from cutlass_byoc.types import Activation
 
 CPU = OffloadOptions(require_cuda=False)
 aten = torch.ops.aten
+CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default, aten.to.dtype)
 
 
 def run(gm, model, *xs):
@@ -125,17 +126,20 @@ def test_residual_add_relu_fused(order):
     assert close(run(gm, m, x, r), m(x, r))
 
 
-def test_bias_and_residual_fold_the_bias_into_the_residual():
+def test_bias_and_residual_are_one_epilogue():
+    """Bias and residual both go to the kernel (no add of the bias into the residual, an extra pass over the output)."""
     m = Lambda(lambda convs, x, r: torch.relu(convs[0](x) + r), nn.Conv2d(8, 16, 3, padding=1))
     x, r = x_(), torch.randn(2, 16, 8, 8)
     gm, rep = explain(m, x, r, options=CPU, decompositions=None)
     (e,) = rep.entries
     assert e.offloaded and e.fused == ("bias", "residual", "relu")
+    assert e.problem.endswith("_bias_residual+relu") and "_vbiasf32_" in e.kernel, rep.summary()
     (call,) = offloaded_calls(gm)
-    assert call.args[2] is None, "the kernel takes one source: the bias must be folded into the residual"
+    assert call.args[2] is not None and call.args[2].op == "placeholder"  # the conv's bias, as it is
     res = call.args[3]
     res = res.args[0] if res.target is aten.clone.default else res  # NCHW residual: made channels_last
-    assert res.target is aten.add.Tensor
+    assert res.op == "placeholder"
+    assert not [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     assert close(run(gm, m, x, r), m(x, r))
 
 
@@ -184,16 +188,27 @@ def test_fp32_conv_cast_to_fp16_stores_fp16(decomp):
     assert out.dtype == torch.float16 and close(out, m(x), 2e-3)
 
 
-def test_cast_not_fused_when_it_would_round_an_fp32_bias():
-    """The kernel's epilogue source has the output type: an fp32 bias would be rounded to fp16 before the add,
-    which eager does not do (and which loses the result where bias and conv cancel)."""
-    m = Lambda(lambda convs, x: torch.relu(convs[0](x)).half(), nn.Conv2d(8, 16, 3, padding=1))
+@pytest.mark.parametrize("decomp", [None, "inductor"])
+@pytest.mark.parametrize("out", [torch.float16, torch.bfloat16])
+def test_cast_after_fp32_bias_and_activation_is_fused(out, decomp):
+    """conv -> bias -> activation -> cast in an fp32 model: one kernel storing the cast's type, the fp32 bias kept
+    fp32 (a bias-vector kernel: rounding it to 16 bits before the add would lose the result where bias and conv
+    cancel)."""
+    m = Lambda(lambda convs, x: torch.relu(convs[0](x)).to(out), nn.Conv2d(8, 16, 3, padding=1))
     x = x_()
-    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    gm, rep = explain(m, x, options=CPU, decompositions=decomp)
     (e,) = rep.entries
-    assert e.offloaded and e.fused == ("bias", "relu")
-    assert any("would round it" in n for n in e.notes)
-    assert close(run(gm, m, x), m(x), 2e-3)
+    tag = str(out).replace("torch.", "")
+    assert e.offloaded and e.fused == ("bias", "relu", f"cast({tag})"), rep.summary()
+    short = {torch.float16: "f16", torch.bfloat16: "bf16"}[out]
+    assert f"f32f32_{short}_accf32" in e.problem and e.problem.endswith("_bias_f32+relu")
+    assert f"f32f32_{short}_accf32" in e.kernel and "_vbiasf32_" in e.kernel
+    (call,) = offloaded_calls(gm)
+    assert call.args[9] == out and call.meta["val"].dtype == out
+    assert call.args[2].meta["val"].dtype == torch.float32  # the bias is not cast down
+    assert not [n for n in gm.graph.nodes if n.target in CASTS]
+    y = run(gm, m, x)
+    assert y.dtype == out and close(y, m(x), 1e-2)
 
 
 def test_cast_not_fused_when_it_would_round_an_fp32_residual():
@@ -204,6 +219,95 @@ def test_cast_not_fused_when_it_would_round_an_fp32_residual():
     assert e.offloaded and e.fused == ("residual",)
     assert any("would round it" in n for n in e.notes)
     assert close(run(gm, m, x, r), m(x, r), 2e-3)
+
+
+ACTS = {"relu": torch.relu, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish, "sigmoid": torch.sigmoid}
+
+
+@pytest.mark.parametrize("decomp", [None, "inductor", "core"])
+@pytest.mark.parametrize("act", list(ACTS))
+def test_bias_residual_activation_fused(act, decomp):
+    """conv -> bias -> residual add -> activation: one kernel, in every graph form."""
+    m = Lambda(lambda convs, x, r: ACTS[act](convs[0](x) + r), nn.Conv2d(8, 16, 3, padding=1))
+    x, r = x_(), torch.randn(2, 16, 8, 8)
+    gm, rep = explain(m, x, r, options=CPU, decompositions=decomp)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "residual", act), rep.summary()
+    assert e.problem.endswith(f"_bias_residual+{act}")
+    (call,) = offloaded_calls(gm)
+    assert call.args[2] is not None and call.args[3] is not None and call.args[8] == act
+    assert close(run(gm, m, x, r), m(x, r))
+
+
+@pytest.mark.parametrize("decomp", [None, "inductor"])
+def test_fp32_model_bias_residual_activation_cast_to_fp16(decomp):
+    """conv -> bias -> residual add -> activation -> .half() in an fp32 model with an fp16 residual (added in fp32
+    by type promotion): one kernel, fp32 bias, fp16 residual read as C, fp16 output."""
+    m = Lambda(lambda convs, x, r: torch.relu(convs[0](x) + r).half(), nn.Conv2d(8, 16, 3, padding=1))
+    x, r = x_(), torch.randn(2, 16, 8, 8).half()
+    gm, rep = explain(m, x, r, options=CPU, decompositions=decomp)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "residual", "relu", "cast(float16)"), rep.summary()
+    assert "f32f32_f16_accf32" in e.problem and e.problem.endswith("_bias_residual_f32+relu")
+    (call,) = offloaded_calls(gm)
+    assert call.meta["val"].dtype == torch.float16
+    assert call.args[2].meta["val"].dtype == torch.float32 and call.args[3].meta["val"].dtype == torch.float16
+    assert not [n for n in gm.graph.nodes if n.target in CASTS]
+    y = run(gm, m, x, r)
+    assert y.dtype == torch.float16 and close(y, m(x, r), 2e-3)
+
+
+def test_fp32_residual_keeps_the_cast_out_but_fuses_bias_residual_activation():
+    """An fp32 residual under a 16-bit cast: the kernels read the residual in the output's type, so the cast stays a
+    separate op (exact) and the rest is still one epilogue."""
+    m = Lambda(lambda convs, x, r: torch.relu(convs[0](x) + r).half(), nn.Conv2d(8, 16, 3, padding=1))
+    x, r = x_(), torch.randn(2, 16, 8, 8)
+    gm, rep = explain(m, x, r, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "residual", "relu"), rep.summary()
+    assert any("would round it" in n for n in e.notes)
+    assert close(run(gm, m, x, r), m(x, r), 2e-3)
+
+
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decomp", [None, "inductor"])
+def test_autocast_bias_residual_activation_cast_to_fp32(autocast, decomp):
+    """16-bit -> fp32 direction: under autocast, conv -> bias -> residual -> activation -> .float() is one kernel
+    with 16-bit inputs and an fp32 output (accumulator and epilogue in fp32, no 16-bit rounding in between)."""
+    m = Lambda(lambda convs, x, r: F.silu(convs[0](x) + r).float(), nn.Conv2d(8, 16, 3, padding=1))
+    x = x_()
+    r = torch.randn(2, 16, 8, 8).to(autocast)
+    gm, rep = explain(m, x, r, options=CPU, decompositions=decomp, autocast=autocast)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "residual", "silu", "cast(float32)"), rep.summary()
+    short = {torch.float16: "f16", torch.bfloat16: "bf16"}[autocast]
+    assert f"{short}{short}_f32_accf32" in e.problem
+    (call,) = offloaded_calls(gm)
+    assert call.meta["val"].dtype == torch.float32
+    with torch.autocast("cpu", dtype=autocast):
+        ref = m(x, r)
+    y = run(gm, m, x, r)
+    assert y.dtype == torch.float32 and close(y, ref, 2e-2)
+
+
+def test_autocast_bias_activation_cast_to_fp32():
+    m = Lambda(lambda convs, x: torch.relu(convs[0](x)).float(), nn.Conv2d(8, 16, 3, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=None, autocast=torch.bfloat16)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "relu", "cast(float32)"), rep.summary()
+    assert "bf16bf16_f32_accf32" in e.problem and e.problem.endswith("_bias+relu")  # bias cast up exactly: plain kernel
+    assert "vbias" not in e.kernel
+
+
+def test_cast_right_after_fp32_bias_is_fused():
+    m = Lambda(lambda convs, x: convs[0](x).half(), nn.Conv2d(8, 16, 3, padding=1))
+    x = x_()
+    gm, rep = explain(m, x, options=CPU, decompositions=None)
+    (e,) = rep.entries
+    assert e.offloaded and e.fused == ("bias", "cast(float16)"), rep.summary()
+    assert e.problem.endswith("_bias_f32")
+    assert close(run(gm, m, x), m(x), 2e-3)
 
 
 def test_wgrad_cast_to_fp32_master_weights_is_one_kernel():

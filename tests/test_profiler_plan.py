@@ -157,14 +157,17 @@ def test_memory_bound_ties_spread_over_tile_shapes():
 
 def test_hopeless_other_family_candidates_give_their_share_back():
     """wgrad of a 64x64 filter over N*P*Q = 100352: one output tile, so only split-k fills the GPU; the unsplit 3.x
-    kernels are estimated far beyond the cutoff and give their share back; the 3.x split-k kernels (the project's
-    own) compete, with more than one slice."""
+    conv kernels are estimated far beyond the cutoff and give their share back; the 3.x conv split-k kernels (the
+    project's own) and the 1x1-as-GEMM family's stream-K kernels compete, both splitting the reduction."""
     p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
     pp = plan_problem(p, 8)
     assert len(pp.kernels) == 8
     for c in pp.candidates:
-        if c.launch.kernel.family is not KernelFamily.SM80_IMPLICIT_GEMM:
-            assert c.launch.kernel.split_k_mode is SplitKMode.PARALLEL and c.launch.split_k_slices > 1
+        k = c.launch.kernel
+        if k.family is KernelFamily.SM90_TMA_WGMMA:
+            assert k.split_k_mode is SplitKMode.PARALLEL and c.launch.split_k_slices > 1
+        elif k.family is KernelFamily.SM90_GEMM_1X1:
+            assert k.schedule == "cooperative_streamk"
     assert max(c.launch.split_k_slices for c in pp.candidates) > 64
     # where the model cannot tell (compute-bound 3x3), 3.x keeps its share
     q = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)

@@ -119,10 +119,16 @@ def problem_for(sig: tuple):
         from ..types import ConvKind, SourceKind  # noqa: PLC0415
         from .patterns import Reject, make_problem  # noqa: PLC0415
 
-        kind, x_shape, w_shape, stride, padding, dilation, groups, in_dtype, out_dtype, activation, source, _ = sig
+        kind, x_shape, w_shape, stride, padding, dilation, groups, in_dtype, out_dtype, activation, source, odt = sig
+        from ..types import DType  # noqa: PLC0415
+
+        # fprop's operand dtypes are (weight, residual, bias): the bias may be fp32 under a 16-bit output
+        bias_dt = odt[2] if kind == "fprop" and len(odt) > 2 and isinstance(odt[2], torch.dtype) else None
         try:
             problem = make_problem(ConvKind(kind), x_shape, w_shape, _pair(stride), _pair(padding), _pair(dilation),
-                                   groups, in_dtype, out_dtype, Epilogue(Activation(activation), SourceKind(source)))
+                                   groups, in_dtype, out_dtype,
+                                   Epilogue(Activation(activation), SourceKind(source),
+                                            DType.from_torch(bias_dt) if bias_dt is not None else None))
         except Reject as e:
             log.info("no kernel for %s: %s", sig, e)
             problem = None
@@ -145,10 +151,11 @@ def _call(kind: str, sig: tuple, select: str, checked: Callable[[object], torch.
 
     def run() -> torch.Tensor:
         if sig in _VALIDATED:
-            a, b, source = operands()
+            a, b, source, *bias = operands()  # fprop with bias and residual: the residual is source, then the bias
             n, h, w, c = problem.out_shape
             out = torch.empty((n, c, h, w), dtype=out_dtype, device=a.device, memory_format=CL)
-            ops.run_problem(problem, a, b, out, source, config=launch)
+            kw = {"bias": bias[0]} if bias and bias[0] is not None else {}
+            ops.run_problem(problem, a, b, out, source, config=launch, **kw)
             return out
         y = checked(launch)
         with _problem_lock:
@@ -266,15 +273,21 @@ class CallSite:
         n, h, w, c = p.out_shape
         a, b = p.a_shape, p.b_shape  # NHWC / KRSC extents
         el = _TORCH_DTYPES
+        src = p.epilogue.source.value
+        # the source is the bias for "bias" (its own type: fp32 under a 16-bit output on a bias-vector kernel), the
+        # residual otherwise; "bias_residual" also takes the bias, (K,) of its type, in CbConv2dArgs.bias
+        dt_src = el[p.element_bias.value] if src == "bias" else el[p.element_out.value]
         self.state = _Bound(
             prep.lib._lib.cb_run, prep.template, prep.workspace_bytes, *prep.align_bytes,
             (a[0], a[3], a[1], a[2]), (b[0], b[3], b[1], b[2]), el[p.element_a.value], el[p.element_b.value],
             (n, c, h, w), (h * w * c, 1, w * c, c), el[p.element_out.value],
-            self.source_shape if p.epilogue.source.value != "none" else None, prep.lib.name,
-            ctypes.create_string_buffer(256))
+            self.source_shape if src != "none" else None, prep.lib.name,
+            ctypes.create_string_buffer(256), dt_src, prep.source_bytes or prep.align_bytes[2],
+            el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,))
         return self.state
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, src: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, src: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         st = self.state
         if st is None:
             if not a.is_cuda:
@@ -288,14 +301,23 @@ class CallSite:
         pa, pb = a.data_ptr(), b.data_ptr()
         ps = 0
         if st.source_shape is not None:
-            if src is None or src.shape != st.source_shape or src.dtype != st.dt_out:
+            if src is None or src.shape != st.source_shape or src.dtype != st.dt_source:
                 return None
             if not (src.is_contiguous(memory_format=CL) if src.dim() == 4 else src.is_contiguous()):
                 return None
             ps = src.data_ptr()
-            if not ps or ps % st.align_c:
+            if not ps or ps % st.align_source:
                 return None
         elif src is not None:
+            return None
+        pbias = 0
+        if st.dt_bias is not None:  # bias and residual: the bias too
+            if bias is None or bias.shape != st.bias_shape or bias.dtype != st.dt_bias or not bias.is_contiguous():
+                return None
+            pbias = bias.data_ptr()
+            if not pbias or pbias % st.align_bias:
+                return None
+        elif bias is not None:
             return None
         if not (pa and pb) or pa % st.align_a or pb % st.align_b:
             return None
@@ -303,6 +325,8 @@ class CallSite:
         out = torch.empty_strided(st.out_size, st.out_stride, dtype=st.dt_out, device=a.device)
         args = CbConv2dArgs.from_buffer_copy(st.template)
         args.a, args.b, args.d, args.source = pa, pb, out.data_ptr(), ps or None
+        if pbias:
+            args.bias = pbias
         if st.workspace_bytes:  # from the caching allocator, dead after the call: safe under CUDA graph capture
             ws = torch.empty(st.workspace_bytes, dtype=torch.uint8, device=a.device)
             ws_ptr, ws_len = ws.data_ptr(), st.workspace_bytes
@@ -342,6 +366,11 @@ class _Bound:
     source_shape: Optional[tuple]
     name: str
     msg: object  # the library's error message buffer
+    dt_source: Optional[torch.dtype] = None  # the source's type: the output's, or the bias's for a bias source
+    align_source: int = 0  # byte alignment of the source address
+    dt_bias: Optional[torch.dtype] = None  # bias and residual: the bias's type (else None: no bias pointer)
+    align_bias: int = 0
+    bias_shape: tuple = ()
 
 
 _SITES: list[CallSite] = []
@@ -412,9 +441,11 @@ def _conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                   residual: Optional[torch.Tensor], stride: Sequence[int], padding: Sequence[int],
                   dilation: Sequence[int], groups: int, activation: str, out_dtype: Optional[torch.dtype],
                   select: str, site: int = -1) -> torch.Tensor:
-    """``act(conv2d(input, weight) + bias | residual)`` stored as out_dtype, channels_last."""
+    """``act(conv2d(input, weight) + bias + residual)`` stored as out_dtype, channels_last (either source optional; the
+    bias may be fp32 under a 16-bit output)."""
     if site >= 0 and use_kernels:
-        y = _SITES[site](input, weight, residual if residual is not None else bias) if site < len(_SITES) else None
+        y = _SITES[site](input, weight, residual if residual is not None else bias,
+                         bias if residual is not None else None) if site < len(_SITES) else None
         if y is not None:
             return y
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
@@ -422,10 +453,11 @@ def _conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         from .. import ops  # noqa: PLC0415
 
         out_t = out_dtype or input.dtype
-        src = residual if residual is not None else bias
+        source = ("bias_residual" if bias is not None and residual is not None else "residual" if residual is not None
+                  else "bias" if bias is not None else "none")
         sig = _signature("fprop", input.shape, weight.shape, stride, padding, dilation, groups, input.dtype, out_t,
-                         activation, "residual" if residual is not None else "bias" if bias is not None else "none",
-                         (weight.dtype, src.dtype if src is not None else None))
+                         activation, source, (weight.dtype, residual.dtype if residual is not None else None,
+                                              bias.dtype if bias is not None else None))
 
         y = _call(
             "fprop", sig, select,
@@ -433,7 +465,8 @@ def _conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                                       _pair(stride), _pair(padding), _pair(dilation), groups, activation=activation,
                                       residual=_cl(residual), out_dtype=out_t, config=launch),
             lambda: (_cl(input), _cl(weight), _cl(residual) if residual is not None else
-                     bias.contiguous() if bias is not None else None),
+                     bias.contiguous() if bias is not None else None,
+                     bias.contiguous() if bias is not None and residual is not None else None),
             out_t,
             lambda: f"fprop {tuple(input.shape)}x{tuple(weight.shape)} {input.dtype}->{out_dtype} {activation}")
         if y is not None:

@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.fx.passes.utils.matcher_utils import InternalMatch
 from torch.utils import _pytree as pytree
 
-from ..types import Activation, ConvKind, SourceKind
+from ..types import Activation, ConvKind, DType, SourceKind
 from . import library
 from .patterns import (
     CONV,
@@ -254,29 +254,33 @@ class _Rewriter:
             if not isinstance(dt, torch.dtype) or dt not in (torch.float16, torch.bfloat16, torch.float32):
                 raise Reject(f"cast: to {dt!r}; kernels store float16, bfloat16 or float32")
             fused.append(f"cast({str(dt).replace('torch.', '')})")
-        for s in bias_nodes + ([residual] if residual is not None else []):
-            sv = val(s)
-            if not exact_cast(sv.dtype, out_dtype):
-                raise Reject(f"dtype: epilogue source {s.name} is {sv.dtype}; storing {out_dtype} would round it "
-                             f"before the add")
-        source = SourceKind.RESIDUAL if residual is not None else SourceKind.BIAS if bias_nodes else SourceKind.NONE
+        if residual is not None and not exact_cast(val(residual).dtype, out_dtype):
+            # the kernels read the residual as C, in the output's type
+            raise Reject(f"dtype: epilogue source {residual.name} is {val(residual).dtype}; storing {out_dtype} would "
+                         f"round it before the add")
+        # The bias keeps the output's type where that is exact (one bias of that type, or an fp32 output); otherwise
+        # (an fp32 bias under a 16-bit output, two biases summed) it is an fp32 vector, added unrounded in fp32.
+        bias_dtype = None
+        if bias_nodes:
+            one = len(bias_nodes) == 1 and val(bias_nodes[0]).dtype == out_dtype
+            bias_dtype = out_dtype if one or out_dtype == torch.float32 else torch.float32
+        source = (SourceKind.BIAS_RESIDUAL if residual is not None and bias_nodes else SourceKind.RESIDUAL
+                  if residual is not None else SourceKind.BIAS if bias_nodes else SourceKind.NONE)
+        epilogue = Epilogue(pat.activation, source, DType.from_torch(bias_dtype) if bias_dtype is not None else None)
         problem = make_problem(ConvKind.FPROP, x_shape, w_shape, stride, padding, dilation, groups, xv.dtype,
-                               out_dtype, Epilogue(pat.activation, source))
+                               out_dtype, epilogue)
         launch = kernel_for(problem, opts)
         # accepted: build the replacement before `last` (every operand is defined before it)
         with self.graph.inserting_before(last):
             bias_arg = None
             if bias_nodes:
-                flat = [self._cast(self.call(aten.view.default, (bn, [k])) if val(bn).dim() != 1 else bn, out_dtype)
+                flat = [self._cast(self.call(aten.view.default, (bn, [k])) if val(bn).dim() != 1 else bn, bias_dtype)
                         for bn in bias_nodes]
                 bias_arg = flat[0]
                 for extra in flat[1:]:
                     bias_arg = self.call(aten.add.Tensor, (bias_arg, extra))
             res_arg = self._cast(residual, out_dtype) if residual is not None else None
-            if res_arg is not None and bias_arg is not None:
-                # the kernel adds one source: fold the bias into the residual (PyTorch/Inductor does this add)
-                res_arg = self.call(aten.add.Tensor, (res_arg, self.call(aten.view.default, (bias_arg, [1, k, 1, 1]))))
-                bias_arg = None
+            # bias and residual both go to the kernel (one epilogue: act(conv + bias + residual), no extra pass)
             site = library.register_site("fprop", problem, opts.select.value,
                                          y_shape if res_arg is not None else (k,) if bias_arg is not None else None)
             new = self.call(library.FPROP, (x, w, bias_arg, res_arg, list(stride), list(padding), list(dilation),

@@ -1,0 +1,274 @@
+"""1x1 stride-1 convolutions as CUTLASS 3.x Hopper GEMMs (family SM90_GEMM_1X1).
+
+A 1x1 filter with stride 1 and no padding touches each pixel once, so in NHWC the three passes are plain
+GEMMs over packed matrices (no im2col at all):
+
+=======  ===================================  =========  =====  ========  ====================  ===============
+kind     D = A . B                            M          N      K (red.)  A (M x K)             B (N x K)
+=======  ===================================  =========  =====  ========  ====================  ===============
+fprop    y[NHW,K]  = x[NHW,C] . w[K,C]^T      N*H*W      K      C         x, K-major (RowMajor)  w, K-major (ColumnMajor)
+dgrad    dx[NHW,C] = dy[NHW,K] . w[K,C]       N*H*W      C      K         dy, K-major (RowMajor) w, N-major (RowMajor)
+wgrad    dw[K,C]   = dy[NHW,K]^T . x[NHW,C]   K          C      N*H*W     dy, M-major (ColMajor) x, N-major (RowMajor)
+=======  ===================================  =========  =====  ========  ====================  ===============
+
+D is row-major (N contiguous) for every kind, and every operand is packed, so the leading dimensions are the
+channel counts. (The layout tags are CUTLASS's: B is K x N, so "RowMajor" B is N-contiguous.) A strided 1x1 conv
+subsamples the activation (not a packed matrix) and a padded one adds zero rows of output: both are refused.
+
+Kernels are ``cutlass::gemm::kernel::GemmUniversal`` with a TMA + wgmma mainloop and a TMA epilogue, in one of
+three schedules (``KernelConfig.schedule``):
+
+* ``cooperative``: KernelTmaWarpSpecializedCooperative (two consumer warp groups split the CTA tile along M),
+  persistent tile scheduler;
+* ``cooperative_streamk``: the same with ``cutlass::gemm::StreamKScheduler``: the scheduler balances the
+  reduction over the SMs (stream-K), or, when the launch asks for ``split_k_slices > 1``, splits K into that many
+  slices (its split-k decomposition). Partial sums stay fp32 in the workspace and the epilogue runs once, so a
+  16-bit output, a bias or a residual are applied exactly as without splitting;
+* ``pingpong``: KernelTmaWarpSpecializedPingpong (two consumer warp groups alternate over whole tiles), persistent
+  scheduler (CUTLASS's ping-pong kernel static_asserts against the stream-K scheduler).
+
+Tiles, clusters and schedules come from ``cutlass_library.generator.GenerateSM90_TensorOp_16b_WGMMA_gemm`` (what
+CUTLASS generates and tests for 16-bit sm90 GEMM), kept where the fp32 accumulator fits the consumer warp groups'
+registers (at most 128 per thread), plus narrow tiles for the memory-bound 1x1 layers of 64-256 channels, where a
+128-wide N tile would be half padding. The element types are always the problem's own (f16/bf16 inputs, fp32
+accumulation, f16/bf16/f32 output). Epilogue: act(alpha * acc + beta * C), C a residual or a per-output-channel
+bias read through a zero stride along M (as the sm90 conv family does); wgrad takes no bias (its output channel is
+the GEMM's M).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, Optional
+
+from .config import KernelConfig, Shape3
+from .problem import Conv2dProblem
+from .types import ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
+
+#: schedule -> (CUTLASS kernel schedule, epilogue schedule, tile scheduler)
+SCHEDULES: dict[str, tuple[str, str, str]] = {
+    "cooperative": ("cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+                    "cutlass::epilogue::TmaWarpSpecializedCooperative", "cutlass::gemm::PersistentScheduler"),
+    "cooperative_streamk": ("cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+                            "cutlass::epilogue::TmaWarpSpecializedCooperative", "cutlass::gemm::StreamKScheduler"),
+    "pingpong": ("cutlass::gemm::KernelTmaWarpSpecializedPingpong",
+                 "cutlass::epilogue::TmaWarpSpecialized", "cutlass::gemm::PersistentScheduler"),
+}
+
+#: warps recorded in KernelConfig.warps: the consumer warp groups' warps (the producer warp group comes on top)
+WARPS: dict[str, Shape3] = {"cooperative": (8, 1, 1), "cooperative_streamk": (8, 1, 1), "pingpong": (4, 1, 1)}
+
+#: cutlass::gemm::collective::detail::sm90_smem_capacity_bytes
+SMEM_CAPACITY = 232448
+
+#: Narrow tiles added to the generator's (see the module docstring): N = 64 for layers of 64 output channels,
+#: 64 x 128 for ping-pong on few pixels.
+EXTRA_TILES: tuple[Shape3, ...] = ((64, 64, 64), (64, 128, 64), (128, 64, 64), (256, 64, 64))
+
+#: The generator's cluster shapes (2x1x1 multicasts B, 1x2x1 multicasts A across the pair), and none.
+CLUSTERS: tuple[Shape3, ...] = ((1, 1, 1), (2, 1, 1), (1, 2, 1))
+
+#: fp32 accumulator elements per consumer thread that fit without spilling
+MAX_ACC_PER_THREAD = 128
+
+
+def scheduler_splits(cfg: KernelConfig) -> bool:
+    """Whether this config splits K at launch (the stream-K scheduler's split-k decomposition)."""
+    return cfg.schedule == "cooperative_streamk"
+
+
+def consumer_threads(schedule: str) -> int:
+    """Threads holding one CTA tile's accumulators: two warp groups (cooperative) or one (ping-pong)."""
+    return 256 if schedule.startswith("cooperative") else 128
+
+
+def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str) -> int:
+    """Shared memory of the TMA epilogue (sm90_builder.inl): an epilogue tile of min(128 | 64, M) x min(32, N), C
+    and D of one type share StagesC = max(min(tiles, 4), min(tiles, 2) + 1) buffers (ReuseSmemC), plus 2 KiB for
+    the barriers and alignment of the whole kernel's SharedStorage (nvcc's sizeof for every tile, schedule and
+    output width proposed here stayed 48-1152 bytes under this bound; tests/test_gemm1x1.py keeps some)."""
+    em = min(128 if schedule.startswith("cooperative") else 64, tile[0])
+    en = min(32, tile[1])
+    epi_tiles = (tile[0] // em) * (tile[1] // en)
+    stages_c = max(min(epi_tiles, 4), min(epi_tiles, 2) + 1)
+    return stages_c * em * en * element_out.nbytes + 2048
+
+
+def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str) -> int:
+    """What StageCountAutoCarveout would choose with the epilogue above carved out (capped at 8)."""
+    m, n, k = tile
+    per_stage = (m + n) * k * element_in.nbytes + 16  # + the stage's pipeline barriers
+    return max(2, min(8, (SMEM_CAPACITY - epilogue_smem_bytes(tile, element_out, schedule)) // per_stage))
+
+
+# ------------------------------------------------------------------------------------------- rules
+def static_error(c: KernelConfig) -> Optional[str]:
+    """Why `c` (family SM90_GEMM_1X1) cannot be a kernel; called from KernelConfig.static_error."""
+    if c.schedule not in SCHEDULES:
+        return f"schedule: the GEMM 1x1 family has {sorted(SCHEDULES)}, got {c.schedule!r}"
+    if c.element_a.bits != 16:
+        return f"element_a: the GEMM 1x1 family is built for f16/bf16 inputs, got {c.element_a.value}"
+    if c.element_acc is not DType.F32:
+        return f"element_acc: the GEMM 1x1 family accumulates in f32, got {c.element_acc.value}"
+    if c.split_k_mode is not SplitKMode.SERIAL:
+        return "split_k_mode: the GEMM 1x1 family splits K through its tile scheduler (schedule cooperative_streamk)"
+    if c.stride_support is not StrideSupport.UNITY:
+        return "stride_support: the GEMM 1x1 family computes stride-1 convs only"
+    for name, align, elem in (("align_a", c.align_a, c.element_a), ("align_b", c.align_b, c.element_b),
+                              ("align_c", c.align_c, c.element_out)):
+        if align * elem.nbytes != 16:
+            return f"{name}: TMA moves 16-byte rows, got {align} x {elem.value}"
+    m, n, k = c.tile
+    coop = c.schedule.startswith("cooperative")
+    if m % (128 if coop else 64) or not 64 <= m <= 256:
+        return (f"tile {c.tile}: M must be a multiple of {128 if coop else 64} up to 256 "
+                f"({'two consumer warp groups of 64 rows' if coop else 'one consumer warp group of 64 rows'})")
+    if n % 16 or not 16 <= n <= 256 or (k * c.element_a.nbytes) % 64:
+        return f"tile {c.tile}: wgmma needs N in 16..256 (multiple of 16) and a 64-byte K"
+    if m * n // consumer_threads(c.schedule) > MAX_ACC_PER_THREAD:
+        return (f"tile {c.tile}: {m * n // consumer_threads(c.schedule)} fp32 accumulators per thread in the "
+                f"{c.schedule} schedule (> {MAX_ACC_PER_THREAD}: they would spill)")
+    if len(c.cluster) != 3 or c.cluster[2] != 1 or any(x not in (1, 2, 4) for x in c.cluster) \
+            or c.cluster[0] * c.cluster[1] > 4:
+        return f"cluster {c.cluster}: expected (1|2|4, 1|2|4, 1) with at most 4 CTAs"
+    smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(c.tile, c.element_out, c.schedule)
+    if smem > SMEM_CAPACITY:
+        return f"stages {c.stages}: mainloop + epilogue need {smem} bytes of shared memory, past the {SMEM_CAPACITY} of an sm90 CTA"
+    return None
+
+
+def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
+    """Why `c` cannot compute `p` beyond the rules every family shares (kind, types, groups, alignment); called
+    from KernelConfig.reject_reason."""
+    if (p.r, p.s) != (1, 1):
+        return f"filter: the GEMM 1x1 kernels need a 1x1 filter, got {p.r}x{p.s}"
+    if p.stride_h != 1 or p.stride_w != 1:
+        return (f"stride: a strided 1x1 conv reads every {p.stride_h}x{p.stride_w}-th pixel, not a packed matrix; "
+                "the GEMM 1x1 kernels need stride 1")
+    if p.pad_h or p.pad_w:
+        return f"padding: a padded 1x1 conv is not a plain GEMM; the GEMM 1x1 kernels need padding 0, got {p.pad_h}x{p.pad_w}"
+    if p.epilogue.source is SourceKind.BIAS and c.kind is ConvKind.WGRAD:
+        return "source: the wgrad GEMM cannot broadcast a bias (its output channel is the GEMM's M)"
+    return None
+
+
+def applicable(problem: Conv2dProblem) -> Optional[str]:
+    """Why no config of the family can compute `problem` (checked before enumerating), or None."""
+    p = problem
+    if p.element_a.bits != 16:
+        return f"element_a: the GEMM 1x1 family is built for f16/bf16 inputs, got {p.element_a.value}"
+    if p.element_acc is not DType.F32:
+        return f"element_acc: the GEMM 1x1 family accumulates in f32, got {p.element_acc.value}"
+    if p.groups != 1:
+        return f"groups: the GEMM 1x1 family needs groups == 1, got {p.groups}"
+    if (p.r, p.s) != (1, 1) or p.stride_h != 1 or p.stride_w != 1 or p.pad_h or p.pad_w:
+        return (f"not a 1x1 stride-1 unpadded conv (filter {p.r}x{p.s}, stride {p.stride_h}x{p.stride_w}, "
+                f"padding {p.pad_h}x{p.pad_w})")
+    for name, extent, dt in zip(("A", "B", "output"), p.channel_dims, (p.element_a, p.element_b, p.element_out)):
+        if (extent * dt.nbytes) % 16:
+            return f"alignment: {name}'s channel extent {extent} ({dt.value}) is not a multiple of 16 bytes (TMA)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- candidates
+class _Collector:
+    """The manifest interface cutlass_library's generators append to."""
+
+    def __init__(self) -> None:
+        self.operations: list = []
+        self.kernel_filter = "*"
+
+    def append(self, op) -> None:
+        self.operations.append(op)
+
+    def get_instantiation_level(self, pruned_level=0, default_level=111, exhaustive_level=9992) -> int:
+        return default_level  # what cutlass_library's own manifest uses for a plain kernel filter
+
+
+_SCHEDULE_NAMES = {("TmaWarpSpecializedCooperative", "Default"): "cooperative",
+                   ("TmaWarpSpecializedCooperative", "Persistent"): "cooperative",
+                   ("TmaWarpSpecializedCooperative", "StreamK"): "cooperative_streamk",
+                   ("TmaWarpSpecializedPingpong", "Default"): "pingpong",
+                   ("TmaWarpSpecializedPingpong", "Persistent"): "pingpong"}
+
+
+@functools.lru_cache(maxsize=None)
+def generator_configs() -> tuple[tuple[Shape3, Shape3, str], ...]:
+    """Distinct (CTA tile, cluster, schedule) that cutlass_library generates for sm90 16-bit GEMM with fp32
+    accumulation and a TMA epilogue."""
+    import sys  # noqa: PLC0415
+
+    saved, sys.argv = sys.argv, sys.argv[:1]  # cutlass_library.generator parses sys.argv when it is imported
+    try:
+        from cutlass_library import generator  # noqa: PLC0415
+    finally:
+        sys.argv = saved
+    collector = _Collector()
+    generator.GenerateSM90_TensorOp_16b_WGMMA_gemm(collector, "13.0")
+    out = set()
+    for op in collector.operations:
+        td = op.tile_description
+        mi = td.math_instruction
+        if mi.element_a.name not in ("f16", "bf16") or mi.element_accumulator.name != "f32":
+            continue
+        if "NoSmem" in op.epilogue_schedule.name:
+            continue  # the TMA epilogue only: it is what reads C (bias, residual) through TMA
+        sched = _SCHEDULE_NAMES.get((op.kernel_schedule.name, op.tile_scheduler.name))
+        if sched is None:
+            continue
+        out.add((tuple(int(t) for t in td.tile_shape), tuple(int(x) for x in td.cluster_shape), sched))
+    return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=None)
+def tile_schedules() -> tuple[tuple[Shape3, str], ...]:
+    """(tile, schedule) pairs proposed: the generator's, plus EXTRA_TILES in every schedule (invalid ones are
+    dropped by static_error when the config is built)."""
+    try:
+        gen = generator_configs()
+    except Exception:  # pragma: no cover - a cutlass_library without this generator
+        gen = (((128, 128, 64), (1, 1, 1), "cooperative"), ((128, 128, 64), (1, 1, 1), "cooperative_streamk"),
+               ((128, 128, 64), (1, 1, 1), "pingpong"))
+    pairs = {(t, s) for t, _, s in gen if t[2] * 2 == 128}
+    pairs |= {(t, s) for t in EXTRA_TILES for s in SCHEDULES}
+    return tuple(sorted(pairs))
+
+
+def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",
+                   cluster: Shape3 = (1, 1, 1), swizzle: int = 1) -> KernelConfig:
+    """The config of `problem` with this tile, schedule and cluster (16-byte alignments; raises ValueError if
+    the combination is invalid). `swizzle` is the tile scheduler's max_swizzle_size."""
+    p = problem
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {sorted(SCHEDULES)}, got {schedule!r}")
+    return KernelConfig(
+        family=KernelFamily.SM90_GEMM_1X1, kind=p.kind,
+        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
+        tile=tile, warps=WARPS[schedule], stages=stage_count(tile, p.element_a, p.element_out, schedule),
+        stride_support=StrideSupport.UNITY,
+        align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // p.element_out.nbytes,
+        split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
+        cluster=cluster, schedule=schedule,
+    )
+
+
+def gemm1x1_candidates(
+    problem: Conv2dProblem,
+    *,
+    tile_filter: Optional[Callable[[Shape3], bool]] = None,
+    clusters: tuple[Shape3, ...] = CLUSTERS,
+) -> Iterator[KernelConfig]:
+    """Every config of the family that can implement `problem` (before compiling): (tile, schedule) x clusters,
+    pruned by the config rules. Nothing for problems the family cannot take (see `applicable`)."""
+    if applicable(problem) is not None:
+        return
+    for tile, schedule in tile_schedules():
+        if tile_filter and not tile_filter(tile):
+            continue
+        for cluster in clusters:
+            try:
+                cfg = gemm1x1_config(problem, tile, schedule, cluster)
+            except ValueError:
+                continue
+            if cfg.reject_reason(problem) is None:
+                yield cfg

@@ -1,0 +1,53 @@
+"""Compile-only tests of the bias-vector kernels (issue 13): both families build with nvcc for sm_90a, load (ABI and
+config checked), and their host API takes a bias with a residual (source_kind 3) and a bias alone (1), and refuses
+what they do not do."""
+
+import ctypes
+
+import pytest
+
+from cutlass_byoc.build import build
+from cutlass_byoc.candidates import sm80_candidates
+from cutlass_byoc.problem import Conv2dProblem, Epilogue
+from cutlass_byoc.runtime import KernelLibrary, make_args
+from cutlass_byoc.sm90 import sm90_candidates
+from cutlass_byoc.types import Activation, SourceKind
+
+pytestmark = pytest.mark.compile
+
+BR = SourceKind.BIAS_RESIDUAL
+# the fp32 model's conv -> bias -> residual -> relu -> .half(), on TF32; and a bf16 sm90 one with an fp32 bias
+P80 = Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 3, padding=1, dtype="f32", out_dtype="f16",
+                         epilogue=Epilogue(Activation.RELU, BR, "f32"))
+P90 = Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 3, padding=1, dtype="bf16",
+                         epilogue=Epilogue(Activation.SILU, BR, "f32"))
+KERNELS = {"sm80": (P80, next(sm80_candidates(P80))), "sm90": (P90, next(sm90_candidates(P90)))}
+
+
+@pytest.fixture(scope="module")
+def built(shared_cache):
+    return build([cfg for _, cfg in KERNELS.values()], cache=shared_cache)
+
+
+def host_can_implement(lib, problem, split_k_slices=1):
+    """The compiled kernel's own cb_can_implement (no Python-side rules in front)."""
+    buf = ctypes.create_string_buffer(512)
+    rc = lib._lib.cb_can_implement(ctypes.byref(make_args(problem, split_k_slices)), buf, len(buf))
+    return buf.value.decode() if rc else None
+
+
+@pytest.mark.parametrize("which", list(KERNELS))
+def test_bias_vector_kernel_builds_and_takes_bias_with_residual(built, which):
+    problem, cfg = KERNELS[which]
+    result = built[cfg]
+    assert result.ok, result.error_report()
+    lib = KernelLibrary(cfg, result.library)
+    assert lib.can_implement(problem) is None
+    bias_only = problem.replace(epilogue=Epilogue(problem.epilogue.activation, SourceKind.BIAS, "f32"))
+    assert lib.can_implement(bias_only) is None and host_can_implement(lib, bias_only) is None
+    residual_only = problem.replace(epilogue=Epilogue(problem.epilogue.activation, SourceKind.RESIDUAL))
+    assert "source_kind must be 1 (bias) or 3" in host_can_implement(lib, residual_only)
+    assert "element_bias" in lib.can_implement(residual_only)
+    assert lib.workspace_size(problem) >= 0
+    if which == "sm80":
+        assert "runs unsplit" in host_can_implement(lib, problem, 2)

@@ -1,0 +1,167 @@
+"""The 1x1-as-GEMM family (CUTLASS 3.x sm90 GEMM kernels) on an H100/H200: 1x1 fprop, dgrad and wgrad against a
+float64 PyTorch reference, with every activation, bias and residual sources, 16-bit and fp32 outputs, stream-K and
+split-k launches. Fresh random inputs per test; every output is filled with NaN first, so an element the kernel fails
+to write shows up as an error.
+
+The module compiles 8 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
+own), plus one 2.x kernel on demand (the misaligned-view fallback): run with ``CUTLASS_BYOC_TEST_CACHE_DIR``
+pointing at a cache to reuse them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
+
+from cutlass_byoc import ops  # noqa: E402
+from cutlass_byoc.build import build  # noqa: E402
+from cutlass_byoc.config import LaunchConfig  # noqa: E402
+from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
+
+from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
+from test_compile_gemm1x1 import KERNELS as COMPILE_KERNELS  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def problem(kind, dtype="f16", out="f16", act=Activation.IDENTITY, source=SourceKind.NONE, n=3, c=64, hw=(7, 9), k=136):
+    """A 1x1 layer whose GEMM M (N*H*W = 189) and channel counts are not multiples of the tiles."""
+    return Conv2dProblem(kind=ConvKind(kind), n=n, h=hw[0], w=hw[1], c=c, k=k, r=1, s=1, element_a=dtype,
+                         element_b=dtype, element_out=out, epilogue=Epilogue(act, source))
+
+
+def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1)):
+    return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster)
+
+
+#: The 8 kernels of this module: the compile tests' three (one per kind and schedule) and five fprop kernels, one per
+#: remaining activation, spread over the schedules, tiles, clusters and output types.
+KERNELS = {
+    "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
+    "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
+    "wgrad": COMPILE_KERNELS["wgrad"][1],  # f16 -> f32, cooperative stream-K
+    "relu": cfg("fprop", "f16", "f16", Activation.RELU, (128, 64, 64), "cooperative_streamk"),
+    "gelu": cfg("fprop", "bf16", "f32", Activation.GELU, (64, 128, 64), "pingpong", (1, 2, 1)),
+    "silu": cfg("fprop", "bf16", "bf16", Activation.SILU, (256, 64, 64), "cooperative"),
+    "hardswish": cfg("fprop", "f16", "f32", Activation.HARDSWISH, (128, 128, 64), "pingpong"),
+    "sigmoid": cfg("fprop", "f16", "f16", Activation.SIGMOID, (128, 128, 64), "cooperative_streamk", (2, 1, 1)),
+}
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt(shared_cache, monkeypatch_module):
+    """Compile the module's kernels in one parallel build (and make ops use that cache); a kernel that fails to
+    compile fails the tests that launch it, with nvcc's errors."""
+    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
+    if os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
+        return None
+    return build(list(KERNELS.values()), cache=shared_cache, progress=True)
+
+
+def problem_for(name, source=SourceKind.NONE, **kw) -> Conv2dProblem:
+    c = KERNELS[name]
+    return problem(c.kind.value, c.element_a.value, c.element_out.value, c.activation, source, **kw)
+
+
+def run(p: Conv2dProblem, name: str, seed: int, slices: int = 1, source_scale: float = 1.0):
+    """(out, float64 reference) of `p` on kernel `name`, epilogue included."""
+    x, w, dy = operands(p, seed)
+    a, b = kernel_operands(p, x, w, dy)
+    ref = reference(p, x, w, dy)
+    source = None
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    out_t = TORCH[p.element_out]
+    if p.epilogue.source is SourceKind.BIAS:
+        source = (torch.randn(ref.shape[1], device="cuda", generator=gen) * source_scale).to(out_t)
+        ref = ref + source.double().view(1, -1, 1, 1)
+    elif p.epilogue.source is SourceKind.RESIDUAL:
+        source = (torch.randn(ref.shape, device="cuda", generator=gen) * source_scale).to(out_t).contiguous(
+            memory_format=torch.channels_last)
+        ref = ref + source.double()
+    ref = ops._apply_activation(ref, p.epilogue.activation)
+    out = poisoned_output(p)
+    ops.run_problem(p, a, b, out, source, config=LaunchConfig(KERNELS[name], slices))
+    torch.cuda.synchronize()
+    return out, ref
+
+
+def check(p: Conv2dProblem, name: str, seed: int, slices: int = 1):
+    out, ref = run(p, name, seed, slices)
+    err = rel_err(out, ref)
+    assert not math.isnan(err), f"{KERNELS[name].name}: NaN in the output (unwritten?) for {p.name}, {slices} slices"
+    assert err < TOLERANCE[p.element_out], f"{KERNELS[name].name} on {p.name}, {slices} slices: {err:.3e}"
+    return out
+
+
+SOURCES = [SourceKind.NONE, SourceKind.BIAS, SourceKind.RESIDUAL]
+
+
+@pytest.mark.parametrize("name", ["fprop", "relu", "gelu", "silu", "hardswish", "sigmoid"])
+@pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.value)
+def test_fprop_epilogues_and_output_types(name, source):
+    check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
+
+
+@pytest.mark.parametrize("source", [SourceKind.NONE, SourceKind.RESIDUAL], ids=lambda s: s.value)
+@pytest.mark.parametrize("name", ["dgrad", "wgrad"])
+def test_dgrad_wgrad(name, source):
+    check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
+
+
+@pytest.mark.parametrize("shape", [dict(n=32, hw=(14, 14), c=256, k=1024), dict(n=1, hw=(1, 1), c=8, k=8),
+                                   dict(n=2, hw=(56, 56), c=64, k=64)], ids=["256to1024", "tiny", "64ch"])
+@pytest.mark.parametrize("name", ["fprop", "dgrad", "wgrad", "relu", "gelu"])
+def test_layer_shapes(name, shape):
+    check(problem_for(name, **shape), name, seed=11)
+
+
+@pytest.mark.parametrize("name, source", [("wgrad", SourceKind.NONE), ("wgrad", SourceKind.RESIDUAL),
+                                          ("relu", SourceKind.BIAS), ("sigmoid", SourceKind.RESIDUAL)])
+def test_stream_k_and_split_k(name, source):
+    """A reduction far longer than the output (wgrad of a 64x64 filter over N*H*W = 12544, or few output tiles for
+    fprop): the stream-K heuristic (1 slice) and split-k slice counts, fp32 partials in the workspace, the epilogue
+    (bias, residual, activation) applied once. The deterministic reduction repeats bit for bit."""
+    kind = KERNELS[name].kind.value
+    shape = dict(n=16, hw=(28, 28), c=64, k=64) if kind == "wgrad" else dict(n=2, hw=(16, 16), c=1024, k=128)
+    p = problem_for(name, source, **shape)
+    for slices in (1, 2, 3, 8):
+        out = check(p, name, seed=slices, slices=slices)
+        again, _ = run(p, name, seed=slices, slices=slices)
+        assert torch.equal(out, again), f"{slices} slices: two runs differ (reduction not deterministic?)"
+
+
+def test_refusals_through_ops():
+    strided = Conv2dProblem.make("fprop", 2, 64, 8, 8, 136, 1, stride=2)
+    x, w, _ = operands(strided, 0)
+    with pytest.raises(ops.UnsupportedConvError, match="strided 1x1 conv"):
+        ops.run_problem(strided, x, w, poisoned_output(strided), config=LaunchConfig(KERNELS["fprop"]))
+    p = problem_for("fprop")
+    x, w, _ = operands(p, 0)
+    with pytest.raises(ValueError, match="stream-K"):
+        ops.run_problem(p, x, w, poisoned_output(p), config=LaunchConfig(KERNELS["fprop"], 2))
+
+
+def test_offset_view_falls_back_to_2x():
+    """A 2-byte-offset operand cannot be loaded by TMA: ops runs the problem on a 2.x kernel instead."""
+    p = problem_for("fprop", c=64)
+    x, w, _ = operands(p, 3)
+    big = torch.randn(x.numel() + 1, device="cuda").to(x.dtype)
+    xo = big[1:].view(p.n, p.h, p.w, p.c).permute(0, 3, 1, 2)  # channels_last view at a 2-byte offset
+    xo.copy_(x)
+    out = poisoned_output(p)
+    ops.run_problem(p, xo, w, out, config=LaunchConfig(KERNELS["fprop"]))
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(p, x, w, None)) < TOLERANCE[p.element_out]
