@@ -248,11 +248,10 @@ def test_workspace_comes_from_the_caching_allocator_per_call():
     ops.run_problem(problem, x, w, out, config=LaunchConfig(cfg, 4))
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
-    allocated = torch.cuda.memory_allocated()
     for _ in range(3):
         ops.run_problem(problem, x, w, out, config=LaunchConfig(cfg, 4))
     torch.cuda.synchronize()
-    assert torch.cuda.memory_reserved() == reserved and torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved  # the freed workspace block is reused: no new cudaMalloc
     assert not hasattr(ops, "_workspaces")
     ref = reference(problem, x, w, None)
     assert rel_err(out, ref) < TOLERANCE[problem.element_out]
