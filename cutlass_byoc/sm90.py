@@ -120,17 +120,19 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
     )
 
 
-#: Whether the planner and the default launch offer the project's 3.x split-k wgrad kernels. Off: on the H200
-#: (2026-11-30) every split launch of the 64x128x64 kernel left NaN in its output (tests/test_gpu_sm90_splitk.py,
-#: all layers and slice counts), so it must never be chosen until that is found and fixed. A config built explicitly
-#: (sm90_config(..., split_k_mode=PARALLEL)) still compiles and runs, for those tests.
-SPLIT_K_OFFERED = False
+#: Which output types the planner and the default launch offer the project's 3.x split-k wgrad kernels for. On the
+#: H200 (2026-11-30, tests/test_gpu_sm90_splitk.py) every fp32-output case passed (5 layers, 1..64 slices, batch 32
+#: and 64, accumulate-into), and every 16-bit-output case left NaN in the output, even with one slice: the 16-bit
+#: variants must never be chosen until that is found and fixed. A config built explicitly (sm90_config(...,
+#: split_k_mode=PARALLEL)) still compiles and runs, for those tests. fp32 is what training under autocast asks of
+#: wgrad (fp32 gradients for fp32 master weights).
+SPLIT_K_OUTPUTS = frozenset({DType.F32})
 
 
 def sm90_split_k_modes(problem: Conv2dProblem) -> tuple[SplitKMode, ...]:
-    """SERIAL (the plain kernel: with one slice it is unsplit) always; PARALLEL (the project's split-k) for wgrad,
-    while SPLIT_K_OFFERED."""
-    if problem.kind is ConvKind.WGRAD and SPLIT_K_OFFERED:
+    """SERIAL (the plain kernel: with one slice it is unsplit) always; PARALLEL (the project's split-k) for wgrad of
+    the output types in SPLIT_K_OUTPUTS."""
+    if problem.kind is ConvKind.WGRAD and problem.element_out in SPLIT_K_OUTPUTS:
         return (SplitKMode.SERIAL, SplitKMode.PARALLEL)
     return (SplitKMode.SERIAL,)
 

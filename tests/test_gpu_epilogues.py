@@ -247,7 +247,7 @@ def test_public_op_and_custom_op_take_bias_and_residual_together():
     library.RUNTIME.clear()
     for seed in (22, 23):  # the general path: first call checked, the second direct
         x, w, bias, residual = operands(p, seed)
-        y = library.FPROP(x, w, bias, residual, [1, 1], [1, 1], [1, 1], 1, "relu", torch.float16, "heuristic")
+        y = library.conv2d_fprop(x, w, bias, residual, [1, 1], [1, 1], [1, 1], 1, "relu", torch.float16, "heuristic")
         assert y.dtype == torch.float16 and y.is_contiguous(memory_format=CL)
         assert rel_err(y, reference(p, x, w, bias, residual)) < TOLERANCE[DType.F16]
     assert library.RUNTIME.general_calls.get("fprop") == 2 and not library.RUNTIME.fallbacks, library.RUNTIME
@@ -255,6 +255,6 @@ def test_public_op_and_custom_op_take_bias_and_residual_together():
     index = library.register_site("fprop", p, "heuristic", (p.n, p.k, p.p, p.q))
     for seed in (24, 25):
         x, w, bias, residual = operands(p, seed)
-        y = library.FPROP(x, w, bias, residual, [1, 1], [1, 1], [1, 1], 1, "relu", torch.float16, "heuristic", index)
+        y = library.FPROP(x, w, bias, residual, index)
         assert rel_err(y, reference(p, x, w, bias, residual)) < TOLERANCE[DType.F16]
     assert library.site(index).calls == 2, "the call site took the general path"

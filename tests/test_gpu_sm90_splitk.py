@@ -25,6 +25,9 @@ from cutlass_byoc.types import DType, SourceKind, SplitKMode  # noqa: E402
 from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+F16_SPLIT_BROKEN = pytest.mark.xfail(
+    strict=True, reason="3.x split-k with a 16-bit output left NaN on the H200 (2026-11-30); not offered by the planner "
+                        "(sm90.SPLIT_K_OUTPUTS) until fixed")
 
 TILE = (64, 128, 64)
 SLICES = (1, 2, 3, 4, 7, 8, 16, 32, 64, 256)  # 3 and 7 leave uneven slices of the k tiles; the planner offers up to 256
@@ -65,7 +68,7 @@ def run(p: Conv2dProblem, launch: LaunchConfig, a, b, source=None):
     return out
 
 
-@pytest.mark.parametrize("out", ["f16", "f32"])
+@pytest.mark.parametrize("out", [pytest.param("f16", marks=F16_SPLIT_BROKEN), "f32"])
 @pytest.mark.parametrize("layer", LAYERS, ids=lambda l: f"{l[0]}to{l[1]}_{l[2]}x{l[2]}_s{l[3]}_{l[4]}")
 def test_sm90_wgrad_split_k(layer, out):
     errors = {}
@@ -93,6 +96,7 @@ def test_sm90_wgrad_split_k(layer, out):
         assert err <= 2 * errors[(batch, 1)] + floor, f"error grows with slices: {errors}"
 
 
+@F16_SPLIT_BROKEN
 def test_sm90_split_k_matches_the_unsplit_kernel_and_cluster():
     """The same problem on the plain sm90 kernel, the split kernel and the split kernel with a 2x1x1 cluster (whose
     CTA pair shares multicast loads, so both must walk the same k range)."""
@@ -106,7 +110,7 @@ def test_sm90_split_k_matches_the_unsplit_kernel_and_cluster():
         assert err < TOLERANCE[DType.F16], f"{launch.name}: {err:.3e}"
 
 
-@pytest.mark.parametrize("out", ["f16", "f32"])
+@pytest.mark.parametrize("out", [pytest.param("f16", marks=F16_SPLIT_BROKEN), "f32"])
 def test_sm90_split_k_accumulates_into(out):
     """accumulate_into (the residual source): dw = sum of slices + the existing gradient, applied by the reduction."""
     p = problem(LAYERS[2], 32, out, Epilogue(source=SourceKind.RESIDUAL))
@@ -120,6 +124,7 @@ def test_sm90_split_k_accumulates_into(out):
     assert rel_err(got, ref) < TOLERANCE[p.element_out]
 
 
+@F16_SPLIT_BROKEN
 def test_sm90_split_k_back_to_back_on_one_workspace():
     """Two split launches of different problems queued on one stream share ops' workspace: the second must not
     overwrite partials the first's reduction has not read (stream order guarantees it; this checks the wiring)."""

@@ -94,7 +94,7 @@ def test_conv_bias_activation_fused(act, decomp):
     assert e.fused == ("bias", act), rep.summary()
     assert f"_bias+{act}" in e.problem and e.kernel.startswith("cb_")
     (call,) = offloaded_calls(gm)
-    assert call.args[8] == act
+    assert library.site(call.args[-1]).problem.epilogue.activation.value == act
     assert not [n for n in gm.graph.nodes if n.target is aten.convolution.default]
     assert close(run(gm, m, x), m(x))
 
@@ -183,7 +183,7 @@ def test_fp32_conv_cast_to_fp16_stores_fp16(decomp):
     assert e.offloaded and e.fused == ("relu", "cast(float16)")
     assert "f32f32_f16_accf32" in e.problem
     (call,) = offloaded_calls(gm)
-    assert call.args[9] == torch.float16 and call.meta["val"].dtype == torch.float16
+    assert library.site(call.args[-1]).out_dtype == torch.float16 and call.meta["val"].dtype == torch.float16
     out = run(gm, m, x)
     assert out.dtype == torch.float16 and close(out, m(x), 2e-3)
 
@@ -204,7 +204,7 @@ def test_cast_after_fp32_bias_and_activation_is_fused(out, decomp):
     assert f"f32f32_{short}_accf32" in e.problem and e.problem.endswith("_bias_f32+relu")
     assert f"f32f32_{short}_accf32" in e.kernel and "_vbiasf32_" in e.kernel
     (call,) = offloaded_calls(gm)
-    assert call.args[9] == out and call.meta["val"].dtype == out
+    assert library.site(call.args[-1]).out_dtype == out and call.meta["val"].dtype == out
     assert call.args[2].meta["val"].dtype == torch.float32  # the bias is not cast down
     assert not [n for n in gm.graph.nodes if n.target in CASTS]
     y = run(gm, m, x)
@@ -235,7 +235,7 @@ def test_bias_residual_activation_fused(act, decomp):
     assert e.offloaded and e.fused == ("bias", "residual", act), rep.summary()
     assert e.problem.endswith(f"_bias_residual+{act}")
     (call,) = offloaded_calls(gm)
-    assert call.args[2] is not None and call.args[3] is not None and call.args[8] == act
+    assert call.args[2] is not None and call.args[3] is not None and library.site(call.args[-1]).problem.epilogue.activation.value == act
     assert close(run(gm, m, x, r), m(x, r))
 
 
@@ -370,7 +370,8 @@ def test_transposed_conv_runs_as_dgrad():
     assert e.offloaded and e.kind is Pass.TRANSPOSED_FPROP and e.problem.startswith("dgrad_")
     assert any("not fused" in n for n in e.notes), "relu stays with PyTorch: dgrad has no activation epilogue"
     (call,) = offloaded_calls(gm)
-    assert call.target is library.DGRAD and list(call.args[2]) == [2, 16, 16, 16]
+    p = library.site(call.args[-1]).problem
+    assert call.target is library.DGRAD and (p.n, p.c, p.h, p.w) == (2, 16, 16, 16)
     assert close(run(gm, m, x), m(x))
 
 

@@ -114,8 +114,8 @@ def test_plan_times_padded_against_unpadded(problem):
         assert c.estimate_us == pytest.approx(estimate_launch_us(problem, c.launch))
     # the 16-byte padded problems also reach the sm90 family (TMA needs 16-byte rows)
     sm90 = [c for c in padded if c.launch.kernel.family is KernelFamily.SM90_TMA_WGMMA]
-    if problem.kind is ConvKind.WGRAD and not sm90_mod.SPLIT_K_OFFERED:
-        return  # unsplit 3.x wgrad of these layers is estimated far beyond the cutoff (3.x split-k is off)
+    if problem.kind is ConvKind.WGRAD and problem.element_out not in sm90_mod.SPLIT_K_OUTPUTS:
+        return  # unsplit 3.x wgrad of these layers is estimated far beyond the cutoff (no 3.x split-k for this output)
     if problem.kind is not ConvKind.DGRAD or problem.stride_h == 1:
         assert sm90 and all(c.launch.kernel_problem(problem).c % 8 == 0 for c in sm90)
 

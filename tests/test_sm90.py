@@ -123,7 +123,7 @@ def split_one(p: Conv2dProblem, tile=(128, 128, 64), cluster=(1, 1, 1)) -> Kerne
 
 @pytest.mark.parametrize("out", ["f16", "f32"])
 def test_split_k_candidates_are_wgrad_kernels_storing_fp32_partials(out, monkeypatch):
-    monkeypatch.setattr(sm90_mod, "SPLIT_K_OFFERED", True)  # the generator's rules (off by default: see sm90.py)
+    monkeypatch.setattr(sm90_mod, "SPLIT_K_OUTPUTS", frozenset(DType))  # the generator's rules (see sm90.py)
     p = problem("wgrad", out_dtype=out)
     cands = list(sm90_candidates(p))
     split = [c for c in cands if c.split_k_mode is SplitKMode.PARALLEL]
@@ -173,7 +173,7 @@ def test_split_k_slice_counts_come_from_the_problem():
 def test_split_k_is_planned_for_early_wgrad(monkeypatch):
     from cutlass_byoc.profiler.plan import launches_for, plan_problem  # noqa: PLC0415
 
-    monkeypatch.setattr(sm90_mod, "SPLIT_K_OFFERED", True)
+    monkeypatch.setattr(sm90_mod, "SPLIT_K_OUTPUTS", frozenset(DType))
 
     p = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
     launches = launches_for(p, split_one(p))
@@ -358,13 +358,15 @@ def test_compile_one_split_k_wgrad_kernel(shared_cache):
     assert lib.can_implement(p, 64) is None
 
 
-def test_split_k_is_not_offered_while_it_is_wrong_on_the_gpu():
-    """The project's 3.x split-k left NaN on the H200 (2026-11-30): the planner and the default launch never pick
-    it until it is fixed."""
+def test_split_k_is_offered_only_for_outputs_it_computed_right_on_the_gpu():
+    """The project's 3.x split-k passed every fp32-output case on the H200 and left NaN for 16-bit outputs
+    (2026-11-30): the planner and the default launch never pick the 16-bit variants."""
     from cutlass_byoc.heuristics import default_launch  # noqa: PLC0415
 
-    assert sm90_mod.SPLIT_K_OFFERED is False
-    p = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
-    assert all(c.split_k_mode is not SplitKMode.PARALLEL for c in sm90_candidates(p))
-    launch = default_launch(p)
+    assert sm90_mod.SPLIT_K_OUTPUTS == {DType.F32}
+    p16 = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
+    assert all(c.split_k_mode is not SplitKMode.PARALLEL for c in sm90_candidates(p16))
+    launch = default_launch(p16)
     assert not (launch.kernel.family.value == "sm90_tma_wgmma" and launch.kernel.split_k_mode is SplitKMode.PARALLEL)
+    p32 = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype="f32")
+    assert any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(p32))

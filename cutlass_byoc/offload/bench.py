@@ -287,8 +287,9 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
 def host_overhead(calls: int = 3000, warmup: int = 200, n: int = 1, c: int = 16, hw: int = 8, k: int = 16,
                   r: int = 3) -> list[dict]:
     """Host microseconds per call on a tiny problem (the GPU finishes each kernel faster than the host issues the next,
-    so wall time per call is host time): the offloaded ops through a call site (what compiled graphs run), the same
-    ops on the general path (site -1), and aten.convolution / aten.convolution_backward (cuDNN), fp16 channels_last."""
+    so wall time per call is host time): the call-site ops (what compiled graphs run), the general ops (every
+    parameter an argument, all checks), and aten.convolution / aten.convolution_backward (cuDNN), fp16
+    channels_last."""
     from . import library  # noqa: PLC0415
     from .patterns import make_problem  # noqa: PLC0415
     from ..types import ConvKind  # noqa: PLC0415
@@ -304,12 +305,15 @@ def host_overhead(calls: int = 3000, warmup: int = 200, n: int = 1, c: int = 16,
             for kind in ConvKind}
     aten = torch.ops.aten
     cases = {
-        "fprop": (lambda s: library.FPROP(x, w, None, None, st, pd, dl, 1, "identity", torch.half, "heuristic", s),
+        "fprop": (lambda s: library.FPROP(x, w, None, None, s) if s >= 0 else
+                  library.conv2d_fprop(x, w, None, None, st, pd, dl, 1, "identity", torch.half, "heuristic"),
                   lambda: aten.convolution.default(x, w, None, st, pd, dl, False, [0, 0], 1)),
-        "dgrad": (lambda s: library.DGRAD(dy, w, list(xs), st, pd, dl, 1, torch.half, "heuristic", s),
+        "dgrad": (lambda s: library.DGRAD(dy, w, s) if s >= 0 else
+                  library.conv2d_dgrad(dy, w, list(xs), st, pd, dl, 1, torch.half, "heuristic"),
                   lambda: aten.convolution_backward.default(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
                                                             [True, False, False])),
-        "wgrad": (lambda s: library.WGRAD(dy, x, list(ws), st, pd, dl, 1, torch.half, "heuristic", s),
+        "wgrad": (lambda s: library.WGRAD(dy, x, s) if s >= 0 else
+                  library.conv2d_wgrad(dy, x, list(ws), st, pd, dl, 1, torch.half, "heuristic"),
                   lambda: aten.convolution_backward.default(dy, x, w, None, st, pd, dl, False, [0, 0], 1,
                                                             [False, True, False])),
     }

@@ -255,6 +255,21 @@ class CallSite:
         self.state = None  # None: not bound yet; False: general path; else a _Bound
         self.calls = 0
 
+    @property
+    def conv_args(self) -> tuple[list[int], list[int], list[int], int]:
+        """stride, padding, dilation and groups in the general ops' argument form."""
+        p = self.problem
+        return [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w], p.groups
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.problem.element_out.value]
+
+    def empty_output(self, like: torch.Tensor) -> torch.Tensor:
+        """The output's metadata (the call-site ops' fake implementation): channels_last, the problem's shape."""
+        n, h, w, c = self.problem.out_shape
+        return like.new_empty((n, c, h, w), dtype=self.out_dtype).contiguous(memory_format=CL)
+
     def bind(self, device: torch.device):
         """Choose the launch and prepare it (``ops.bind``); False if the site must take the general path."""
         from .. import ops  # noqa: PLC0415
@@ -556,7 +571,71 @@ def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilatio
     return input.new_empty(list(weight_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
-FPROP = torch.ops.cutlass_byoc.conv2d_fprop.default
-DGRAD = torch.ops.cutlass_byoc.conv2d_dgrad.default
-WGRAD = torch.ops.cutlass_byoc.conv2d_wgrad.default
-conv2d_fprop, conv2d_dgrad, conv2d_wgrad = FPROP, DGRAD, WGRAD
+# ---------------------------------------------------------------------------------------------- call-site ops
+# What the partitioner inserts: the operands and the call site's index, nothing else. Everything static (stride,
+# padding, dilation, groups, activation, output type, selection, shapes) is the site's problem, resolved when the
+# graph was compiled. Few, simple arguments: the dispatcher converts each argument of a Python-implemented op on every
+# call (measured here: 12 arguments with three int lists cost ~14 us a call, these 3-5 arguments ~5 us).
+_LIB.define("fprop_site(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int site) -> Tensor", tags=_TAGS)
+_LIB.define("dgrad_site(Tensor grad_output, Tensor weight, int site) -> Tensor", tags=_TAGS)
+_LIB.define("wgrad_site(Tensor grad_output, Tensor input, int site) -> Tensor", tags=_TAGS)
+
+
+@_impl("fprop_site")
+def _fprop_site(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor], site: int) -> torch.Tensor:
+    s = _SITES[site]
+    if use_kernels:
+        y = s(input, weight, residual if residual is not None else bias, bias if residual is not None else None)
+        if y is not None:
+            return y
+    st, pd, dl, g = s.conv_args
+    return _conv2d_fprop(input, weight, bias, residual, st, pd, dl, g, s.problem.epilogue.activation.value,
+                         s.out_dtype, s.select)
+
+
+@_fake("fprop_site")
+def _fprop_site_fake(input, weight, bias, residual, site):
+    return _SITES[site].empty_output(input)
+
+
+@_impl("dgrad_site")
+def _dgrad_site(grad_output: torch.Tensor, weight: torch.Tensor, site: int) -> torch.Tensor:
+    s = _SITES[site]
+    if use_kernels:
+        y = s(grad_output, weight, None)
+        if y is not None:
+            return y
+    p = s.problem
+    return _conv2d_dgrad(grad_output, weight, [p.n, p.c, p.h, p.w], *s.conv_args, s.out_dtype, s.select)
+
+
+@_fake("dgrad_site")
+def _dgrad_site_fake(grad_output, weight, site):
+    return _SITES[site].empty_output(grad_output)
+
+
+@_impl("wgrad_site")
+def _wgrad_site(grad_output: torch.Tensor, input: torch.Tensor, site: int) -> torch.Tensor:
+    s = _SITES[site]
+    if use_kernels:
+        y = s(grad_output, input, None)
+        if y is not None:
+            return y
+    p = s.problem
+    return _conv2d_wgrad(grad_output, input, [p.k, p.c // p.groups, p.r, p.s], *s.conv_args, s.out_dtype, s.select)
+
+
+@_fake("wgrad_site")
+def _wgrad_site_fake(grad_output, input, site):
+    return _SITES[site].empty_output(grad_output)
+
+
+#: the ops the partitioner inserts (operands and a call site)
+FPROP = torch.ops.cutlass_byoc.fprop_site.default
+DGRAD = torch.ops.cutlass_byoc.dgrad_site.default
+WGRAD = torch.ops.cutlass_byoc.wgrad_site.default
+#: the general ops (every parameter an argument): for direct use, tests and torch.library.opcheck
+conv2d_fprop = torch.ops.cutlass_byoc.conv2d_fprop.default
+conv2d_dgrad = torch.ops.cutlass_byoc.conv2d_dgrad.default
+conv2d_wgrad = torch.ops.cutlass_byoc.conv2d_wgrad.default

@@ -283,8 +283,7 @@ class _Rewriter:
             # bias and residual both go to the kernel (one epilogue: act(conv + bias + residual), no extra pass)
             site = library.register_site("fprop", problem, opts.select.value,
                                          y_shape if res_arg is not None else (k,) if bias_arg is not None else None)
-            new = self.call(library.FPROP, (x, w, bias_arg, res_arg, list(stride), list(padding), list(dilation),
-                                            groups, pat.activation.value, out_dtype, opts.select.value, site))
+            new = self.call(library.FPROP, (x, w, bias_arg, res_arg, site))
         self._replace(pat.gm.graph, nm, last, new)
         entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch),
                                  pattern=pat.name, fused=tuple(fused))
@@ -305,9 +304,7 @@ class _Rewriter:
                          f"input {x_shape} does not produce")
         launch = kernel_for(problem, opts)
         with self.graph.inserting_before(conv):
-            new = self.call(library.DGRAD, (x, w, list(y_shape), list(stride), list(padding), list(dilation), groups,
-                                            val(conv).dtype, opts.select.value,
-                                            library.register_site("dgrad", problem, opts.select.value)))
+            new = self.call(library.DGRAD, (x, w, library.register_site("dgrad", problem, opts.select.value)))
             if b is not None:
                 bias4 = self.call(aten.view.default, (b, [1, y_shape[1], 1, 1]))
                 new2 = self.call(aten.add.Tensor, (new, bias4))
@@ -394,7 +391,6 @@ class _Rewriter:
                 if mask[i] and getitems.get(i):
                     self.report.add(OffloadEntry(cb.name, kind, False, reason=str(e)))
             return
-        args = (list(stride), list(padding), list(dilation), groups)
         # dgrad
         if mask[0] and getitems.get(0):
             try:
@@ -405,9 +401,7 @@ class _Rewriter:
                                        dilation, groups, gov.dtype, out_dtype)
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
-                    new = self.call(library.DGRAD, (go, w, list(common["x_shape"]), *args, out_dtype,
-                                                    opts.select.value,
-                                                    library.register_site("dgrad", problem, opts.select.value)))
+                    new = self.call(library.DGRAD, (go, w, library.register_site("dgrad", problem, opts.select.value)))
                 self.new_nodes.append(new)
                 for g in getitems[0]:
                     self._substitute(g, new)
@@ -436,9 +430,7 @@ class _Rewriter:
                                        dilation, groups, gov.dtype, out_dtype)
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
-                    new = self.call(library.WGRAD, (go, inp, list(common["w_shape"]), *args, out_dtype,
-                                                    opts.select.value,
-                                                    library.register_site("wgrad", problem, opts.select.value)))
+                    new = self.call(library.WGRAD, (go, inp, library.register_site("wgrad", problem, opts.select.value)))
                 self.new_nodes.append(new)
                 if fuse_cast is not None:
                     self._substitute(fuse_cast, new)
