@@ -15,7 +15,7 @@ For each problem still without a decision, a process tries that problem's lock w
 (``<cache>/locks/tune-<digest>.lock``). The problems it gets are tuned in one batch (one parallel compile, then
 timing), then for each a marker ``<cache>/coord/<digest>.json`` says how it ended (decided, no winner, tuning
 failed) and the lock is released. The problems whose locks are held elsewhere are waited for, each with the
-remaining time of one deadline (``wait_s``, default 1800 s or ``$CUTLASS_BYOC_TUNE_WAIT_S``); once a lock is free:
+remaining time of one deadline (``wait_s``, default 3600 s or ``$CUTLASS_BYOC_TUNE_WAIT_S``); once a lock is free:
 
 * the decision is there: use it (every process then launches the same kernel for the problem);
 * no decision but a marker written after we began waiting: the holder finished without a winner, or its tuning
@@ -54,7 +54,7 @@ from .plan import kernel_problem
 log = logging.getLogger("cutlass_byoc.profiler.coordinate")
 
 WAIT_ENV = "CUTLASS_BYOC_TUNE_WAIT_S"
-DEFAULT_WAIT_S = 1800.0
+DEFAULT_WAIT_S = 3600.0
 MAX_ROUNDS = 4  # claims of one call (a round follows a holder that died)
 
 # Marker outcomes
