@@ -105,7 +105,10 @@ def worker_settings():
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.cuda.is_available():
-            return WorkerSettings(device=torch.cuda.current_device())
+            from .multigpu import visible_device  # noqa: PLC0415
+
+            d = torch.cuda.current_device()
+            return WorkerSettings(device=d, visible_device=visible_device(d))
     except Exception:  # noqa: BLE001
         pass
     return WorkerSettings()

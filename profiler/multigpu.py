@@ -1,7 +1,8 @@
 """Timing spread over several GPUs of one host (`cutlass-byoc tune --gpus all|0,1`).
 
 The compile step stays one parallel build for the whole workload (tune.py); only timing is spread. One
-`CandidateRunner` (one crash-isolated worker process, `WorkerSettings.device` = its GPU) is started per GPU, the
+`CandidateRunner` (one crash-isolated worker process that sees only its GPU: CUDA_VISIBLE_DEVICES, so it runs
+exactly as in a one-GPU run) is started per GPU, the
 runners are started concurrently (each pays CUDA's start-up), and one parent thread per runner pulls the next
 problem from a shared queue (the runners block on their pipes, not on the GIL), so a GPU that draws slow problems
 simply takes fewer of them. Results are handed to the caller one problem at a time under a lock, so recording
@@ -58,6 +59,16 @@ def visible_gpu_count() -> int:
 def _visible_note() -> str:
     v = os.environ.get("CUDA_VISIBLE_DEVICES")
     return f" (CUDA_VISIBLE_DEVICES={v})" if v is not None else ""
+
+
+def visible_device(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of this process's device `index` (for a worker that should see only it)."""
+    v = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if v is not None and v.strip():
+        entries = [e.strip() for e in v.split(",") if e.strip()]
+        if index < len(entries):
+            return entries[index]
+    return str(index)
 
 
 def parse_gpus(spec: str, count: int) -> list[int]:
@@ -148,7 +159,8 @@ def time_on_gpus(
 
     def start(i: int) -> None:
         try:
-            r = runner_factory(dataclasses.replace(settings, device=devices[i]))
+            r = runner_factory(dataclasses.replace(settings, device=devices[i],
+                                                   visible_device=visible_device(devices[i])))
             r.__enter__()
             runners[i] = r
         except BaseException as e:  # noqa: BLE001 - reported after every start attempt

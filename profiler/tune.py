@@ -22,7 +22,9 @@ from ..config import LaunchConfig
 from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
 from ..problem import Conv2dProblem
 from ..types import KernelFamily
-from .multigpu import GpuSelectionError, GpuTiming, mixed_gpu_message, probe_gpus, time_on_gpus
+from .multigpu import (
+    GpuSelectionError, GpuTiming, mixed_gpu_message, probe_gpus, time_on_gpus, visible_device,
+)
 from .plan import DEFAULT_MAX_CANDIDATES, kernel_problem, plan_workload
 from .worker import COMPILE_FAILED, CandidateResult, CandidateRunner, WorkerSettings
 
@@ -158,7 +160,7 @@ def tune_workload(
             raise TuneError(msg)
         gpu = infos[0]
     if len(devices) == 1:
-        settings = dataclasses.replace(settings, device=devices[0])
+        settings = dataclasses.replace(settings, device=devices[0], visible_device=visible_device(devices[0]))
     gpu = gpu if gpu is not None else (None if compile_only else current_gpu())
     if gpu is not None and gpu.arch != arch:
         raise TuneError(

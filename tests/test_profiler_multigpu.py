@@ -57,6 +57,13 @@ def test_parse_gpus_names_cuda_visible_devices(monkeypatch):
         M.parse_gpus("0,1", 1)
 
 
+def test_visible_device(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert M.visible_device(1) == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-abc,6")
+    assert [M.visible_device(i) for i in range(3)] == ["2", "GPU-abc", "6"]
+
+
 def test_mixed_gpu_message():
     assert M.mixed_gpu_message([0, 1], [H200, H200]) is None
     assert M.mixed_gpu_message([], []) is None
@@ -205,7 +212,9 @@ PROBLEM = Conv2dProblem.make("wgrad", 8, 64, 16, 16, 64, 3, padding=1)
 def fake_device_worker(tasks, results, settings) -> None:
     """A worker process on settings.device: reports the GPU named in $FAKE_GPU_<device> (default H200) and answers
     each candidate with time 10 + device after a short sleep."""
+    W.apply_environment(settings)  # as the real worker does: CUDA_VISIBLE_DEVICES = its one GPU
     name = os.environ.get(f"FAKE_GPU_{settings.device}", "NVIDIA H200")
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     results.put(("hello", name, 90, os.getpid()))
     while True:
         msg = tasks.get()
@@ -217,7 +226,7 @@ def fake_device_worker(tasks, results, settings) -> None:
             time.sleep(0.2)
             launch = LaunchConfig.from_dict(launch_ds[idx])
             results.put((job, idx, W.CandidateResult(launch, W.OK, 10.0 + settings.device, 10.0, 5, 1, 0.0,
-                                                     message=f"pid {os.getpid()}")))
+                                                     message=f"pid {os.getpid()} sees {cvd}")))
         results.put((job, "done", None))
 
 
@@ -237,9 +246,11 @@ def test_one_worker_process_per_gpu(monkeypatch):
         done.append((p, results))
 
     settings = W.WorkerSettings(start_timeout_s=60.0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # --gpus indices are this process's: GPU 1 is physical 7
     stats = M.time_on_gpus([0, 1], settings, problems, evaluate, finish, _runner)
     assert sorted(p.n for p, _ in done) == [1, 2, 3, 4, 5, 6]
     pids = {r.message for _, res in done for r in res}
+    assert {m.split(" sees ")[1] for m in pids} == {"5", "7"}  # each worker sees only its own GPU
     devices = {r.median_us - 10.0 for _, res in done for r in res}
     assert len(pids) == 2 and devices == {0.0, 1.0}  # two worker processes, one on each device
     assert [s.device for s in stats] == [0, 1] and sum(s.problems for s in stats) == 6
