@@ -103,7 +103,10 @@ def parse_gpus(spec: str, count: int) -> list[int]:
 
 def probe_gpus(devices: Sequence[int]) -> list[GpuInfo]:
     """Name and compute capability of each device (through cuda-python, without making it current)."""
-    from cuda.bindings import runtime as rt  # noqa: PLC0415
+    try:
+        from cuda.bindings import runtime as rt  # noqa: PLC0415
+    except ImportError as e:
+        raise GpuSelectionError(f"cannot query the GPUs: cuda-python is missing ({e})") from None
 
     out = []
     for d in devices:

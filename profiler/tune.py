@@ -268,7 +268,9 @@ def tune_workload(
             worker_settings = dataclasses.replace(settings, cache_root=str(cache.root))
             if len(devices) > 1:
                 try:
-                    per_gpu = time_on_gpus(devices, worker_settings, todo, evaluate, finish, CandidateRunner)
+                    # longest first (candidates x flops), so no GPU is left with a big problem at the end
+                    by_cost = sorted(todo, key=lambda p: -len(plan_of[kernel_problems[p]].candidates) * p.flops)
+                    per_gpu = time_on_gpus(devices, worker_settings, by_cost, evaluate, finish, CandidateRunner)
                 except GpuSelectionError as e:
                     raise TuneError(str(e)) from None
                 restarts = sum(g.restarts for g in per_gpu)
