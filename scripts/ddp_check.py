@@ -3,6 +3,7 @@
 
     torchrun --standalone --nproc_per_node 2 scripts/ddp_check.py --steps 5 --batch 32            # 2 ranks x 16
     torchrun --standalone --nproc_per_node 1 scripts/ddp_check.py --steps 5 --batch 32            # reference: 1 x 32
+    torchrun --standalone --nproc_per_node 1 scripts/ddp_check.py --steps 5 --batch 32 --accum 2  # 1 GPU, 2 x 16
     torchrun --standalone --nproc_per_node 2 scripts/ddp_check.py --steps 5 --batch 32 --mode inductor
     python scripts/ddp_check.py --compare runs.jsonl                                               # loss / time table
 
@@ -23,6 +24,14 @@ others, the offload report over all graphs (DDP's graph splitting gives one grap
 compiled and tuned, the kernels compiled per host (by the ranks' own count of nvcc runs, and from the kernel cache's
 meta.json records newer than the run's start), and whether the ranks launched the same kernels for the same
 problems.
+
+Comparing losses: the N-rank run and the one-GPU run of the same global batch are the same computation, but a batch
+of 32 runs other kernels (other conv problems, other cuDNN/Inductor choices) than two of 16, and ResNet-50 at
+initialisation is sensitive to rounding (its fp32 gradients differ from fp64 ones by ~1% here), so after an update the
+losses drift apart by more than one rounding: compare the first step's loss tightly (fp16: ~1e-3) and later ones
+loosely. ``--accum 2`` on one GPU runs the 2 x 16 micro-batches of the 2-rank run, i.e. the very same conv problems
+and kernels: that pair should agree to rounding of the gradient sums (on the CPU, fp32: ~1e-7 with the same thread
+count).
 
 NCCL: NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set unless given (no NVLink multicast).
 """
@@ -51,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32, help="global batch (split across the ranks)")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="split each rank's batch into this many micro-batches and accumulate their gradients: "
+                         "`--nproc_per_node 1 --accum 2` runs the same conv problems as 2 ranks")
     ap.add_argument("--mode", choices=["cutlass_byoc", "inductor", "eager"], default="cutlass_byoc")
     ap.add_argument("--select", choices=["cached", "heuristic", "tune"], default="cached",
                     help="the backend's kernel selection (tune: one rank tunes, the others wait for its decisions)")
@@ -231,9 +243,10 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} does not split over {world} ranks")
+    if args.batch % (world * args.accum):
+        raise SystemExit(f"--batch {args.batch} does not split over {world} ranks x {args.accum} micro-batches")
     local = args.batch // world
+    micro = local // args.accum
     t_run0 = time.time()
     counter = CompileCounter()
 
@@ -260,24 +273,28 @@ def main(argv=None) -> int:
 
     data = global_batches(args.steps, args.batch, args.image, args.seed)
     lo, hi = rank * local, (rank + 1) * local
-    losses, times, gnorms = [], [], []
+    losses, times, gnorms, psums = [], [], [], []
     for x_all, y_all in data:
         x = x_all[lo:hi].to(device).contiguous(memory_format=torch.channels_last)
         y = y_all[lo:hi].to(device)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            out = net(x)
-        loss = F.cross_entropy(out.float(), y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for i in range(args.accum):  # (DDP averages the accumulated gradients over the ranks at each backward)
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                out = net(x[i * micro:(i + 1) * micro])
+            part = F.cross_entropy(out.float(), y[i * micro:(i + 1) * micro]) / args.accum
+            part.backward()
+            loss = loss + part.detach()
         opt.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(loss.detach())
+        losses.append(loss)
         # the gradient of the global batch's loss (DDP averaged it over the ranks), outside the timed region
+        psums.append(torch.stack([p.detach().double().abs().sum() for p in model.parameters()]).sum())
         gnorms.append(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()
                                                             if p.grad is not None])))
 
@@ -313,12 +330,15 @@ def main(argv=None) -> int:
         common = [p for p in base if all(p in r["launches"] for r in everyone)]
         same = all(r["launches"][p] == base[p] for r in everyone for p in common)
         rec = {
-            "label": args.label or f"{args.mode}/{args.select} {world}x{local}",
+            "label": args.label or f"{args.mode}/{args.select} {world}x{local}"
+                     + (f" ({args.accum}x{micro})" if args.accum > 1 else ""),
             "mode": args.mode, "select": args.select, "bn": args.bn, "amp": args.amp, "model": model_name,
-            "world_size": world, "global_batch": args.batch, "local_batch": local, "steps": args.steps,
+            "world_size": world, "global_batch": args.batch, "local_batch": local, "micro_batch": micro,
+            "accum": args.accum, "steps": args.steps,
             "image": args.image, "seed": args.seed,
             "losses": global_losses,
             "grad_norms": [float(g) for g in gnorms],
+            "param_abs_sums": [float(p) for p in psums],  # after each step's update: the runs' weights agree?
             "first_step_s": times[0],
             "step_ms": 1e3 * statistics.median(times[1:]) if len(times) > 1 else None,
             "step_ms_per_rank": [r["step_ms"] for r in everyone],

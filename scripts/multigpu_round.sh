@@ -6,8 +6,9 @@
 # tune-gpus-warm: on that cache, re-time everything (`--force`) on one GPU, then on all: timing seconds 1 vs N
 # ddp-tune:       2-rank DDP ResNet-50 with select=tune from an empty cache ($DDP_CACHE): one rank tunes each problem,
 #                 each kernel compiled once on this host (see tuning_per_rank and kernels_per_host in ddp.jsonl)
-# ddp:            on that cache: 2 ranks x 16 (select=cached), 1 rank x 32 (the same global batch), 2 ranks with
-#                 Inductor, 1 rank eager (numerics reference); then the comparison table
+# ddp:            on that cache: 2 ranks x 16 (select=cached), 1 rank x 32 (the same global batch), 1 rank x 32 as
+#                 2 micro-batches of 16 (the same conv problems as the 2 ranks: losses should agree to rounding),
+#                 2 ranks with Inductor, 1 rank eager (numerics reference); then the comparison table
 # fleet:          `cache export` of $DDP_CACHE, `cache import` into an empty cache, a 2-rank run on it: nothing
 #                 compiled, nothing tuned
 # DDP_ARGS adds ddp_check.py arguments to every run (e.g. "--bn train"); NPROC, STEPS, BATCH as named.
@@ -82,6 +83,8 @@ for step in "${steps[@]}"; do
     ddp)
       CUTLASS_BYOC_CACHE_DIR=$DDP_CACHE ddp "byoc ${NPROC}x$((BATCH / NPROC))" "$NPROC" --select cached
       CUTLASS_BYOC_CACHE_DIR=$DDP_CACHE ddp "byoc 1x$BATCH" 1 --select cached
+      CUTLASS_BYOC_CACHE_DIR=$DDP_CACHE ddp "byoc 1x$BATCH as ${NPROC}x$((BATCH / NPROC)) micro" 1 --select cached \
+        --accum "$NPROC"
       ddp "inductor ${NPROC}x$((BATCH / NPROC))" "$NPROC" --mode inductor
       ddp "eager 1x$BATCH" 1 --mode eager
       python3 scripts/ddp_check.py --compare "$OUT/ddp.jsonl" | tee -a "$OUT/ddp.log"
