@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     _problem_args(t)
     t.add_argument("--force", action="store_true", help="re-time problems that already have a decision")
     t.add_argument("--compile-only", action="store_true", help="stop after compiling, even with a GPU")
+    t.add_argument("--gpus", default=None, metavar="all|0,1",
+                   help="time on these GPUs of this host, one worker each (all the same GPU model); the compile "
+                        "step is shared. Default: the current device")
     t.add_argument("--json", dest="json_out", default=None, help="write the tuning report as JSON here")
     t.add_argument("--no-progress", action="store_true")
 
@@ -213,11 +216,19 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--max-candidates: expected >= 1, got {mc}")
     if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"--jobs: expected >= 1, got {args.jobs}")
+    devices = None
+    if args.gpus is not None:
+        from .profiler.multigpu import GpuSelectionError, parse_gpus, visible_gpu_count  # noqa: PLC0415
+
+        try:
+            devices = parse_gpus(args.gpus, visible_gpu_count())
+        except GpuSelectionError as e:
+            raise UsageError(str(e)) from None
     items = _items_from_args(args)
     names = {it.problem: it.layer for it in items}
     report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
                            progress=not args.no_progress, arch=args.arch, force=args.force,
-                           compile_only=args.compile_only)
+                           compile_only=args.compile_only, devices=devices)
     rows = [("layer", "kind", "status", "time us", "ok/planned", "launch")]
     for o in report.outcomes:
         ok = sum(1 for r in o.results if r.ok)
@@ -236,7 +247,14 @@ def cmd_tune(args) -> int:
           f"timing {report.timing_s:.1f} s ({report.launches_timed} launches timed, "
           f"{report.worker_restarts} worker restarts); total {report.total_s:.1f} s")
     if report.gpu:
-        print(f"GPU: {report.gpu.tag}")
+        on = f" x {len(report.devices)} (GPUs {','.join(map(str, report.devices))})" if report.devices else ""
+        print(f"GPU: {report.gpu.tag}{on}")
+    sc = report.scaling
+    if sc:
+        print(f"timing on {sc['gpus']} GPUs: {sc['timing_s']:.1f} s wall, {sc['busy_s_sum']:.1f} s of worker time "
+              f"in all: {sc['speedup_est']:.2f}x one GPU (estimated; {sc['efficiency_est']:.0%} efficiency); "
+              "problems per GPU: " + ", ".join(f"GPU {g.device}: {g.problems} in {g.busy_s:.1f} s"
+                                               for g in report.per_gpu))
     if report.log_path:
         print(f"tuning log: {report.log_path}")
     if args.json_out:

@@ -44,12 +44,16 @@ def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
             return hit
         if mode is SelectMode.TUNE:
             # Imported here: the profiler imports ops (through its worker), which imports this module.
+            from .profiler.coordinate import coordinated_tune, worker_settings  # noqa: PLC0415
             from .profiler.tune import tune_problem  # noqa: PLC0415
 
-            won = tune_problem(problem)
-            if won is not None:
-                return won
-            log.info("tuning found no winner for %s; using the model's default", problem.name)
+            # once per problem across the processes sharing the cache (DDP ranks): one tunes, the others wait
+            co = coordinated_tune([problem], lambda ps: tune_problem(ps[0], settings=worker_settings()))
+            hit = lookup_decision(problem)
+            if hit is not None:
+                return hit
+            log.info("no tuned launch for %s (%s); using the model's default", problem.name,
+                     co.fell_back.get(problem, "tuning found no winner"))
     return default_launch(problem)
 
 

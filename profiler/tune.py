@@ -23,6 +23,9 @@ from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_deci
 from ..problem import Conv2dProblem
 from ..trust import make_private_dir
 from ..types import KernelFamily
+from .multigpu import (
+    GpuSelectionError, GpuTiming, mixed_gpu_message, probe_gpus, time_on_gpus, visible_device,
+)
 from .plan import DEFAULT_MAX_CANDIDATES, plan_workload
 from .worker import COMPILE_FAILED, CandidateResult, CandidateRunner, WorkerSettings
 
@@ -80,15 +83,33 @@ class TuneReport:
     worker_restarts: int = 0
     log_path: Optional[Path] = None
     message: str = ""
+    devices: tuple[int, ...] = ()  # the GPUs that timed (--gpus); () for the one current device
+    per_gpu: tuple[GpuTiming, ...] = ()  # with several devices: each one's problems and busy seconds
 
     @property
     def all_decided(self) -> bool:
         return all(o.status in (CACHED, TUNED) for o in self.outcomes)
 
+    @property
+    def scaling(self) -> Optional[dict]:
+        """How timing scaled over the GPUs: the wall time, the summed busy time of the workers (what one GPU would
+        have taken, as estimated from this run) and their ratio. None unless several GPUs timed."""
+        if len(self.per_gpu) < 2 or self.timing_s <= 0:
+            return None
+        busy = sum(g.busy_s for g in self.per_gpu)
+        speedup = busy / self.timing_s
+        return {"gpus": len(self.per_gpu), "timing_s": self.timing_s, "busy_s_sum": busy,
+                "speedup_est": speedup, "efficiency_est": speedup / len(self.per_gpu),
+                "problems_per_gpu": [g.problems for g in self.per_gpu]}
+
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("outcomes", "gpu")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("outcomes", "gpu", "per_gpu", "devices")}
         d["log_path"] = str(self.log_path) if self.log_path else None
         d["gpu"] = self.gpu.tag if self.gpu else None
+        d["devices"] = list(self.devices)
+        d["per_gpu"] = [g.to_dict() for g in self.per_gpu]
+        d["scaling"] = self.scaling
         d["outcomes"] = [o.to_dict() for o in self.outcomes]
         return d
 
@@ -117,13 +138,29 @@ def tune_workload(
     store: Optional[DecisionStore] = None,
     settings: WorkerSettings = WorkerSettings(),
     gpu: Optional[GpuInfo] = None,
+    devices: Optional[Sequence[int]] = None,
 ) -> TuneReport:
     """Decide a launch for every problem (see the module docstring). `force` re-times decided problems;
-    `compile_only` stops after the build even with a GPU."""
+    `compile_only` stops after the build even with a GPU. `devices`: time on these GPUs, one worker each (see
+    multigpu.py; they must all be the same GPU model); default: one worker on `settings.device`."""
     t_start = time.perf_counter()
     cache = cache or KernelCache()
     store = store or DecisionStore(cache.root)
     problems = list(dict.fromkeys(problems))
+    devices = list(devices) if devices else []
+    if devices and gpu is None and not compile_only:
+        # checked before compiling anything: a mix of GPU models is refused, and the decisions are keyed by the
+        # GPUs that time (not by whichever device is current in this process)
+        try:
+            infos = probe_gpus(devices)
+        except GpuSelectionError as e:
+            raise TuneError(str(e)) from None
+        msg = mixed_gpu_message(devices, infos)
+        if msg:
+            raise TuneError(msg)
+        gpu = infos[0]
+    if len(devices) == 1:
+        settings = dataclasses.replace(settings, device=devices[0], visible_device=visible_device(devices[0]))
     gpu = gpu if gpu is not None else (None if compile_only else current_gpu())
     if gpu is not None and gpu.arch != arch:
         raise TuneError(
@@ -159,6 +196,7 @@ def tune_workload(
     log_path = _log_file(cache)
     timed = gpu is not None and not compile_only
     timing_s, launches_timed, restarts = 0.0, 0, 0
+    per_gpu: list[GpuTiming] = []
     with open(log_path, "a") as logf:
         def emit(rec: dict) -> None:
             logf.write(json.dumps(rec, sort_keys=True) + "\n")
@@ -187,41 +225,60 @@ def tune_workload(
                 from tqdm import tqdm  # noqa: PLC0415
 
                 bar = tqdm(total=len(todo), desc="timing", unit="problem")
-            with CandidateRunner(dataclasses.replace(settings, cache_root=str(cache.root))) as runner:
-                for p in todo:
-                    pp = plan_of[p]
-                    runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
-                    results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
-                               for c in pp.candidates if not builds[c.launch.kernel].ok]
-                    if runnable:
-                        results += runner.evaluate(p, runnable)
-                    launches_timed += sum(1 for r in results if r.median_us is not None)
+            def evaluate(runner, p: Conv2dProblem) -> list[CandidateResult]:
+                pp = plan_of[p]
+                runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
+                results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
+                           for c in pp.candidates if not builds[c.launch.kernel].ok]
+                if runnable:
+                    results += runner.evaluate(p, runnable)
+                return results
+
+            def finish(p: Conv2dProblem, results: list[CandidateResult]) -> None:
+                nonlocal launches_timed
+                pp = plan_of[p]
+                launches_timed += sum(1 for r in results if r.median_us is not None)
+                for r in results:
+                    emit({"event": "candidate", "problem": p.name, **r.to_dict()})
+                win = pick_winner(results)
+                if not pp.candidates:
+                    outcomes[p] = ProblemOutcome(p, NO_CANDIDATES, message="no kernel family computes it")
+                elif win is None:
+                    counts: dict[str, int] = {}
                     for r in results:
-                        emit({"event": "candidate", "problem": p.name, **r.to_dict()})
-                    win = pick_winner(results)
-                    if not pp.candidates:
-                        outcomes[p] = ProblemOutcome(p, NO_CANDIDATES, message="no kernel family computes it")
-                    elif win is None:
-                        counts: dict[str, int] = {}
-                        for r in results:
-                            counts[r.status] = counts.get(r.status, 0) + 1
-                        outcomes[p] = ProblemOutcome(p, NO_WINNER, results=tuple(results), planned=len(pp.candidates),
-                                                     message="no candidate passed: " + ", ".join(
-                                                         f"{n} {s}" for s, n in sorted(counts.items())))
-                    else:
-                        others = sorted((r for r in results if r.ok and r is not win), key=lambda r: r.median_us)
-                        record_decision(
-                            p, win.launch, win.median_us, gpu=gpu, store=store,
-                            candidates_timed=sum(1 for r in results if r.ok),
-                            runner_up=others[0].launch.name if others else None,
-                            runner_up_us=others[0].median_us if others else None, max_error=win.max_error,
-                        )
-                        outcomes[p] = ProblemOutcome(p, TUNED, win.launch, win.median_us, tuple(results),
-                                                     len(pp.candidates))
-                    emit({"event": "decision", **{k: v for k, v in outcomes[p].to_dict().items() if k != "results"}})
-                    if bar is not None:
-                        bar.update(1)
-                restarts = runner.restarts
+                        counts[r.status] = counts.get(r.status, 0) + 1
+                    outcomes[p] = ProblemOutcome(p, NO_WINNER, results=tuple(results), planned=len(pp.candidates),
+                                                 message="no candidate passed: " + ", ".join(
+                                                     f"{n} {s}" for s, n in sorted(counts.items())))
+                else:
+                    others = sorted((r for r in results if r.ok and r is not win), key=lambda r: r.median_us)
+                    record_decision(
+                        p, win.launch, win.median_us, gpu=gpu, store=store,
+                        candidates_timed=sum(1 for r in results if r.ok),
+                        runner_up=others[0].launch.name if others else None,
+                        runner_up_us=others[0].median_us if others else None, max_error=win.max_error,
+                    )
+                    outcomes[p] = ProblemOutcome(p, TUNED, win.launch, win.median_us, tuple(results),
+                                                 len(pp.candidates))
+                emit({"event": "decision", **{k: v for k, v in outcomes[p].to_dict().items() if k != "results"}})
+                if bar is not None:
+                    bar.update(1)
+
+            worker_settings = dataclasses.replace(settings, cache_root=str(cache.root))
+            if len(devices) > 1:
+                try:
+                    # longest first (candidates x flops), so no GPU is left with a big problem at the end
+                    by_cost = sorted(todo, key=lambda p: -len(plan_of[p].candidates) * p.flops)
+                    per_gpu = time_on_gpus(devices, worker_settings, by_cost, evaluate, finish, CandidateRunner)
+                except GpuSelectionError as e:
+                    raise TuneError(str(e)) from None
+                restarts = sum(g.restarts for g in per_gpu)
+                emit({"event": "gpus", "per_gpu": [g.to_dict() for g in per_gpu]})
+            else:
+                with CandidateRunner(worker_settings) as runner:
+                    for p in todo:
+                        finish(p, evaluate(runner, p))
+                    restarts = runner.restarts
             if bar is not None:
                 bar.close()
             timing_s = time.perf_counter() - t1
@@ -229,7 +286,7 @@ def tune_workload(
     return TuneReport(
         tuple(outcomes[p] for p in problems), gpu, timed, len(kernels), compiled_now, failed, launches_timed,
         compile_s, timing_s, time.perf_counter() - t_start, restarts, log_path,
-        "" if timed else NO_GPU_MESSAGE,
+        "" if timed else NO_GPU_MESSAGE, tuple(devices), tuple(per_gpu),
     )
 
 

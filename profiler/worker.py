@@ -67,6 +67,9 @@ class WorkerSettings:
     seed: int = 1234
     device: int = 0
     cache_root: Optional[str] = None  # the kernel cache the worker loads from (default: the environment's)
+    #: CUDA_VISIBLE_DEVICES for the worker (the parent's entry for `device`): the worker then sees one GPU, as
+    #: device 0, exactly as in a one-GPU run (multigpu.visible_device; `device` is used if CUDA started before)
+    visible_device: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -137,16 +140,27 @@ def make_problem_sets(problem: Conv2dProblem, settings: WorkerSettings):
     return sets, ref
 
 
-def _worker_main(tasks, results, settings: WorkerSettings) -> None:
-    logging.basicConfig(level=logging.WARNING)
+def apply_environment(settings: WorkerSettings) -> None:
+    """The worker's environment, set first thing in the worker process (before CUDA starts)."""
     if settings.cache_root:
         os.environ["CUTLASS_BYOC_CACHE_DIR"] = settings.cache_root
+    if settings.visible_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = settings.visible_device
+
+
+def _worker_main(tasks, results, settings: WorkerSettings) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    apply_environment(settings)
     try:
         import torch  # noqa: PLC0415
 
-        torch.cuda.set_device(settings.device)
+        device = settings.device
+        if settings.visible_device is not None and torch.cuda.device_count() == 1:
+            device = 0  # the one GPU this process sees
+            settings = dataclasses.replace(settings, device=0)
+        torch.cuda.set_device(device)
         torch.backends.cudnn.allow_tf32 = False
-        props = torch.cuda.get_device_properties(settings.device)
+        props = torch.cuda.get_device_properties(device)
         results.put(("hello", props.name, props.major * 10 + props.minor, os.getpid()))
     except BaseException as e:  # noqa: BLE001
         results.put(("fatal", f"worker could not start CUDA: {e}"))

@@ -677,22 +677,37 @@ def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
 
 
 def tune_report(report: OffloadReport) -> None:
-    """Tune the report's problems that have no decision yet, all at once, and name the winners in its entries."""
-    from ..profiler.tune import CACHED, TUNED, tune_workload  # noqa: PLC0415
+    """Tune the report's problems that have no decision yet, all at once, and name the winners in its entries.
+
+    Several processes compiling the same graphs (the ranks of a DDP job) tune each problem once: the first to claim
+    a problem tunes it on its own GPU and the others wait for its decision (profiler/coordinate.py: per-problem file
+    locks in the cache, a deadline, and the model's launch for what ends without a decision)."""
+    from ..decisions import lookup  # noqa: PLC0415
+    from ..profiler.coordinate import coordinated_tune, worker_settings  # noqa: PLC0415
+    from ..profiler.plan import kernel_problem  # noqa: PLC0415
+    from ..profiler.tune import tune_workload  # noqa: PLC0415
 
     problems = list(dict.fromkeys(report.problems))
+    settings = worker_settings()  # this rank's GPU, not always GPU 0
     try:
-        tuned = tune_workload(problems, progress=True)
+        co = coordinated_tune(problems, lambda ps: tune_workload(ps, progress=True, settings=settings))
     except Exception as e:  # noqa: BLE001 - tuning is an optimisation: the ops then use the model's launch
         log.warning("cutlass_byoc: could not tune the problems of %s: %s", report.graph, e)
         return
-    won = {o.problem.name: o for o in tuned.outcomes if o.status in (CACHED, TUNED) and o.launch is not None}
-    log.info("cutlass_byoc: %s: %d problems, %d tuned now, %d decided before", report.graph, len(problems),
-             sum(1 for o in tuned.outcomes if o.status == TUNED), sum(1 for o in tuned.outcomes if o.status == CACHED))
+    log.info("cutlass_byoc: %s: %d problems: %s", report.graph, len(problems), co.summary())
+    how = {**{p.name: "tuned" for p in co.tuned}, **{p.name: "tuned by another process" for p in co.waited},
+           **{p.name: "cached" for p in co.decided_before}}
+    by_name = {p.name: p for p in problems}
     for e in report.offloaded:
-        o = won.get(e.problem)
-        if o is not None:
-            e.kernel = f"{o.launch.name} ({o.status}, {o.time_us:.1f} us)" if o.time_us else o.launch.name
+        p = by_name.get(e.problem)
+        if p is None:
+            continue
+        if p in co.fell_back:
+            e.notes.append(f"not tuned: {co.fell_back[p]}")
+            continue
+        dec = lookup(kernel_problem(p))
+        if dec is not None:
+            e.kernel = f"{dec.launch.name} ({how.get(p.name, 'cached')}, {dec.time_us:.1f} us)"
 
 
 def offloaded_calls(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:

@@ -1,0 +1,75 @@
+"""Two processes building the same kernels into one cache compile each kernel once (the other waits on the key's
+lock and takes the published entry): the "one rank compiles, the other waits" of a DDP job on one host. The
+compiler is a fake (no nvcc), so this runs everywhere; test_cache.py checks the same with nvcc."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+from cutlass_byoc import build as build_mod
+from cutlass_byoc.cache import CACHE_FORMAT, EntryState, KernelCache, sha256_file
+from cutlass_byoc.candidates import sm80_candidates
+from cutlass_byoc.problem import Conv2dProblem
+
+PROBLEM = Conv2dProblem.make("fprop", 8, 64, 16, 16, 64, 3, padding=1)
+
+
+def _configs(n=4):
+    return list(sm80_candidates(PROBLEM))[:n]
+
+
+def _fake_prepare(config, tc=None):
+    import hashlib
+
+    key = hashlib.sha256(config.name.encode()).hexdigest()
+    return f"// {config.name}\n", key
+
+
+def _fake_ninja(jobs_, cache, jobs, progress):
+    """Writes a library and meta.json per job after a pause, and logs which process compiled what."""
+    time.sleep(1.0)
+    with open(cache.root / "compiles.log", "a") as f:
+        for job in jobs_:
+            f.write(f"{os.getpid()} {job.key}\n")
+    for job in jobs_:
+        (job.staged / "kernel.cu").write_text(job.source)
+        lib = job.staged / "kernel.so"
+        lib.write_bytes(b"fake library " + job.key.encode())
+        (job.staged / "build.log").write_text("")
+        (job.staged / "meta.json").write_text(json.dumps({
+            "format": CACHE_FORMAT, "key": job.key, "name": job.config.name, "sha256": sha256_file(lib),
+            "built_at": time.time()}))
+
+
+def _build_child(root, barrier, q):
+    build_mod.prepare = _fake_prepare
+    build_mod._run_ninja = _fake_ninja
+    barrier.wait(30)
+    res = build_mod.build(_configs(), cache=KernelCache(root), jobs=1)
+    q.put(sorted((r.config.name, r.built_now, r.ok) for r in res.values()))
+
+
+def test_two_processes_compile_each_kernel_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    root = str(tmp_path / "cache")
+    barrier, q = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_build_child, args=(root, barrier, q), daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(ok for res in out for _, _, ok in res)
+    lines = (tmp_path / "cache" / "compiles.log").read_text().split("\n")
+    keys = [ln.split()[1] for ln in lines if ln.strip()]
+    assert len(keys) == len(_configs()) and len(set(keys)) == len(keys)  # each kernel compiled by one process
+    built = {name: 0 for name, _, _ in out[0]}
+    for res in out:
+        for name, now, _ in res:
+            built[name] += now
+    assert set(built.values()) == {1}  # and reported as built now by exactly one of them
+    cache = KernelCache(root)
+    assert all(cache.lookup(_fake_prepare(c)[1]).state is EntryState.OK for c in _configs())
