@@ -49,7 +49,6 @@ import filelock
 
 from ..decisions import DecisionStore, GpuInfo, current_gpu, default_store, lookup
 from ..problem import Conv2dProblem
-from .plan import kernel_problem
 
 log = logging.getLogger("cutlass_byoc.profiler.coordinate")
 
@@ -152,7 +151,7 @@ def settled(problem: Conv2dProblem, gpu: Optional[GpuInfo] = None, store: Option
     if gpu is None:
         return None
     root = str((store or default_store()).root)
-    return _settled.get((root, gpu.tag, kernel_problem(problem)))
+    return _settled.get((root, gpu.tag, problem))
 
 
 def reset() -> None:
@@ -220,7 +219,7 @@ def coordinated_tune(
 
     groups: dict[Conv2dProblem, list[Conv2dProblem]] = {}
     for p in problems:
-        groups.setdefault(kernel_problem(p), []).append(p)
+        groups.setdefault(p, []).append(p)  # decisions are keyed by the user's problem
 
     def key(kp):
         return (str(root), gpu.tag, kp)

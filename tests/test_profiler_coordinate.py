@@ -18,7 +18,6 @@ from cutlass_byoc.decisions import DecisionStore, GpuInfo, lookup, record_decisi
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import coordinate as C
-from cutlass_byoc.profiler.plan import kernel_problem
 
 GPU = GpuInfo("NVIDIA H200", 90)
 PROBLEMS = [
@@ -57,7 +56,7 @@ def fake_tune(root: str, behaviour: str, claimed=None, delay: float = 1.0):
         if behaviour == "ok":
             store = DecisionStore(root)
             for p in problems:
-                kp = kernel_problem(p)
+                kp = p
                 record_decision(kp, tuned_launch(kp), 42.0, gpu=GPU, store=store)
         return len(problems)
     return tune
@@ -84,7 +83,7 @@ def rank_main(root, rank, behaviour, barrier, claimed, results, wait_s=60.0, del
                             wait_s=wait_s, poll_s=0.02)
     launches = []
     for p in PROBLEMS:
-        dec = lookup(kernel_problem(p), gpu=GPU, store=store)
+        dec = lookup(p, gpu=GPU, store=store)
         launches.append(dec.launch.name if dec else None)
     results.put({"rank": rank, "tuned": [p.name for p in co.tuned], "waited": [p.name for p in co.waited],
                  "fell_back": {p.name: r for p, r in co.fell_back.items()}, "error": co.error,
@@ -118,7 +117,7 @@ def test_one_rank_tunes_the_other_reads_its_decisions(tmp_path, ctx):
     assert follower["fell_back"] == {} and leader["fell_back"] == {}
     assert len(tune_calls(root)) == 1  # one call of the tune function in all: one compile step, one timing pass
     assert out[0]["launches"] == out[1]["launches"]  # both ranks launch the same kernels: the tuned ones
-    assert out[0]["launches"] == [tuned_launch(kernel_problem(p)).name for p in PROBLEMS]
+    assert out[0]["launches"] == [tuned_launch(p).name for p in PROBLEMS]
     # a third process later finds everything decided and waits for nothing
     q2 = ctx.Queue()
     rank_main(root, 2, "ok", None, None, q2)
@@ -220,7 +219,7 @@ def test_a_holder_that_dies_is_taken_over(tmp_path, ctx):
     assert set(co.tuned) == set(PROBLEMS) and co.fell_back == {}  # claimed again and tuned here
     assert [pid for pid, _ in tune_calls(root)] == [holder.pid, os.getpid()]
     store = DecisionStore(root)
-    assert all(lookup(kernel_problem(p), gpu=GPU, store=store) for p in PROBLEMS)
+    assert all(lookup(p, gpu=GPU, store=store) for p in PROBLEMS)
 
 
 def test_a_late_rank_of_the_same_job_honours_the_no_winner_marker(tmp_path, ctx):
@@ -242,7 +241,7 @@ def test_a_late_rank_of_the_same_job_honours_the_no_winner_marker(tmp_path, ctx)
 def test_partly_decided_sets_only_tune_what_is_missing(tmp_path):
     root = str(tmp_path / "cache")
     store = DecisionStore(root)
-    kp = kernel_problem(PROBLEMS[0])
+    kp = PROBLEMS[0]
     record_decision(kp, tuned_launch(kp), 1.0, gpu=GPU, store=store)
     seen = []
     co = C.coordinated_tune(PROBLEMS, lambda ps: seen.extend(ps), gpu=GPU, store=store, wait_s=1)
@@ -284,15 +283,15 @@ def test_tune_report_names_decisions_tuned_here_and_elsewhere(tmp_cache, monkeyp
     store = dec_mod.default_store()
     monkeypatch.setattr(dec_mod, "current_gpu", lambda: GPU)
     monkeypatch.setattr(C, "current_gpu", lambda: GPU)
-    kp0 = kernel_problem(PROBLEMS[0])
+    kp0 = PROBLEMS[0]
     record_decision(kp0, tuned_launch(kp0), 7.0, gpu=GPU, store=store)  # "another rank" decided this one
-    C._settled[(str(store.root), GPU.tag, kernel_problem(PROBLEMS[2]))] = "waited 5 s for rank 0 and gave up"
+    C._settled[(str(store.root), GPU.tag, PROBLEMS[2])] = "waited 5 s for rank 0 and gave up"
     calls = []
 
     def fake_tune_workload(problems, **kw):
         calls.append(list(problems))
         for p in problems:
-            kp = kernel_problem(p)
+            kp = p
             record_decision(kp, tuned_launch(kp), 3.0, gpu=GPU, store=store)
 
     monkeypatch.setattr(T, "tune_workload", fake_tune_workload)

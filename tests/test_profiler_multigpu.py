@@ -165,8 +165,8 @@ def test_two_gpus_share_one_build_and_split_the_problems(fakes):
     assert all(g.gpu == H200.tag for g in rep.per_gpu)
     assert rep.scaling["gpus"] == 2 and rep.scaling["speedup_est"] > 1.2
     for p in PROBLEMS:  # recorded for the GPUs that timed, not for the parent's current device
-        assert lookup(T.kernel_problem(p), gpu=H200, store=store) is not None
-        assert lookup(T.kernel_problem(p), gpu=H100, store=store) is None
+        assert lookup(p, gpu=H200, store=store) is not None
+        assert lookup(p, gpu=H100, store=store) is None
     assert "gpus" in {__import__("json").loads(l)["event"] for l in rep.log_path.read_text().splitlines()}
     again = T.tune_workload(PROBLEMS, max_candidates=3, cache=cache, store=store, devices=[0, 1])
     assert {o.status for o in again.outcomes} == {T.CACHED} and len(builds) == 1

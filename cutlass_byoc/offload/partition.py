@@ -684,7 +684,6 @@ def tune_report(report: OffloadReport) -> None:
     locks in the cache, a deadline, and the model's launch for what ends without a decision)."""
     from ..decisions import lookup  # noqa: PLC0415
     from ..profiler.coordinate import coordinated_tune, worker_settings  # noqa: PLC0415
-    from ..profiler.plan import kernel_problem  # noqa: PLC0415
     from ..profiler.tune import tune_workload  # noqa: PLC0415
 
     problems = list(dict.fromkeys(report.problems))
@@ -705,7 +704,7 @@ def tune_report(report: OffloadReport) -> None:
         if p in co.fell_back:
             e.notes.append(f"not tuned: {co.fell_back[p]}")
             continue
-        dec = lookup(kernel_problem(p))
+        dec = lookup(p)
         if dec is not None:
             e.kernel = f"{dec.launch.name} ({how.get(p.name, 'cached')}, {dec.time_us:.1f} us)"
 
