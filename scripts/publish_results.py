@@ -2,8 +2,10 @@
 and render the README's performance tables from them. Nothing here is typed by hand: every number comes from those
 files.
 
-    python scripts/publish_results.py DIR     # DIR: the round's $OUT as fetched (bench.json, bench-splitk.json,
-                                              # offload.json; any subset), then the README tables are re-rendered
+    python scripts/publish_results.py DIR...  # each DIR: one device call's $OUT as fetched (bench.json,
+                                              # bench-splitk.json, bench-depthwise.json, offload.json; any subset);
+                                              # offload.json rows of several calls are concatenated in the given
+                                              # order; then the README tables are re-rendered
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "h200"
-FILES = ("bench.json", "bench-splitk.json", "offload.json")
+FILES = ("bench.json", "bench-splitk.json", "bench-depthwise.json", "offload.json")
 BEGIN, END = "<!-- results:begin (scripts/publish_results.py) -->", "<!-- results:end -->"
 
 
@@ -38,13 +40,15 @@ def bench_tables(data: dict) -> list[str]:
     dw = [r for r in rows if r.get("depthwise")]
     out = [f"Per-layer kernels vs cuDNN (`cutlass-byoc bench`, {data.get('gpu')}, torch {data.get('torch')}, cuDNN "
            f"{data.get('cudnn')}; ratio = cuDNN time / ours, above 1 means faster than cuDNN):", ""]
-    r50 = [r["ratio"] for r in dense if r.get("resnet50") and r.get("ratio")]
-    by_kind = {k: _geomean([r["ratio"] for r in dense if r.get("resnet50") and r["kind"] == k and r.get("ratio")])
-               for k in ("fprop", "dgrad", "wgrad")}
-    worst = min((r for r in dense if r.get("resnet50") and r.get("ratio")), key=lambda r: r["ratio"], default=None)
-    out.append(f"ResNet-50 cells: {len(r50)}, geomean {_geomean(r50):.3f} (fprop {by_kind['fprop']:.3f}, dgrad "
-               f"{by_kind['dgrad']:.3f}, wgrad {by_kind['wgrad']:.3f}); worst "
-               + (f"{worst['layer']} {worst['kind']} {worst['ratio']:.2f}" if worst else "-") + ".")
+    for what, cells in (("ResNet-50", [r for r in dense if r.get("resnet50")]), ("depthwise", dw)):
+        cells = [r for r in cells if r.get("ratio")]
+        if not cells:
+            continue
+        by_kind = {k: _geomean([r["ratio"] for r in cells if r["kind"] == k]) for k in ("fprop", "dgrad", "wgrad")}
+        worst = min(cells, key=lambda r: r["ratio"])
+        out.append(f"{what} cells: {len(cells)}, geomean {_geomean([r['ratio'] for r in cells]):.3f} (fprop "
+                   f"{by_kind['fprop']:.3f}, dgrad {by_kind['dgrad']:.3f}, wgrad {by_kind['wgrad']:.3f}); worst "
+                   f"{worst['layer']} {worst['kind']} {worst['ratio']:.2f}.")
     out += ["", "| layer | kind | ours µs | cuDNN µs | ours | cuDNN | unit | ratio | status |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in dense + dw:
@@ -80,16 +84,17 @@ def offload_tables(data: dict) -> list[str]:
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} |")
     host = data.get("host_overhead")
     if host:
-        out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost):", "",
-                "| pass | path | µs per call |", "|---|---|---|"]
-        out += [f"| {h['pass']} | {h['path']} | {h['us_per_call']:.1f} |" for h in host]
+        out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "
+                "set per device call, each measured in one process):", "",
+                "| run | pass | path | µs per call |", "|---|---|---|---|"]
+        out += [f"| {h.get('run', 1)} | {h['pass']} | {h['path']} | {h['us_per_call']:.1f} |" for h in host]
     return out
 
 
 def render(results: Path = RESULTS) -> str:
     parts: list[str] = []
     for name, fn in (("bench.json", bench_tables), ("bench-splitk.json", splitk_table),
-                     ("offload.json", offload_tables)):
+                     ("bench-depthwise.json", bench_tables), ("offload.json", offload_tables)):
         path = results / name
         if path.exists():
             parts += fn(json.loads(path.read_text())) + [""]
@@ -111,18 +116,35 @@ def splice_readme(text: str, readme: Path = ROOT / "README.md") -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", nargs="?", type=Path, help="the GPU round's output folder")
+    ap.add_argument("dirs", nargs="*", type=Path, help="the GPU round's output folders (one per device call)")
     ap.add_argument("--print", action="store_true", help="print the tables rendered from benchmarks/h200/")
     a = ap.parse_args(argv)
-    if a.dir:
+    if a.dirs:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        copied = [f for f in FILES if (a.dir / f).exists()]
-        for f in copied:
-            json.loads((a.dir / f).read_text())  # only whole, valid files are published
-            shutil.copyfile(a.dir / f, RESULTS / f)
-        print(f"copied {copied or 'nothing'} into {RESULTS}")
+        offload = None
+        for d in a.dirs:
+            for f in FILES:
+                if not (d / f).exists():
+                    continue
+                data = json.loads((d / f).read_text())  # only whole, valid files are published
+                if f == "offload.json":  # several calls' cases: one file, rows in call order
+                    runs = 1 if offload is None else offload.get("runs", 1) + 1
+                    for h in data.get("host_overhead", []):
+                        h["run"] = runs  # host overheads of separate device calls (their spread shows the noise)
+                    if offload is None:
+                        offload = data
+                    else:
+                        offload["rows"] += data["rows"]
+                        offload["host_overhead"] = offload.get("host_overhead", []) + data.get("host_overhead", [])
+                    offload["runs"] = runs
+                    continue
+                shutil.copyfile(d / f, RESULTS / f)
+                print(f"copied {d / f} into {RESULTS}")
+        if offload is not None:
+            (RESULTS / "offload.json").write_text(json.dumps(offload, indent=1) + "\n")
+            print(f"wrote {RESULTS / 'offload.json'} ({len(offload['rows'])} rows)")
     text = render()
-    if a.print or not a.dir:
+    if a.print or not a.dirs:
         print(text)
     else:
         splice_readme(text)
