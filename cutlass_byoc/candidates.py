@@ -12,38 +12,18 @@ import functools
 from typing import Callable, Iterator, Optional
 
 from .config import PAD_MULTIPLES, KernelConfig, Shape3, instruction_shape_for, math_op_for, round_up
+from .generators import Collector, generator_module
 from .problem import Conv2dProblem, max_alignment
 from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
 
 TileSpec = tuple[Shape3, Shape3, int]  # (threadblock tile, warp counts, stages)
 
 
-class _Collector:
-    """The manifest interface cutlass_library's generators append to."""
-
-    def __init__(self) -> None:
-        self.operations: list = []
-        self.kernel_filter = "*"  # non-empty, else the generators keep only their first tile
-
-    def append(self, op) -> None:
-        self.operations.append(op)
-
-    def get_instantiation_level(self, *args, **kwargs) -> str:
-        return "0"
-
-
 @functools.lru_cache(maxsize=None)
 def sm80_tile_specs(math: MathOp) -> tuple[TileSpec, ...]:
     """Distinct (tile, warps, stages) that cutlass_library generates for SM80 conv2d with this math op."""
-    import sys  # noqa: PLC0415
-
-    saved, sys.argv = sys.argv, sys.argv[:1]  # cutlass_library.generator parses sys.argv when it is imported
-    try:
-        from cutlass_library import generator  # noqa: PLC0415
-    finally:
-        sys.argv = saved
-
-    collector = _Collector()
+    generator = generator_module()
+    collector = Collector()
     if math is MathOp.TF32:
         generator.GenerateSM80_TensorOp_1688(collector, "13.0")
         want_a = {"tf32", "f32"}

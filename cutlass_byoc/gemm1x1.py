@@ -42,6 +42,7 @@ import functools
 from typing import Callable, Iterator, Optional
 
 from .config import KernelConfig, Shape3
+from .generators import Collector, generator_module
 from .problem import Conv2dProblem
 from .types import ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
@@ -171,20 +172,6 @@ def applicable(problem: Conv2dProblem) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------- candidates
-class _Collector:
-    """The manifest interface cutlass_library's generators append to."""
-
-    def __init__(self) -> None:
-        self.operations: list = []
-        self.kernel_filter = "*"
-
-    def append(self, op) -> None:
-        self.operations.append(op)
-
-    def get_instantiation_level(self, pruned_level=0, default_level=111, exhaustive_level=9992) -> int:
-        return default_level  # what cutlass_library's own manifest uses for a plain kernel filter
-
-
 _SCHEDULE_NAMES = {("TmaWarpSpecializedCooperative", "Default"): "cooperative",
                    ("TmaWarpSpecializedCooperative", "Persistent"): "cooperative",
                    ("TmaWarpSpecializedCooperative", "StreamK"): "cooperative_streamk",
@@ -196,14 +183,8 @@ _SCHEDULE_NAMES = {("TmaWarpSpecializedCooperative", "Default"): "cooperative",
 def generator_configs() -> tuple[tuple[Shape3, Shape3, str], ...]:
     """Distinct (CTA tile, cluster, schedule) that cutlass_library generates for sm90 16-bit GEMM with fp32
     accumulation and a TMA epilogue."""
-    import sys  # noqa: PLC0415
-
-    saved, sys.argv = sys.argv, sys.argv[:1]  # cutlass_library.generator parses sys.argv when it is imported
-    try:
-        from cutlass_library import generator  # noqa: PLC0415
-    finally:
-        sys.argv = saved
-    collector = _Collector()
+    generator = generator_module()
+    collector = Collector(level=None)  # the GEMM generator needs its default level (an int)
     generator.GenerateSM90_TensorOp_16b_WGMMA_gemm(collector, "13.0")
     out = set()
     for op in collector.operations:

@@ -30,6 +30,7 @@ import functools
 from typing import Callable, Iterator, Optional
 
 from .config import KernelConfig, Shape3
+from .generators import Collector, generator_module
 from .problem import Conv2dProblem
 from .types import ConvKind, DType, KernelFamily, SplitKMode, StrideSupport
 
@@ -50,24 +51,11 @@ EXTRA_TILES: tuple[Shape3, ...] = ((128, 64, 64),)
 MAX_ACCUMULATOR_ELEMENTS = 128 * 128
 
 
-class _Collector:
-    def __init__(self) -> None:
-        self.operations: list = []
-        self.kernel_filter = "*"
-
-    def append(self, op) -> None:
-        self.operations.append(op)
-
-    def get_instantiation_level(self, *args, **kwargs) -> str:
-        return "0"
-
-
 @functools.lru_cache(maxsize=None)
 def generator_tiles() -> tuple[Shape3, ...]:
     """Distinct CTA tiles that cutlass_library generates for 2-D sm90 conv with 16-bit inputs."""
-    from cutlass_library import generator  # noqa: PLC0415
-
-    collector = _Collector()
+    generator = generator_module()
+    collector = Collector()
     generator.GenerateSM90_Conv3x(collector, "13.0")
     tiles = set()
     for op in collector.operations:

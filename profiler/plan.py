@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 from ..candidates import channel_pad_options, sm80_candidates
 from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from ..depthwise import depthwise_candidates
+from ..generators import generator_module
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
 from ..types import KernelFamily, SplitKMode
@@ -51,21 +52,6 @@ def _sm90_enumerator() -> Optional[Callable[[Conv2dProblem], Iterable[KernelConf
     return sm90_candidates
 
 
-def _import_cutlass_generator() -> None:
-    """Import cutlass_library.generator with a bare sys.argv: at import it runs argparse's parse_known_args() on
-    the process's arguments, so a `--h 56` of our CLI would be read as its `--help` (and exit)."""
-    import sys  # noqa: PLC0415
-
-    if "cutlass_library.generator" in sys.modules:
-        return
-    saved = sys.argv
-    sys.argv = saved[:1]
-    try:
-        import cutlass_library.generator  # noqa: F401, PLC0415
-    finally:
-        sys.argv = saved
-
-
 def _gemm1x1_enumerator() -> Optional[Callable[[Conv2dProblem], Iterable[KernelConfig]]]:
     """The 1x1-as-GEMM family's enumerator if that module is present in this build."""
     try:
@@ -76,7 +62,7 @@ def _gemm1x1_enumerator() -> Optional[Callable[[Conv2dProblem], Iterable[KernelC
 
 
 def kernel_enumerators() -> list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]]:
-    _import_cutlass_generator()
+    generator_module()  # imported with a bare sys.argv before any family enumerates
     out: list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]] = [
         (KernelFamily.SM80_IMPLICIT_GEMM, sm80_candidates),
         (KernelFamily.DEPTHWISE_DIRECT, depthwise_candidates),
