@@ -173,3 +173,12 @@ def test_hopeless_other_family_candidates_give_their_share_back():
     q = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
     fams = {k.family for k in plan_problem(q, 8).kernels}
     assert KernelFamily.SM90_TMA_WGMMA in fams or plan_mod._sm90_enumerator() is None
+
+
+def test_a_budget_smaller_than_the_families_is_kept():
+    """--max-candidates 1 on a 1x1 layer (2.x, 3.x conv and 3.x GEMM families all apply): one kernel, the best
+    estimate among the families' best."""
+    p = Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 1)
+    for budget in (1, 2):
+        pp = plan_problem(p, budget)
+        assert len(pp.kernels) == budget, [c.name for c in pp.candidates]
