@@ -150,10 +150,14 @@ def bind(problem: Conv2dProblem, launch: LaunchConfig) -> Optional[_Prepared]:
         raise UnsupportedConvError(f"size: {why}")
     if launch.padded:
         return None
+    return _prepared_launch(problem, launch)
+
+
+def _prepared_launch(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
+    """`launch` prepared for `problem`, validated once per pair and remembered."""
     prep = _prepared.get((problem, launch))
     if prep is None:
-        prep = _prepare(problem, launch)
-        _prepared[(problem, launch)] = prep
+        prep = _prepared[(problem, launch)] = _prepare(problem, launch)
     return prep
 
 
@@ -184,9 +188,8 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         if why:
             raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
         narrowed = _narrow_to_pointers(launch, problem, a, b, out, source, bias, explicit=config is not None)
-        prep = _prepared.get((problem, narrowed)) or _prepare(problem, narrowed)
+        prep = _prepared_launch(problem, narrowed)  # a re-chosen launch too: later offset views skip its validation
         prep.lib.check_pointers(problem, pa, pb, pd, ps, pbias)  # null or misaligned pointers: an error naming it
-        _prepared[(problem, narrowed)] = prep  # a re-chosen launch too: later offset views skip its validation
     args = CbConv2dArgs.from_buffer_copy(prep.template)
     args.a, args.b, args.d, args.source = pa, pb, pd, ps or None
     args.bias = pbias or None

@@ -17,7 +17,8 @@ Layout contract (the design decision of the offload):
   in the pointers and launches: no problem is rebuilt and nothing is looked up by key. Any mismatch takes the general
   path below, which checks everything; nothing unchecked ever reaches a kernel. Workspaces come from PyTorch's
   caching allocator per call and no call synchronizes, so the ops can be captured in CUDA graphs.
-* General path (``site=-1``, or a call that does not match its site): the ops call :mod:`cutlass_byoc.ops` with the
+* General path (the ``conv2d_*`` ops, every parameter an argument; a call-site op whose call does not match its
+  site runs it too): the ops call :mod:`cutlass_byoc.ops` with the
   launch chosen once per distinct problem (:func:`_call`;
   ``select`` = tune / cached / heuristic as given by the backend's options): a call signature's first call goes
   through the checked public op, later ones straight to ``ops.run_problem``. If the kernel library cannot run a call
@@ -432,12 +433,12 @@ def _on_kernels(kind: str, launch, run: Callable[[], torch.Tensor], what: Callab
 # per-call host cost (custom_op wraps every call in Python layers; see ANCHORS.md, pytorch#177109).
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 _LIB.define("conv2d_fprop(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int[] stride, int[] padding, "
-            "int[] dilation, int groups, str activation, ScalarType? out_dtype, str select, int site=-1) -> Tensor",
+            "int[] dilation, int groups, str activation, ScalarType? out_dtype, str select) -> Tensor",
             tags=_TAGS)
 _LIB.define("conv2d_dgrad(Tensor grad_output, Tensor weight, SymInt[] input_size, int[] stride, int[] padding, "
-            "int[] dilation, int groups, ScalarType? out_dtype, str select, int site=-1) -> Tensor", tags=_TAGS)
+            "int[] dilation, int groups, ScalarType? out_dtype, str select) -> Tensor", tags=_TAGS)
 _LIB.define("conv2d_wgrad(Tensor grad_output, Tensor input, SymInt[] weight_size, int[] stride, int[] padding, "
-            "int[] dilation, int groups, ScalarType? out_dtype, str select, int site=-1) -> Tensor", tags=_TAGS)
+            "int[] dilation, int groups, ScalarType? out_dtype, str select) -> Tensor", tags=_TAGS)
 
 
 def _impl(name: str):
@@ -455,14 +456,9 @@ def _fake(name: str):
 def _conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   residual: Optional[torch.Tensor], stride: Sequence[int], padding: Sequence[int],
                   dilation: Sequence[int], groups: int, activation: str, out_dtype: Optional[torch.dtype],
-                  select: str, site: int = -1) -> torch.Tensor:
+                  select: str) -> torch.Tensor:
     """``act(conv2d(input, weight) + bias + residual)`` stored as out_dtype, channels_last (either source optional; the
     bias may be fp32 under a 16-bit output)."""
-    if site >= 0 and use_kernels:
-        y = _SITES[site](input, weight, residual if residual is not None else bias,
-                         bias if residual is not None else None) if site < len(_SITES) else None
-        if y is not None:
-            return y
     args = (input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype)
     if input.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
@@ -492,7 +488,7 @@ def _conv2d_fprop(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 @_fake("conv2d_fprop")
 def _conv2d_fprop_fake(input, weight, bias, residual, stride, padding, dilation, groups, activation, out_dtype,
-                       select, site=-1):
+                       select):
     n, _, h, w = input.shape
     k, _, r, s = weight.shape
     (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
@@ -504,12 +500,8 @@ def _conv2d_fprop_fake(input, weight, bias, residual, stride, padding, dilation,
 @_impl("conv2d_dgrad")
 def _conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: Sequence[int], stride: Sequence[int],
                   padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
-                  select: str, site: int = -1) -> torch.Tensor:
+                  select: str) -> torch.Tensor:
     """grad_input of conv2d (also the forward of a transposed conv), channels_last."""
-    if site >= 0 and use_kernels:
-        y = _SITES[site](grad_output, weight, None) if site < len(_SITES) else None
-        if y is not None:
-            return y
     args = (grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
@@ -531,7 +523,7 @@ def _conv2d_dgrad(grad_output: torch.Tensor, weight: torch.Tensor, input_size: S
 
 
 @_fake("conv2d_dgrad")
-def _conv2d_dgrad_fake(grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype, select, site=-1):
+def _conv2d_dgrad_fake(grad_output, weight, input_size, stride, padding, dilation, groups, out_dtype, select):
     return grad_output.new_empty(list(input_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
@@ -539,12 +531,8 @@ def _conv2d_dgrad_fake(grad_output, weight, input_size, stride, padding, dilatio
 @_impl("conv2d_wgrad")
 def _conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: Sequence[int], stride: Sequence[int],
                   padding: Sequence[int], dilation: Sequence[int], groups: int, out_dtype: Optional[torch.dtype],
-                  select: str, site: int = -1) -> torch.Tensor:
+                  select: str) -> torch.Tensor:
     """grad_weight of conv2d accumulated in fp32, stored as out_dtype (fp32 for fp32 master weights), KRSC."""
-    if site >= 0 and use_kernels:
-        y = _SITES[site](grad_output, input, None) if site < len(_SITES) else None
-        if y is not None:
-            return y
     args = (grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype)
     if grad_output.is_cuda and use_kernels:
         from .. import ops  # noqa: PLC0415
@@ -567,7 +555,7 @@ def _conv2d_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight_size: S
 
 
 @_fake("conv2d_wgrad")
-def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype, select, site=-1):
+def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilation, groups, out_dtype, select):
     return input.new_empty(list(weight_size), dtype=out_dtype or grad_output.dtype).contiguous(memory_format=CL)
 
 
