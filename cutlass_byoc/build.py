@@ -182,7 +182,8 @@ def build(
 
 def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: bool) -> None:
     tc = toolchain(jobs_[0].config.arch)
-    build_dir = cache.staging_dir("ninja")
+    # absolute paths: ninja runs in build_dir (-C), where a cache given as a relative path would not resolve
+    build_dir = cache.staging_dir("ninja").absolute()
     lines = [
         "ninja_required_version = 1.10",
         f"nvcc = {_ninja_escape(tc.nvcc)}",
@@ -194,7 +195,7 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
     ]
     for job in jobs_:
         (job.staged / "kernel.cu").write_text(job.source)
-        src, out, logf = (_ninja_escape(str(job.staged / f)) for f in ("kernel.cu", "kernel.so", "build.log"))
+        src, out, logf = (_ninja_escape(str(job.staged.absolute() / f)) for f in ("kernel.cu", "kernel.so", "build.log"))
         lines += [f"build {out}: nvcc {src}", f"  log = {logf}", f"  name = {job.config.name}", ""]
     (build_dir / "build.ninja").write_text("\n".join(lines))
 
@@ -226,7 +227,7 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
     built_by = provenance()  # who compiled these kernels, where and when (`cutlass-byoc cache show` prints it)
     for job in jobs_:
         lib, logf = job.staged / "kernel.so", job.staged / "build.log"
-        seconds = times.get(str(lib))
+        seconds = times.get(str(lib.absolute()))
         meta = {
             "format": CACHE_FORMAT, "key": job.key, "name": job.config.name, "config": job.config.to_dict(),
             "nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version, "command": tc.describe(),

@@ -35,6 +35,13 @@ Kernels:
 - wgrad: a thread holds R*S*vector fp32 accumulators; for each dy pixel of its strip it reads the input window
   like fprop. The CTA sums its threads through shared-memory atomics and writes one fp32 partial per split into
   the workspace ([splits][R*S][C] floats); the reduction kernel writes dw = alpha * sum + beta * source.
+- wgrad, schedule "rows" (`ROWS`): the work is dy row segments (image n, row p, `tile[1]` columns) instead of pixel
+  tiles. A thread owns a channel vector and one segment at a time; it walks the segment `stages` columns per step,
+  issuing all of the step's loads (its dy vectors and, for each filter row, the (stages - 1) * stride + S input
+  vectors they touch) before the step's arithmetic, so each thread keeps several 16-byte loads in flight (the tile
+  kernels stage through shared memory or load one window at a time). `tile[0]` threads per channel vector take
+  the split's segments in turn; the partials and the reduction are the tile kernels'. For this schedule `tile` is
+  (segment threads, segment columns, channels) and `stages` the columns per step.
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ SMEM_LIMIT = 48 * 1024
 WGRAD_MAX_ACC = 128
 MAX_FILTER = 9
 MAX_STRIDE = 4
+#: The wgrad schedule whose work is dy row segments (see the module docstring); None is the pixel-tile schedule.
+ROWS = "rows"
+#: Registers a "rows" wgrad thread may need (accumulators, the step's dy in fp32 and its input window); past this the
+#: kernel spills or runs one CTA per SM.
+ROWS_MAX_REGS = 192
 H200_SMS = 132
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
@@ -69,9 +81,27 @@ def lanes(c: KernelConfig) -> int:
 
 
 def strip(c: KernelConfig) -> int:
-    """Consecutive output columns per thread."""
+    """Consecutive output columns per thread (the pixel-tile schedules)."""
     rows, cols, _ = c.tile
     return rows * cols * lanes(c) // c.threads
+
+
+def is_rows(c: KernelConfig) -> bool:
+    """Whether the config is the "rows" wgrad schedule (work: dy row segments; see the module docstring)."""
+    return c.schedule == ROWS
+
+
+def rows_window(c: KernelConfig) -> int:
+    """Input vectors per filter row a "rows" step reads: (columns per step - 1) * stride + S."""
+    return (c.stages - 1) * c.conv_stride[1] + c.filter_rs[1]
+
+
+def rows_registers(c: KernelConfig) -> int:
+    """32-bit registers a "rows" wgrad thread needs for its data: R*S*vector fp32 sums, the step's dy vectors in
+    fp32 and the R input windows as loaded (a lower bound: addresses and loop state come on top)."""
+    r, s = c.filter_rs
+    vec = c.align_a
+    return r * s * vec + c.stages * vec + r * rows_window(c) * vec * c.element_a.nbytes // 4
 
 
 def is_flipped(c: KernelConfig) -> bool:
@@ -92,7 +122,7 @@ def smem_bytes(c: KernelConfig) -> int:
     r, s = c.filter_rs
     filt = r * s * c.tile[2] * 4  # fprop/dgrad: the filter in fp32; wgrad: the CTA's fp32 reduction buffer
     halo = 0
-    if c.halo_smem:
+    if c.halo_smem and not is_rows(c):
         hh, ww = halo_shape(c)
         halo = hh * ww * c.tile[2] * c.element_a.nbytes
     return filt + halo
@@ -104,7 +134,7 @@ def depthwise_name(c: KernelConfig) -> str:
         "cb_dw", c.kind.value,
         f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
         f"t{rows}x{cols}x{ch}_v{c.align_a}_w{c.warps[0]}",
-        "smem" if c.halo_smem else "l1",
+        f"rows{c.stages}" if is_rows(c) else ("smem" if c.halo_smem else "l1"),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
     if c.split_k_mode is SplitKMode.PARALLEL:
@@ -128,12 +158,21 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return f"conv_stride: expected (stride_h, stride_w) in 1..{MAX_STRIDE}, got {c.conv_stride}"
     if c.halo_smem is None:
         return "halo_smem: expected True or False for the depthwise family"
-    if c.stages != 1:
-        return f"stages: depthwise kernels have no pipeline, expected 1, got {c.stages}"
+    if c.schedule not in (None, ROWS):
+        return f"schedule: depthwise kernels take None (pixel tiles) or {ROWS!r} (wgrad only), got {c.schedule!r}"
+    if is_rows(c):
+        if c.kind is not ConvKind.WGRAD:
+            return f"schedule {ROWS!r}: wgrad only"
+        if c.halo_smem:
+            return f"halo_smem: the {ROWS!r} schedule reads its input windows through L1 (halo_smem False)"
+        if c.stages not in (1, 2, 4, 8):
+            return f"stages: a {ROWS!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
+    elif c.stages != 1:
+        return f"stages: depthwise pixel-tile kernels have no pipeline, expected 1, got {c.stages}"
     if c.iterator.value != "analytic" or c.stride_support is not StrideSupport.UNITY or c.swizzle != 1:
         return "iterator/stride_support/swizzle: unused by the depthwise family, expected analytic/unity/1"
-    if c.cluster != (1, 1, 1) or c.schedule is not None:
-        return "cluster/schedule: fields of the sm90 family"
+    if c.cluster != (1, 1, 1):
+        return "cluster: a field of the sm90 families"
     vec = c.align_a
     for name, elem in (("align_a", c.element_a), ("align_b", c.element_b), ("align_c", c.element_kernel_out)):
         a = getattr(c, name)
@@ -165,6 +204,18 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return f"tile {c.tile}: expected positive rows, cols and channels a multiple of the vector {vec}"
     if c.warps[1:] != (1, 1) or not 1 <= c.warps[0] <= 32:
         return f"warps {c.warps}: expected (1..32, 1, 1)"
+    if is_rows(c):
+        if rows * lanes(c) != c.threads:
+            return (f"tile {c.tile}: {rows} segment threads x {lanes(c)} channel vectors must be the CTA's "
+                    f"{c.threads} threads")
+        if cols % c.stages:
+            return f"tile {c.tile}: segments of {cols} columns are not a multiple of the {c.stages} columns per step"
+        if rows_registers(c) > ROWS_MAX_REGS:
+            return (f"stages {c.stages}: a thread would hold {rows_registers(c)} registers of sums, dy and input "
+                    f"window (at most {ROWS_MAX_REGS}); fewer columns per step or a narrower vector")
+        if smem_bytes(c) > SMEM_LIMIT:
+            return f"{smem_bytes(c)} bytes of shared memory, past the {SMEM_LIMIT} of static shared memory"
+        return None
     if (rows * cols * lanes(c)) % c.threads:
         return f"tile {c.tile}: {rows * cols} pixels x {lanes(c)} channel vectors do not divide over {c.threads} threads"
     if c.threads % lanes(c) or cols % strip(c):
@@ -210,8 +261,11 @@ def depthwise_reject_reason(c: KernelConfig, problem: Conv2dProblem) -> Optional
 
 
 def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
-    """How many CTA pixel tiles cover the kernel's output (wgrad: dy), i.e. the most splits a wgrad can use."""
+    """How many CTA pixel tiles cover the kernel's output (wgrad: dy), i.e. the most splits a wgrad can use. For the
+    "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread)."""
     rows, cols, _ = c.tile
+    if is_rows(c):
+        return math.ceil(problem.n * problem.p * math.ceil(problem.q / cols) / rows)
     if c.kind is ConvKind.DGRAD:
         h, w = problem.h, problem.w
     else:
@@ -231,15 +285,27 @@ SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (1, 8, 16, 4),   # 8 pixels x 16 vectors, 128 threads: strips of 1 (7x7 images of many channels)
 )
 
+#: The "rows" wgrad schedule's CTA shapes: (segment threads, segment columns, channel vectors per CTA, warps), with
+#: segment threads x channel vectors = the CTA's threads; and the columns per step tried with each.
+ROWS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (32, 16, 4, 4),   # 4 vectors (32 channels at 8), 32 segments at a time: few channels
+    (16, 16, 8, 4),   # 8 vectors
+    (8, 16, 16, 4),   # 16 vectors (128 channels at 8)
+    (4, 16, 32, 4),   # 32 vectors: many channels, small images
+    (16, 16, 16, 8),  # 16 vectors, 256 threads
+)
+ROWS_STEPS = (4, 2)
 
-def _config(problem: Conv2dProblem, shape, vec: int, halo: bool) -> KernelConfig:
+
+def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optional[str] = None,
+            stages: int = 1) -> KernelConfig:
     rows, cols, nvec, warps = shape
     p = problem
     wgrad = p.kind is ConvKind.WGRAD
     return KernelConfig(
         family=KernelFamily.DEPTHWISE_DIRECT, kind=p.kind,
         element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
-        tile=(rows, cols, nvec * vec), warps=(warps, 1, 1), stages=1,
+        tile=(rows, cols, nvec * vec), warps=(warps, 1, 1), stages=stages, schedule=schedule,
         iterator=IteratorAlgorithm.ANALYTIC, stride_support=StrideSupport.UNITY,
         align_a=vec, align_b=vec if wgrad else 1,
         align_c=1 if wgrad else min(vec, max_alignment(p.c, p.element_out)),
@@ -275,6 +341,20 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                 if cfg not in seen and cfg.reject_reason(problem) is None:
                     seen.add(cfg)
                     yield cfg
+    if problem.kind is not ConvKind.WGRAD:
+        return
+    for vec in _vectors(problem):
+        for shape in ROWS_SHAPES:
+            if shape[2] * vec > max(problem.c, 4 * vec) * 2:
+                continue
+            for steps in ROWS_STEPS:
+                try:
+                    cfg = _config(problem, shape, vec, False, ROWS, steps)
+                except ValueError:
+                    continue  # e.g. too many registers for this filter, stride and vector
+                if cfg not in seen and cfg.reject_reason(problem) is None:
+                    seen.add(cfg)
+                    yield cfg
 
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:
@@ -285,11 +365,13 @@ def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SM
     tiles = pixel_tiles(c, problem)
     ctiles = math.ceil(problem.c / c.tile[2])
     per_sm = 2  # resident CTAs per SM a wgrad CTA can count on (its R*S*vector accumulators take registers)
+    rows = is_rows(c)
     out = []
-    for waves in (1, 2, 4):
+    for waves in ((1, 2, 4, 8) if rows else (1, 2, 4)):
         want = max(1, waves * sms * per_sm // ctiles)
         s = 1 << max(0, math.floor(math.log2(want)))
-        s = max(1, min(s, tiles // 4 or 1))
+        # pixel tiles: at least 4 per split; "rows": at least one segment per thread of every split
+        s = max(1, min(s, tiles if rows else (tiles // 4 or 1)))
         if s not in out:
             out.append(s)
     return out
@@ -302,11 +384,17 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     rows, cols, ch = c.tile
     waste = math.ceil(problem.c / ch) * ch / problem.c
     ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
-    idle = math.ceil(ph / rows) * rows * math.ceil(pw / cols) * cols / (ph * pw)  # threads past the image's edge
+    if is_rows(c):  # segments past the image's right edge
+        idle = math.ceil(pw / cols) * cols / pw
+    else:
+        idle = math.ceil(ph / rows) * rows * math.ceil(pw / cols) * cols / (ph * pw)  # threads past the image's edge
     waste *= idle ** 0.5
-    hh, ww = halo_shape(c)
     sh, sw = (1, 1) if is_flipped(c) else c.conv_stride
-    reread = hh * ww / (rows * cols * sh * sw)  # input read per CTA over the input its tile owns
+    if is_rows(c):  # each segment reads R input rows of its window: from L2 after the first
+        reread = c.filter_rs[0] / sh * rows_window(c) / (c.stages * sw)
+    else:
+        hh, ww = halo_shape(c)
+        reread = hh * ww / (rows * cols * sh * sw)  # input read per CTA over the input its tile owns
     in_bytes = math.prod(problem.a_shape if c.kind is not ConvKind.WGRAD else problem.b_shape) * problem.element_a.nbytes
     bytes_ = problem.bytes_moved + in_bytes * (reread - 1) * (0.15 if c.halo_smem else 0.3)
     bytes_ *= waste
@@ -317,6 +405,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     ctas = pixel_tiles(c, problem) * math.ceil(problem.c / ch) if c.kind is not ConvKind.WGRAD else \
         launch.split_k_slices * math.ceil(problem.c / ch)
     per_sm = max(1, min(2048 // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+    if is_rows(c):
+        per_sm = max(1, min(per_sm, 65536 // ((rows_registers(c) + 24) * c.threads)))
     waves = ctas / (sms * per_sm)
     fill = waves / math.ceil(waves) if waves < 4 else 1.0
     eff = min(1.0, (c.align_a * c.element_a.nbytes / 16) ** 0.5) * max(0.25, fill)

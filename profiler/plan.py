@@ -207,7 +207,7 @@ def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, i
         by_family.setdefault(kc.family, []).append((launches[0][0], kc, launches))
     for fam, lst in by_family.items():
         lst.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
-        by_family[fam] = _spread_over_tiles(lst)
+        by_family[fam] = _alternate_schedules(_spread_over_tiles(lst))
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
         best_2x = sm80[0][0]
@@ -250,6 +250,21 @@ def _spread_over_tiles(ranked: list) -> list:
         (firsts if shape not in seen else rest).append(t)
         seen.add(shape)
     return firsts + rest
+
+
+def _alternate_schedules(ranked: list) -> list:
+    """The family's kernels taken in turn from each of its schedules (each schedule's own order kept), where the
+    family has more than one and the model cannot rank them against each other: the depthwise wgrad's pixel-tile and
+    "rows" schedules. A budget then times the best few of both instead of the first schedule's only."""
+    groups: dict = {}
+    for t in ranked:
+        groups.setdefault(t[1].schedule if t[1].family is KernelFamily.DEPTHWISE_DIRECT else None, []).append(t)
+    if len(groups) < 2:
+        return ranked
+    out, lists = [], list(groups.values())
+    for i in range(max(len(lst) for lst in lists)):
+        out += [lst[i] for lst in lists if i < len(lst)]
+    return out
 
 
 def plan_workload(

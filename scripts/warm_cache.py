@@ -56,6 +56,17 @@ def test_kernels() -> list[KernelConfig]:
     return cfgs
 
 
+def depthwise_kernels() -> list[KernelConfig]:
+    """test_gpu_depthwise.py's kernels and the tune plan of the named workload `depthwise` (its defaults: batch 32,
+    fp16, every kind, the default candidate budget), as `cutlass-byoc tune depthwise` makes it."""
+    import test_gpu_depthwise  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
+    from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
+
+    problems = [getattr(item, "problem", item) for item in named_workload("depthwise")]
+    return test_gpu_depthwise.all_kernels() + list(plan_workload(problems).kernels)
+
+
 def _launch_kernels(model, batch: int, image: int, channels_last: bool, training: bool, what: str) -> list:
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
     from cutlass_byoc.select import choose  # noqa: PLC0415
@@ -94,10 +105,16 @@ def main() -> int:
     ap.add_argument("--offload-only", action="store_true", help="only the offload tests' and benchmark's kernels")
     ap.add_argument("--tests-only", action="store_true",
                     help="only the GPU test modules' kernels and the model-family tests' (no ResNet/MobileNet runs)")
+    ap.add_argument("--depthwise", action="store_true",
+                    help="only the depthwise GPU tests' kernels and those `cutlass-byoc tune depthwise` plans (so the "
+                         "round's tune-depthwise step compiles nothing)")
     ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
     a = ap.parse_args()
     runs = [] if a.tests_only else OFFLOAD_RUNS
-    cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels(runs)))
+    if a.depthwise:
+        cfgs = list(dict.fromkeys(depthwise_kernels()))
+    else:
+        cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels(runs)))
     print(f"{len(cfgs)} kernels", flush=True)
     if a.list:
         for c in cfgs:

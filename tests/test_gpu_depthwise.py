@@ -2,8 +2,9 @@
 poisoned with NaN first: fprop, dgrad and wgrad; 3x3, 5x5 and 7x7; stride 1 and 2; odd H and W; C not a multiple
 of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the public ops.
 
-Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (23,
-all with one CTA shape per kind, compiled in one parallel build): each kernel is reused over several shapes."""
+Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (one CTA
+shape per kind and schedule, compiled in one parallel build): each kernel is reused over several shapes. The "rows"
+wgrad schedule has its own cases (test_wgrad_rows_schedule*)."""
 
 from __future__ import annotations
 
@@ -96,9 +97,35 @@ def epilogue_kernels():
     return [epilogue_kernel(p) for e in EPILOGUES for p in epilogue_problems(e)]
 
 
+# The "rows" wgrad schedule (dy row segments, several loads in flight per thread): (dtypes, R, stride, vector, columns
+# per step), each run on every shape of SHAPES its vector divides C of, with 1, a few and the most splits.
+ROWS_KERNELS = [
+    (("f16", "f16"), 3, 1, 8, 4),
+    (("f16", "f32"), 3, 2, 8, 2),
+    (("bf16", "f32"), 5, 1, 4, 2),
+    (("f16", "f16"), 7, 2, 2, 2),
+]
+ROWS_CASES = [(dt, r, stride, vec, steps, c, h, w)
+              for dt, r, stride, vec, steps in ROWS_KERNELS for c, h, w in SHAPES if c % vec == 0]
+
+
+def rows_kernel(problem: Conv2dProblem, vec: int, steps: int) -> KernelConfig:
+    """The "rows" wgrad config with this vector and step for the problem's types, filter and stride: 32 segment
+    threads x 4 vectors at vector 8, 16 x 8 below."""
+    wide = problem.replace(c=96, k=96, groups=96)
+    shape = (32, 16) if vec == 8 else (16, 16)
+    return next(c for c in depthwise_candidates(wide)
+                if c.schedule == "rows" and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
+
+
+def rows_kernels():
+    return [rows_kernel(problem_of("wgrad", 96, 15, 13, r, stride, dt), vec, steps)
+            for dt, r, stride, vec, steps in ROWS_KERNELS]
+
+
 def all_kernels():
     ks = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo) for kind, dt, r, stride, vec, halo in KERNELS]
-    return list(dict.fromkeys(ks + epilogue_kernels()))
+    return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -144,6 +171,29 @@ def test_kind_filter_stride_shape(kind, dt, r, stride, vec, halo, c, h, w):
     if kind == "wgrad":  # a few splits of N*P*Q, never more than there are pixel tiles
         splits = min(5, pixel_tiles(cfg, problem))
     run_checked(problem, cfg, seed=hash((kind, dt, r, stride, c, h, w)) % 2**31, splits=splits)
+
+
+@pytest.mark.parametrize("dt, r, stride, vec, steps, c, h, w", ROWS_CASES,
+                         ids=[f"{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-step{st}-c{c}-{h}x{w}"
+                              for d, r, s, v, st, c, h, w in ROWS_CASES])
+def test_wgrad_rows_schedule(dt, r, stride, vec, steps, c, h, w):
+    problem = problem_of("wgrad", c, h, w, r, stride, dt)
+    cfg = rows_kernel(problem, vec, steps)
+    assert cfg.reject_reason(problem) is None
+    x, w_, dy = operands(problem, seed=hash((r, stride, c, h, w)) % 2**31)
+    ref = reference(problem, x, w_, dy)
+    most = pixel_tiles(cfg, problem)
+    for splits in sorted({1, min(3, most), most}):
+        run_checked(problem, cfg, 0, splits=splits, ref=ref, x=x, w=w_, dy=dy)
+
+
+def test_wgrad_rows_schedule_split_counts_on_a_mobilenet_layer():
+    problem = problem_of("wgrad", 96, 28, 28, 3, 1, ("f16", "f16"), n=8)
+    cfg = rows_kernel(problem, 8, 4)
+    x, w, dy = operands(problem, 6)
+    ref = reference(problem, x, w, dy)
+    for splits in (1, 2, 7, 64, pixel_tiles(cfg, problem)):
+        run_checked(problem, cfg, 6, splits=splits, ref=ref, x=x, w=w, dy=dy)
 
 
 @pytest.mark.parametrize("pad", [0, 2, 3])
