@@ -1,12 +1,17 @@
-"""Publish a GPU round's results: copy the JSON files `scripts/gpu_round.sh` wrote on the H200 into benchmarks/h200/
-and render the README's performance tables from them. Nothing here is typed by hand: every number comes from those
-files.
+"""Publish a GPU round's results: copy the JSON files `scripts/gpu_round.sh` (and `scripts/multigpu_round.sh`) wrote
+on the H200 into benchmarks/h200/ and render the README's performance tables from them. Nothing here is typed by hand:
+every number comes from those files.
 
     python scripts/publish_results.py DIR...  # each DIR: one device call's $OUT as fetched (bench.json,
                                               # bench-splitk.json, bench-depthwise.json, offload.json; any subset);
                                               # offload.json rows of several calls are concatenated in the given
-                                              # order; then the README tables are re-rendered
+                                              # order; multigpu_round.sh's tune-gpus-*.json, ddp.jsonl and fleet.log
+                                              # go to benchmarks/h200/multigpu/ (ddp.jsonl lines and fleet.log text
+                                              # of several calls concatenated in the given order); then the README
+                                              # tables are re-rendered
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
+
+A file that no given folder holds is left as it is in benchmarks/h200/.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "h200"
 FILES = ("bench.json", "bench-splitk.json", "bench-depthwise.json", "offload.json")
+MULTIGPU = "multigpu"  # benchmarks/h200/multigpu/: scripts/multigpu_round.sh's output (issue 15)
+TUNE_GPUS = "tune-gpus-*.json"  # copied as they are
+CONCATENATED = ("ddp.jsonl", "fleet.log")  # several calls' text, in the given order
+TUNE_ORDER = {"tune-gpus-cold.json": 0, "tune-gpus-1.json": 1, "tune-gpus-n.json": 2}
 BEGIN, END = "<!-- results:begin (scripts/publish_results.py) -->", "<!-- results:end -->"
 
 
@@ -91,6 +100,119 @@ def offload_tables(data: dict) -> list[str]:
     return out
 
 
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def tune_gpus_table(reports: dict[str, dict]) -> list[str]:
+    """`cutlass-byoc tune --gpus` reports by file name: one row each, then the measured 1 vs N GPU timing."""
+    gpu = next((d.get("gpu") for d in reports.values() if d.get("gpu")), None)
+    out = [f"Tuning on several GPUs (`cutlass-byoc tune --gpus`, default workload, {gpu}): `tune-gpus-cold.json` from "
+           "an empty cache, then on that cache everything re-timed (`--force`) on GPU 0 alone (`tune-gpus-1.json`) "
+           "and on all GPUs (`tune-gpus-n.json`); seconds. `report's estimate` is the report's own `scaling` "
+           "(summed busy time of the GPUs' workers / timing wall time), not a measurement:", "",
+           "| report | devices | kernels compiled | compile s | timing s | launches timed | total s | "
+           "report's estimate |", "|---|---|---|---|---|---|---|---|"]
+    for name, d in reports.items():
+        sc = d.get("scaling") or {}
+        est = (f"{sc['speedup_est']:.2f}x one GPU ({sc['efficiency_est']:.0%} efficiency)"
+               if sc.get("speedup_est") is not None else "-")
+        devs = ",".join(str(x) for x in d.get("devices") or []) or "-"
+        out.append(f"| {name} | {devs} | {_f(d.get('kernels_compiled'), 'd')} | {_f(d.get('compile_s'), '.1f')} | "
+                   f"{_f(d.get('timing_s'), '.1f')} | {_f(d.get('launches_timed'), 'd')} | "
+                   f"{_f(d.get('total_s'), '.1f')} | {est} |")
+    one, n = reports.get("tune-gpus-1.json"), reports.get("tune-gpus-n.json")
+    if one and n:
+        gpus = len(n.get("devices") or []) or None
+        measured = _ratio(one.get("timing_s"), n.get("timing_s"))
+        est = (n.get("scaling") or {}).get("speedup_est")
+        la, lb = one.get("launches_timed"), n.get("launches_timed")
+        launches = f"same {_f(lb, 'd')} launches" if la == lb else f"{_f(la, 'd')} and {_f(lb, 'd')} launches"
+        out += ["", f"Measured timing speed-up on {gpus} GPUs vs 1 (timing s of `tune-gpus-1.json` / "
+                f"`tune-gpus-n.json`, same cache, {launches}): "
+                f"{_f(measured, '.2f')}x ({_f(_ratio(measured, gpus), '.0%')} of {gpus}x); the report's estimate "
+                f"for that run: {_f(est, '.2f')}x."]
+    return out
+
+
+def _loss_diff(run: dict, ref: dict):
+    """Max relative difference of the per-step losses (as `scripts/ddp_check.py --compare`)."""
+    pairs = list(zip(run.get("losses") or [], ref.get("losses") or []))
+    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=None)
+
+
+def ddp_table(runs: list[dict], fleet_log: str | None = None) -> list[str]:
+    """`scripts/ddp_check.py` runs (one ddp.jsonl line each): step time, first step, losses vs a reference run, what
+    was compiled and tuned."""
+    if not runs:
+        return []
+    ref = next((r for r in runs if r.get("label") == "byoc 2x16"), runs[0])
+    r0 = runs[0]
+    out = [f"Data-parallel training of {r0.get('model')} (`scripts/ddp_check.py` under torchrun, {r0.get('gpu')}, "
+           f"torch {r0.get('torch')}, {r0.get('image')}x{r0.get('image')}, autocast {r0.get('amp')}, BN {r0.get('bn')}, "
+           f"{r0.get('steps')} steps of one global batch of {r0.get('global_batch')}; step ms = rank 0's median of the "
+           f"steps after the first; loss = the global batch's; `loss diff` = max relative difference of the "
+           f"per-step losses from the reference run, `{ref.get('label')}`; kernels compiled on the host by the "
+           "ranks; tuned/waited = problems each rank tuned / waited for another rank's decision; same launches = "
+           "the ranks launched the same kernels for the problems they share; fallbacks = rank 0's):", "",
+           "| run | ranks x batch | step ms | first step s | first loss | loss diff | kernels compiled | "
+           "compiled twice | tuned/waited per rank | same launches | fallbacks |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        shape = f"{r.get('world_size')} x {r.get('local_batch')}"
+        if (r.get("accum") or 1) > 1:
+            shape += f" ({r['accum']} x {r.get('micro_batch')} micro)"
+        byoc = r.get("mode") == "cutlass_byoc"  # the other modes compile, tune and offload nothing of ours
+        hosts = list((r.get("kernels_per_host") or {}).values())
+        compiled = sum(h.get("kernels_compiled", 0) for h in hosts) if byoc and hosts else None
+        twice = sum(h.get("compiled_twice", 0) for h in hosts) if byoc and hosts else None
+        tuning = ", ".join(f"{k}: {v.get('tuned', 0)}/{v.get('waited', 0)}"
+                           for k, v in sorted((r.get("tuning_per_rank") or {}).items(), key=lambda kv: int(kv[0])))
+        same = r.get("same_launches") or {}
+        same_s = (("yes" if same.get("same") else "no") + f" ({same['problems_compared']})"
+                  if byoc and (r.get("world_size") or 0) > 1 and same.get("problems_compared") else "-")
+        fallbacks = len((r.get("offload") or {}).get("fallbacks") or {}) if byoc else None
+        diff = "(reference)" if r is ref else _f(_loss_diff(r, ref), ".2e")
+        first_loss = (r.get("losses") or [None])[0]
+        out.append(f"| {r.get('label')} | {shape} | {_f(r.get('step_ms'), '.2f')} | {_f(r.get('first_step_s'), '.1f')} "
+                   f"| {_f(first_loss, '.5f')} | {diff} | {_f(compiled, 'd')} | {_f(twice, 'd')} | "
+                   f"{(tuning if byoc else '') or '-'} | {same_s} | {_f(fallbacks, 'd')} |")
+    ours = ref if ref.get("mode") == "cutlass_byoc" and (ref.get("world_size") or 0) > 1 else None
+    ind = ours and next((r for r in runs if r.get("mode") == "inductor" and r.get("world_size") == ours["world_size"]
+                         and r.get("local_batch") == ours.get("local_batch")), None)
+    if ours and ind:
+        out += ["", f"Step time vs DDP with Inductor (`{ind.get('label')}` step ms / `{ours.get('label')}` step ms; "
+                f"above 1 means faster than Inductor): {_f(_ratio(ind.get('step_ms'), ours.get('step_ms')), '.3f')}."]
+    if fleet_log:
+        lines = [ln.strip() for ln in fleet_log.splitlines() if ln.startswith(("exported ", "imported "))]
+        fleet = next((r for r in runs if str(r.get("label", "")).startswith("fleet")), None)
+        others = {h for r in runs if r is not fleet for h in r.get("kernels_per_host") or {}}
+        where = ""
+        if fleet and set(fleet.get("kernels_per_host") or {}) <= others:
+            where = (f" on the same host as the other runs (`{', '.join(sorted(fleet['kernels_per_host']))}`), not "
+                     "another machine")
+        if lines:
+            out += ["", f"The fleet run's cache (`cutlass-byoc cache export`, then `cache import` into an empty cache"
+                    f"{where}; benchmarks/h200/multigpu/fleet.log): " + "; ".join(f"`{ln}`" for ln in lines) + "."]
+    return out
+
+
+def multigpu_tables(folder: Path) -> list[str]:
+    """The multi-GPU section (issue 15) from benchmarks/h200/multigpu/; [] where there is nothing to show."""
+    parts: list[str] = []
+    tunes = sorted(folder.glob(TUNE_GPUS), key=lambda p: (TUNE_ORDER.get(p.name, len(TUNE_ORDER)), p.name))
+    if tunes:
+        parts += tune_gpus_table({p.name: json.loads(p.read_text()) for p in tunes}) + [""]
+        parts += [f"(from `benchmarks/h200/{MULTIGPU}/{TUNE_GPUS}`)", ""]
+    ddp = folder / "ddp.jsonl"
+    runs = [json.loads(ln) for ln in ddp.read_text().splitlines() if ln.strip()] if ddp.exists() else []
+    if runs:
+        fleet = folder / "fleet.log"
+        parts += ddp_table(runs, fleet.read_text() if fleet.exists() else None) + [""]
+        parts += [f"(from `benchmarks/h200/{MULTIGPU}/ddp.jsonl`)", ""]
+    return parts
+
+
 def render(results: Path = RESULTS) -> str:
     parts: list[str] = []
     for name, fn in (("bench.json", bench_tables), ("bench-splitk.json", splitk_table),
@@ -100,6 +222,8 @@ def render(results: Path = RESULTS) -> str:
             parts += fn(json.loads(path.read_text())) + [""]
             parts.append(f"(from `benchmarks/h200/{name}`)")
             parts.append("")
+    if (results / MULTIGPU).is_dir():
+        parts += multigpu_tables(results / MULTIGPU)
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -114,35 +238,60 @@ def splice_readme(text: str, readme: Path = ROOT / "README.md") -> None:
     readme.write_text(body)
 
 
+def publish(dirs: list[Path], results: Path = RESULTS) -> None:
+    """Copy the given device folders' result files into `results` (see the module's docstring); a file no folder
+    holds is left as it is there."""
+    results.mkdir(parents=True, exist_ok=True)
+    offload = None
+    texts: dict[str, list[str]] = {}
+    for d in dirs:
+        for f in FILES:
+            if not (d / f).exists():
+                continue
+            data = json.loads((d / f).read_text())  # only whole, valid files are published
+            if f == "offload.json":  # several calls' cases: one file, rows in call order
+                runs = 1 if offload is None else offload.get("runs", 1) + 1
+                for h in data.get("host_overhead", []):
+                    h["run"] = runs  # host overheads of separate device calls (their spread shows the noise)
+                if offload is None:
+                    offload = data
+                else:
+                    offload["rows"] += data["rows"]
+                    offload["host_overhead"] = offload.get("host_overhead", []) + data.get("host_overhead", [])
+                offload["runs"] = runs
+                continue
+            shutil.copyfile(d / f, results / f)
+            print(f"copied {d / f} into {results}")
+        for p in sorted(d.glob(TUNE_GPUS)):  # multigpu_round.sh's tune reports, as they are
+            json.loads(p.read_text())  # only whole, valid files are published
+            (results / MULTIGPU).mkdir(exist_ok=True)
+            shutil.copyfile(p, results / MULTIGPU / p.name)
+            print(f"copied {p} into {results / MULTIGPU}")
+        for f in CONCATENATED:
+            if not (d / f).exists():
+                continue
+            text = (d / f).read_text()
+            if f.endswith(".jsonl"):
+                for line in text.splitlines():
+                    if line.strip():
+                        json.loads(line)  # only whole, valid records are published
+            texts.setdefault(f, []).append(text if not text or text.endswith("\n") else text + "\n")
+    if offload is not None:
+        (results / "offload.json").write_text(json.dumps(offload, indent=1) + "\n")
+        print(f"wrote {results / 'offload.json'} ({len(offload['rows'])} rows)")
+    for f, parts in texts.items():  # several calls' text, in the given order
+        (results / MULTIGPU).mkdir(exist_ok=True)
+        (results / MULTIGPU / f).write_text("".join(parts))
+        print(f"wrote {results / MULTIGPU / f} (from {len(parts)} folder(s))")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="the GPU round's output folders (one per device call)")
     ap.add_argument("--print", action="store_true", help="print the tables rendered from benchmarks/h200/")
     a = ap.parse_args(argv)
     if a.dirs:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        offload = None
-        for d in a.dirs:
-            for f in FILES:
-                if not (d / f).exists():
-                    continue
-                data = json.loads((d / f).read_text())  # only whole, valid files are published
-                if f == "offload.json":  # several calls' cases: one file, rows in call order
-                    runs = 1 if offload is None else offload.get("runs", 1) + 1
-                    for h in data.get("host_overhead", []):
-                        h["run"] = runs  # host overheads of separate device calls (their spread shows the noise)
-                    if offload is None:
-                        offload = data
-                    else:
-                        offload["rows"] += data["rows"]
-                        offload["host_overhead"] = offload.get("host_overhead", []) + data.get("host_overhead", [])
-                    offload["runs"] = runs
-                    continue
-                shutil.copyfile(d / f, RESULTS / f)
-                print(f"copied {d / f} into {RESULTS}")
-        if offload is not None:
-            (RESULTS / "offload.json").write_text(json.dumps(offload, indent=1) + "\n")
-            print(f"wrote {RESULTS / 'offload.json'} ({len(offload['rows'])} rows)")
+        publish(a.dirs)
     text = render()
     if a.print or not a.dirs:
         print(text)

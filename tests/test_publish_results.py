@@ -1,0 +1,102 @@
+"""scripts/publish_results.py's multi-GPU section (issue 15) from tiny synthetic device outputs: CPU only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "publish_results.py"
+
+
+@pytest.fixture(scope="module")
+def pr():
+    spec = importlib.util.spec_from_file_location("publish_results", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tune_report(devices, timing_s, compiled=0, busy=None):
+    per_gpu = [{"device": d, "gpu": "GPU X (sm_90)", "problems": 2, "busy_s": b, "restarts": 0}
+               for d, b in zip(devices, busy or [])]
+    scaling = None
+    if len(per_gpu) > 1:
+        s = sum(busy)
+        scaling = {"gpus": len(per_gpu), "timing_s": timing_s, "busy_s_sum": s, "speedup_est": s / timing_s,
+                   "efficiency_est": s / timing_s / len(per_gpu), "problems_per_gpu": [2] * len(per_gpu)}
+    return {"timed": True, "kernels_planned": 4, "kernels_compiled": compiled, "kernels_failed": 0,
+            "launches_timed": 12, "compile_s": 30.0 if compiled else 0.5, "timing_s": timing_s,
+            "total_s": timing_s + (30.0 if compiled else 0.5), "gpu": "GPU X (sm_90)", "devices": list(devices),
+            "per_gpu": per_gpu, "scaling": scaling, "outcomes": []}
+
+
+def ddp_run(label, world, local, losses, step_ms, mode="cutlass_byoc", select="cached", tuned=None, compiled=0):
+    ranks = [str(r) for r in range(world)]
+    return {"label": label, "mode": mode, "select": select, "world_size": world, "local_batch": local,
+            "micro_batch": local, "accum": 1, "global_batch": world * local, "steps": len(losses), "image": 8,
+            "amp": "fp16", "bn": "frozen", "gpu": "GPU X", "torch": "2.x", "losses": losses, "step_ms": step_ms,
+            "first_step_s": 3.0,
+            "kernels_per_host": {"h": {"ranks": list(range(world)), "kernels_compiled": compiled,
+                                       "distinct_kernels": compiled, "compiled_twice": 0}},
+            "tuning_per_rank": {r: {"tuned": (tuned or {}).get(r, 0), "waited": 0} for r in ranks},
+            "same_launches": {"problems_compared": 3 if mode == "cutlass_byoc" else 0, "same": True},
+            "offload": {"fallbacks": {"fprop": 1}} if mode == "cutlass_byoc" else {}}
+
+
+def test_multigpu_tables_from_device_folders(pr, tmp_path):
+    a, b, results = tmp_path / "a", tmp_path / "b", tmp_path / "results"
+    a.mkdir(), b.mkdir(), results.mkdir()
+    (results / "bench.json").write_text('{"kept": true}')  # no folder has it: left as it is
+    (a / "tune-gpus-cold.json").write_text(json.dumps(tune_report([0, 1], 5.0, compiled=4, busy=[4.0, 4.0])))
+    (a / "tune-gpus-1.json").write_text(json.dumps(tune_report([0], 9.0)))
+    (a / "tune-gpus-n.json").write_text(json.dumps(tune_report([0, 1], 6.0, busy=[3.0, 3.0])))
+    (a / "ddp.jsonl").write_text(json.dumps(ddp_run("byoc tune 2x4 cold", 2, 4, [2.0, 1.0], 10.0, select="tune",
+                                                    tuned={"1": 3}, compiled=4)) + "\n")
+    (b / "ddp.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        ddp_run("byoc 2x16", 2, 4, [2.0, 1.0], 8.0),  # the reference, though not the first run
+        ddp_run("byoc 1x32", 1, 8, [2.0, 1.01], 9.0),
+        ddp_run("inductor 2x16", 2, 4, [2.02, 1.0], 6.0, mode="inductor"))) + "\n")
+    (b / "fleet.log").write_text("exported 3 decisions and 2 kernels to /x.tar.gz\nimported 3 decisions\n")
+
+    pr.publish([a, b], results)
+    assert (results / "bench.json").read_text() == '{"kept": true}'
+    mg = results / "multigpu"
+    assert sorted(p.name for p in mg.iterdir()) == ["ddp.jsonl", "fleet.log", "tune-gpus-1.json",
+                                                    "tune-gpus-cold.json", "tune-gpus-n.json"]
+    labels = [json.loads(ln)["label"] for ln in (mg / "ddp.jsonl").read_text().splitlines()]
+    assert labels == ["byoc tune 2x4 cold", "byoc 2x16", "byoc 1x32", "inductor 2x16"]  # the given order
+
+    text = pr.multigpu_tables(mg)
+    md = "\n".join(text)
+    # tuning: rows in the order cold, 1, n; measured 9.0 / 6.0 = 1.50x next to the report's estimate 6/6 = 1.00x
+    rows = [ln for ln in text if ln.startswith("| tune-gpus-")]
+    assert [r.split(" | ")[0] for r in rows] == ["| tune-gpus-cold.json", "| tune-gpus-1.json", "| tune-gpus-n.json"]
+    assert "| 0,1 | 4 | 30.0 | 5.0 | 12 | 35.0 | 1.60x one GPU (80% efficiency) |" in rows[0]
+    assert rows[1].endswith("| - |")
+    assert "2 GPUs vs 1" in md and "1.50x (75% of 2x); the report's estimate for that run: 1.00x." in md
+
+    # DDP: loss diff against `byoc 2x16` (max over steps of |a - b| / |b|)
+    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in text if ln.startswith("| ")]
+    header = next(c for c in cells if c[0] == "run")
+    ddp = {c[0]: c for c in cells if len(c) == len(header)}
+    col = header.index("loss diff")
+    assert ddp["byoc 2x16"][col] == "(reference)"
+    assert ddp["byoc tune 2x4 cold"][col] == "0.00e+00"
+    assert ddp["byoc 1x32"][col] == "1.00e-02"
+    assert ddp["inductor 2x16"][col] == "1.00e-02"
+    assert "reference run, `byoc 2x16`" in md
+    assert ddp["byoc tune 2x4 cold"][header.index("tuned/waited per rank")] == "0: 0/0, 1: 3/0"
+    assert ddp["byoc tune 2x4 cold"][header.index("kernels compiled")] == "4"
+    assert ddp["byoc 2x16"][header.index("fallbacks")] == "1"
+    assert ddp["inductor 2x16"][header.index("fallbacks")] == "-"
+    # 6.0 ms (Inductor) / 8.0 ms (ours)
+    assert "(`inductor 2x16` step ms / `byoc 2x16` step ms; above 1 means faster than Inductor): 0.750." in md
+    assert "`exported 3 decisions and 2 kernels to /x.tar.gz`" in md
+
+    # render(): the multi-GPU section after the others, only where benchmarks/h200/multigpu/ exists
+    (results / "bench.json").unlink()
+    assert "Tuning on several GPUs" in pr.render(results)
+    assert pr.render(tmp_path / "a").strip() == ""
