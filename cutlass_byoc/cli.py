@@ -251,10 +251,10 @@ def cmd_tune(args) -> int:
         print(f"GPU: {report.gpu.tag}{on}")
     sc = report.scaling
     if sc:
-        print(f"timing on {sc['gpus']} GPUs: {sc['timing_s']:.1f} s wall, {sc['busy_s_sum']:.1f} s of worker time "
-              f"in all: {sc['speedup_est']:.2f}x one GPU (estimated; {sc['efficiency_est']:.0%} efficiency); "
-              "problems per GPU: " + ", ".join(f"GPU {g.device}: {g.problems} in {g.busy_s:.1f} s"
-                                               for g in report.per_gpu))
+        print(f"timing on {sc['gpus']} GPUs: {sc['timing_s']:.1f} s wall; " + ", ".join(
+            f"GPU {g.device}: {g.problems} problems in {g.busy_s:.1f} s" for g in report.per_gpu)
+            + f" (balance {sc['balance']:.2f} of {sc['gpus']}); {sc['outside_busy_s']:.1f} s outside the longest "
+              "busy time (worker start-up, kernel loading); for the speed-up over one GPU, time again with --gpus 0")
     if report.log_path:
         print(f"tuning log: {report.log_path}")
     if args.json_out:

@@ -92,14 +92,19 @@ class TuneReport:
 
     @property
     def scaling(self) -> Optional[dict]:
-        """How timing scaled over the GPUs: the wall time, the summed busy time of the workers (what one GPU would
-        have taken, as estimated from this run) and their ratio. None unless several GPUs timed."""
+        """What this run can say about timing over several GPUs: the wall time, each GPU's busy time (its worker
+        timing launches), how evenly the problems were spread (`balance`: summed / longest busy time, at most the
+        number of GPUs) and the wall time outside the longest busy time (worker start-up, kernel loading,
+        coordination). It is no speed-up over one GPU: a run on one GPU pays its own, smaller start-up cost (on
+        2 x H200 the summed busy time over the wall read well below the measured speed-up; benchmarks/h200/multigpu
+        has both); time again with `--gpus 0` for that. None unless several GPUs timed."""
         if len(self.per_gpu) < 2 or self.timing_s <= 0:
             return None
-        busy = sum(g.busy_s for g in self.per_gpu)
-        speedup = busy / self.timing_s
-        return {"gpus": len(self.per_gpu), "timing_s": self.timing_s, "busy_s_sum": busy,
-                "speedup_est": speedup, "efficiency_est": speedup / len(self.per_gpu),
+        busy = [g.busy_s for g in self.per_gpu]
+        longest = max(busy)
+        return {"gpus": len(self.per_gpu), "timing_s": self.timing_s, "busy_s": busy, "busy_s_sum": sum(busy),
+                "busy_s_max": longest, "balance": sum(busy) / longest if longest > 0 else None,
+                "outside_busy_s": max(0.0, self.timing_s - longest),
                 "problems_per_gpu": [g.problems for g in self.per_gpu]}
 
     def to_dict(self) -> dict:

@@ -7,7 +7,7 @@
 # ddp-tune:       2-rank DDP ResNet-50 with select=tune from an empty cache ($DDP_CACHE): one rank tunes each problem,
 #                 each kernel compiled once on this host (see tuning_per_rank and kernels_per_host in ddp.jsonl)
 # ddp:            on that cache: 2 ranks x 16 (select=cached), 1 rank x 32 (the same global batch), 1 rank x 32 as
-#                 2 micro-batches of 16 (the same conv problems as the 2 ranks: losses should agree to rounding),
+#                 2 micro-batches of 16 (the same conv problems as the 2 ranks: the first step's loss should agree exactly),
 #                 2 ranks with Inductor, 1 rank eager (numerics reference); then the comparison table
 # fleet:          `cache export` of $DDP_CACHE, `cache import` into an empty cache, a 2-rank run on it: nothing
 #                 compiled, nothing tuned
@@ -49,7 +49,8 @@ d = json.load(open(sys.argv[1]))
 s = d.get("scaling") or {}
 print(f"{sys.argv[1]}: devices {d.get('devices')}, compile {d['compile_s']:.1f} s, timing {d['timing_s']:.1f} s, "
       f"{d['launches_timed']} launches timed, total {d['total_s']:.1f} s"
-      + (f"; estimated {s['speedup_est']:.2f}x one GPU, problems per GPU {s['problems_per_gpu']}" if s else ""))
+      + (f"; GPUs busy {[round(b, 1) for b in s['busy_s']]} s, problems per GPU {s['problems_per_gpu']}"
+         if s and 'busy_s' in s else ""))
 PY
 }
 ddp() {  # ddp LABEL NPROC ARGS...: one ddp_check run appended to ddp.jsonl

@@ -100,12 +100,12 @@ def test_cli_passes_devices_and_prints_scaling(monkeypatch, capsys, tmp_path):
     assert rc == cli.EXIT_OK
     assert seen["devices"] == [0, 1]
     text = capsys.readouterr().out
-    assert "x 2 (GPUs 0,1)" in text and "1.83x one GPU" in text
+    assert "x 2 (GPUs 0,1)" in text and "(balance 1.83 of 2)" in text and "time again with --gpus 0" in text
     import json
 
     d = json.loads(out.read_text())
     assert d["devices"] == [0, 1] and d["scaling"]["gpus"] == 2
-    assert abs(d["scaling"]["speedup_est"] - 11 / 6) < 1e-9 and d["scaling"]["problems_per_gpu"] == [3, 2]
+    assert abs(d["scaling"]["balance"] - 11 / 6) < 1e-9 and d["scaling"]["problems_per_gpu"] == [3, 2]
 
 
 # ---------------------------------------------------------------------------------------------- tune_workload
@@ -163,7 +163,7 @@ def test_two_gpus_share_one_build_and_split_the_problems(fakes):
     assert rep.gpu == H200 and rep.devices == (0, 1)
     assert [g.device for g in rep.per_gpu] == [0, 1] and sum(g.problems for g in rep.per_gpu) == len(PROBLEMS)
     assert all(g.gpu == H200.tag for g in rep.per_gpu)
-    assert rep.scaling["gpus"] == 2 and rep.scaling["speedup_est"] > 1.2
+    assert rep.scaling["gpus"] == 2 and rep.scaling["balance"] > 1.2
     for p in PROBLEMS:  # recorded for the GPUs that timed, not for the parent's current device
         assert lookup(p, gpu=H200, store=store) is not None
         assert lookup(p, gpu=H100, store=store) is None
