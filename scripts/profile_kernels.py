@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Where a launch's time goes on the GPU: each kernel's own duration (torch.profiler's CUDA activity) for the
+depthwise-workload layers named, for every candidate launch of the model whose name contains one of the given
+substrings, next to cuDNN's kernels for the same problem. A diagnostic for the GPU round (bench times the whole
+call between CUDA events; this splits it into kernels).
+
+    python scripts/profile_kernels.py --layers mbv2_dw_960_7 effb0_dw_1152_7 --kinds wgrad --match rows4 smem
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if (ROOT / "cutlass_byoc").is_dir() and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="depthwise")
+    ap.add_argument("--layers", nargs="+", required=True)
+    ap.add_argument("--kinds", nargs="+", default=["wgrad"])
+    ap.add_argument("--match", nargs="+", default=[""], help="launch-name substrings; the model's best of each")
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args(argv)
+
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    from cutlass_byoc.bench import _cudnn_fn  # noqa: PLC0415
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.heuristics import estimate_us, launch_slices  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import enumerate_kernels  # noqa: PLC0415
+    from cutlass_byoc.config import LaunchConfig  # noqa: PLC0415
+    from cutlass_byoc.ops import run_problem  # noqa: PLC0415
+    from cutlass_byoc.profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
+    from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
+
+    items = [i for i in named_workload(a.workload) if i.layer in a.layers and i.problem.kind.value in a.kinds]
+    for item in items:
+        p = item.problem
+        launches = []
+        valid, _ = enumerate_kernels(p, 90)
+        for m in a.match:
+            best = None
+            for k in valid:
+                if m not in k.name:
+                    continue
+                for s in launch_slices(p, k):
+                    lc = LaunchConfig(k, s)
+                    if lc.reject_reason(p) is None:
+                        us = estimate_us(p, lc)
+                        if best is None or us < best[0]:
+                            best = (us, lc)
+            if best:
+                launches.append(best[1])
+        build([lc.kernel for lc in launches], progress=False)
+        sets, _ = make_problem_sets(p, WorkerSettings())
+        runs = [("cudnn", _cudnn_fn(p, sets))]
+        for lc in launches:
+            def fn(i, lc=lc):
+                s = sets[i]
+                run_problem(p, s.a, s.b, s.out, s.source, config=lc, bias=s.bias)
+            runs.append((lc.name, fn))
+        print(f"== {item.layer} {p.kind.value} ({p.bytes_moved / 1e6:.1f} MB compulsory)")
+        for name, fn in runs:
+            for i in range(3):
+                fn(i % len(sets))
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(a.iters):
+                    fn(i % len(sets))
+                torch.cuda.synchronize()
+            per = collections.defaultdict(float)
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    per[e.name] += e.device_time / a.iters if hasattr(e, "device_time") else e.cuda_time / a.iters
+            total = sum(per.values())
+            print(f"  {name}: {total:.1f} us of kernels per call")
+            for k, us in sorted(per.items(), key=lambda kv: -kv[1])[:6]:
+                print(f"      {us:8.1f} us  {k[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
