@@ -33,8 +33,9 @@ Kernels:
 - dgrad, stride > 1: each dx pixel sums only its valid taps, those with (h + pad - r) divisible by the stride (one
   tap row in `stride`; no multiply by zero).
 - wgrad: a thread holds R*S*vector fp32 accumulators; for each dy pixel of its strip it reads the input window
-  like fprop. The CTA sums its threads through shared-memory atomics and writes one fp32 partial per split into
-  the workspace ([splits][R*S][C] floats); the reduction kernel writes dw = alpha * sum + beta * source.
+  like fprop. The CTA sums its threads (warp shuffles, then the warps in turn: no atomics, deterministic) and
+  writes one fp32 partial per split into the workspace ([splits][R*S][C] floats); the reduction kernel writes
+  dw = alpha * sum + beta * source.
 - wgrad, schedule "rows" (`ROWS`): the work is dy row segments (image n, row p, `tile[1]` columns) instead of pixel
   tiles. A thread owns a channel vector and one segment at a time; it walks the segment `stages` columns per step,
   issuing all of the step's loads (its dy vectors and, for each filter row, the (stages - 1) * stride + S input

@@ -38,6 +38,16 @@ std::mutex emu_atomic_mutex;
 #define __launch_bounds__(...)
 #define __syncthreads() emu_barrier->arrive_and_wait()
 inline float atomicAdd(float* p, float v) { std::lock_guard<std::mutex> g(emu_atomic_mutex); float o = *p; *p += v; return o; }
+// A warp shuffle, for code that every thread of the block calls alike (blocks run one after another here)
+static float emu_shfl_buf[1024];
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int = 32) {
+  unsigned t = emu_threadIdx.x;
+  emu_shfl_buf[t] = v;
+  emu_barrier->arrive_and_wait();
+  float r = emu_shfl_buf[(t & ~31u) | ((t & 31u) ^ unsigned(lane_mask))];
+  emu_barrier->arrive_and_wait();
+  return r;
+}
 inline void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
   emu_gridDim = {grid.x, grid.y, grid.z};
   emu_blockDim = {block.x, block.y, block.z};
