@@ -325,37 +325,32 @@ def _vectors(problem: Conv2dProblem) -> list[int]:
     return [widest] + ([widest // 2] if widest >= 4 else [])
 
 
+def _schedule_variants(problem: Conv2dProblem):
+    """(CTA shapes, (halo_smem, schedule, stages) choices) of each schedule the problem's kind has: the pixel tiles
+    with and without halo staging; for wgrad also the "rows" schedule at each of its columns per step."""
+    yield SHAPES, [(halo, None, 1) for halo in (False, True)]
+    if problem.kind is ConvKind.WGRAD:
+        yield ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
+
+
 def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
     """Every depthwise config that can implement `problem` (before compiling); nothing for other problems."""
     if depthwise_problem_error(problem) is not None:
         return
     seen = set()
-    for vec in _vectors(problem):
-        for shape in SHAPES:
-            if shape[2] * vec > max(problem.c, 4 * vec) * 2:
-                continue  # a channel tile more than twice C idles most of its threads
-            for halo in (False, True):
-                try:
-                    cfg = _config(problem, shape, vec, halo)
-                except ValueError:
-                    continue
-                if cfg not in seen and cfg.reject_reason(problem) is None:
-                    seen.add(cfg)
-                    yield cfg
-    if problem.kind is not ConvKind.WGRAD:
-        return
-    for vec in _vectors(problem):
-        for shape in ROWS_SHAPES:
-            if shape[2] * vec > max(problem.c, 4 * vec) * 2:
-                continue
-            for steps in ROWS_STEPS:
-                try:
-                    cfg = _config(problem, shape, vec, False, ROWS, steps)
-                except ValueError:
-                    continue  # e.g. too many registers for this filter, stride and vector
-                if cfg not in seen and cfg.reject_reason(problem) is None:
-                    seen.add(cfg)
-                    yield cfg
+    for shapes, choices in _schedule_variants(problem):
+        for vec in _vectors(problem):
+            for shape in shapes:
+                if shape[2] * vec > max(problem.c, 4 * vec) * 2:
+                    continue  # a channel tile more than twice C idles most of its threads
+                for halo, schedule, stages in choices:
+                    try:
+                        cfg = _config(problem, shape, vec, halo, schedule, stages)
+                    except ValueError:
+                        continue  # e.g. a "rows" step needing too many registers for this filter and vector
+                    if cfg not in seen and cfg.reject_reason(problem) is None:
+                        seen.add(cfg)
+                        yield cfg
 
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:

@@ -33,9 +33,7 @@ def main(argv=None) -> int:
 
     from cutlass_byoc.bench import _cudnn_fn  # noqa: PLC0415
     from cutlass_byoc.build import build  # noqa: PLC0415
-    from cutlass_byoc.heuristics import estimate_us, launch_slices  # noqa: PLC0415
-    from cutlass_byoc.profiler.plan import enumerate_kernels  # noqa: PLC0415
-    from cutlass_byoc.config import LaunchConfig  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import enumerate_kernels, launches_for  # noqa: PLC0415
     from cutlass_byoc.ops import run_problem  # noqa: PLC0415
     from cutlass_byoc.profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
     from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
@@ -43,21 +41,13 @@ def main(argv=None) -> int:
     items = [i for i in named_workload(a.workload) if i.layer in a.layers and i.problem.kind.value in a.kinds]
     for item in items:
         p = item.problem
-        launches = []
         valid, _ = enumerate_kernels(p, 90)
-        for m in a.match:
-            best = None
-            for k in valid:
-                if m not in k.name:
-                    continue
-                for s in launch_slices(p, k):
-                    lc = LaunchConfig(k, s)
-                    if lc.reject_reason(p) is None:
-                        us = estimate_us(p, lc)
-                        if best is None or us < best[0]:
-                            best = (us, lc)
+        launches = []
+        for m in a.match:  # the model's best launch among the kernels whose name contains m
+            ranked = [launches_for(p, k) for k in valid if m in k.name]
+            best = [ls[0] for ls in ranked if ls]
             if best:
-                launches.append(best[1])
+                launches.append(min(best, key=lambda t: t[0])[1])
         build([lc.kernel for lc in launches], progress=False)
         sets, _ = make_problem_sets(p, WorkerSettings())
         runs = [("cudnn", _cudnn_fn(p, sets))]
