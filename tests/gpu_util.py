@@ -1,9 +1,16 @@
-"""Helpers of the GPU tests: fixed kernel picks, random channels_last operands, float64 references."""
+"""Helpers of the GPU tests: each module's kernel build, fixed kernel picks, random channels_last operands, float64
+references."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from typing import Callable, Iterable
+
+import pytest
 import torch
 
+from cutlass_byoc.build import build
 from cutlass_byoc.candidates import sm80_candidates
 from cutlass_byoc.config import KernelConfig
 from cutlass_byoc.problem import Conv2dProblem
@@ -15,6 +22,33 @@ TOLERANCE = {DType.F16: 1e-2, DType.BF16: 2e-2, DType.F32: 5e-3}
 
 _ITER_ORDER = [IteratorAlgorithm.OPTIMIZED, IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.ANALYTIC,
                IteratorAlgorithm.FIXED_CHANNELS]
+
+
+@contextlib.contextmanager
+def module_kernels(shared_cache, configs: Callable[[], Iterable[KernelConfig]]):
+    """A GPU test module's kernels, compiled in one parallel build before its first test (unless
+    CUTLASS_BYOC_TEST_NO_PREBUILD says a carried, warm cache holds them: a missing one then compiles when launched),
+    and ops reading that cache while the module runs. A kernel that fails to compile fails the tests that launch it,
+    with nvcc's errors. For a module's autouse fixture: ``with module_kernels(shared_cache, all_configs): yield``."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
+    try:
+        if not os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
+            build(list(configs()), cache=shared_cache, progress=True)
+        yield
+    finally:
+        mp.undo()
+
+
+def depthwise_rows_config(problem: Conv2dProblem, vec: int, steps: int) -> KernelConfig:
+    """The depthwise tests' "rows" wgrad config for the problem's types, filter and stride: vector `vec`, `steps`
+    columns per step, 32 segment threads x 4 vectors at vector 8 and 16 x 8 vectors below (from the C=96 twin)."""
+    from cutlass_byoc.depthwise import depthwise_candidates  # noqa: PLC0415
+
+    wide = problem.replace(c=96, k=96, groups=96)
+    shape = (32, 16) if vec == 8 else (16, 16)
+    return next(c for c in depthwise_candidates(wide)
+                if c.schedule == "rows" and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
 
 
 def pick(problem: Conv2dProblem, mode: SplitKMode = SplitKMode.SERIAL, tile=None) -> KernelConfig:

@@ -19,7 +19,7 @@ from cutlass_byoc.ops import _apply_activation  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH  # noqa: E402
+from gpu_util import TOLERANCE, TORCH, depthwise_rows_config  # noqa: E402
 
 pytestmark = [pytest.mark.compile,
               pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
@@ -105,14 +105,6 @@ def test_default_launches_of_a_mobilenet_layer(kind):
     check(p, launch.kernel, launch.split_k_slices)
 
 
-def rows_config(problem, vec, steps, shape=(8, 16)):
-    """A "rows" wgrad config (dy row segments walked `steps` columns per step) with 8 channel vectors per CTA, or
-    the shape's own count."""
-    wide = problem.replace(c=96, k=96, groups=96)
-    return next(c for c in depthwise_candidates(wide)
-                if c.schedule == "rows" and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
-
-
 @pytest.mark.parametrize("r, stride, steps, dt, c, h, w", [
     (3, 1, 4, ("f16", "f16"), 24, 9, 21),     # segments of 16 and a ragged 5-column tail, steps of 4
     (3, 2, 2, ("f16", "f32"), 16, 13, 11),    # stride 2, odd image, fp32 out
@@ -123,11 +115,11 @@ def rows_config(problem, vec, steps, shape=(8, 16)):
 def test_wgrad_rows_schedule(r, stride, steps, dt, c, h, w, splits):
     p = problem_of("wgrad", c, h, w, r, stride, dt)
     vec = max(v for v in (8, 4, 2) if c % v == 0 and r * r * v <= 128)
-    cfg = rows_config(p, vec, steps, shape=(32 if vec == 8 else 16, 16))
+    cfg = depthwise_rows_config(p, vec, steps)
     check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride)
 
 
 def test_wgrad_rows_schedule_accumulates_into_a_residual_with_padding_0():
     p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
-    cfg = rows_config(p.replace(epilogue=Epilogue()), 8, 4, shape=(32, 16))
+    cfg = depthwise_rows_config(p.replace(epilogue=Epilogue()), 8, 4)
     check(p, cfg, splits=2, seed=3)

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.candidates import sm80_candidates  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.runtime import load_kernel  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, DType, IteratorAlgorithm, SourceKind, SplitKMode  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, pick, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, TORCH, kernel_operands, module_kernels, operands, pick, poisoned_output, reference, rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -105,20 +105,9 @@ def all_configs():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prebuilt(shared_cache, monkeypatch_module):
-    """Compile every kernel of this module in one parallel build (and make ops use that cache)."""
-    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    # A kernel that fails to compile fails its own tests (load_kernel raises with the compile report).
-    if os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):  # a carried, warm cache: compile only what is missing
-        return None
-    return build(all_configs(), cache=shared_cache, progress=True)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+def prebuilt(shared_cache):
+    with module_kernels(shared_cache, all_configs):
+        yield
 
 
 def check(problem, cfg, seed, slices=1, tol=None):

@@ -9,20 +9,21 @@ wgrad schedule has its own cases (test_wgrad_rows_schedule*)."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.config import KernelConfig, LaunchConfig  # noqa: E402
 from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles, with_alignments  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, TORCH, depthwise_rows_config, kernel_operands, module_kernels, operands, poisoned_output, reference,
+    rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -109,17 +110,8 @@ ROWS_CASES = [(dt, r, stride, vec, steps, c, h, w)
               for dt, r, stride, vec, steps in ROWS_KERNELS for c, h, w in SHAPES if c % vec == 0]
 
 
-def rows_kernel(problem: Conv2dProblem, vec: int, steps: int) -> KernelConfig:
-    """The "rows" wgrad config with this vector and step for the problem's types, filter and stride: 32 segment
-    threads x 4 vectors at vector 8, 16 x 8 below."""
-    wide = problem.replace(c=96, k=96, groups=96)
-    shape = (32, 16) if vec == 8 else (16, 16)
-    return next(c for c in depthwise_candidates(wide)
-                if c.schedule == "rows" and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
-
-
 def rows_kernels():
-    return [rows_kernel(problem_of("wgrad", 96, 15, 13, r, stride, dt), vec, steps)
+    return [depthwise_rows_config(problem_of("wgrad", 96, 15, 13, r, stride, dt), vec, steps)
             for dt, r, stride, vec, steps in ROWS_KERNELS]
 
 
@@ -129,19 +121,9 @@ def all_kernels():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prebuilt(shared_cache, monkeypatch_module):
-    """Compile every kernel of this module in one parallel build (and make ops use that cache)."""
-    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    if os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
-        return None
-    return build(all_kernels(), cache=shared_cache, progress=True)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+def prebuilt(shared_cache):
+    with module_kernels(shared_cache, all_kernels):
+        yield
 
 
 def run_checked(problem, cfg, seed, splits=1, source=None, ref=None, x=None, w=None, dy=None):
@@ -178,7 +160,7 @@ def test_kind_filter_stride_shape(kind, dt, r, stride, vec, halo, c, h, w):
                               for d, r, s, v, st, c, h, w in ROWS_CASES])
 def test_wgrad_rows_schedule(dt, r, stride, vec, steps, c, h, w):
     problem = problem_of("wgrad", c, h, w, r, stride, dt)
-    cfg = rows_kernel(problem, vec, steps)
+    cfg = depthwise_rows_config(problem, vec, steps)
     assert cfg.reject_reason(problem) is None
     x, w_, dy = operands(problem, seed=hash((r, stride, c, h, w)) % 2**31)
     ref = reference(problem, x, w_, dy)
@@ -189,7 +171,7 @@ def test_wgrad_rows_schedule(dt, r, stride, vec, steps, c, h, w):
 
 def test_wgrad_rows_schedule_split_counts_on_a_mobilenet_layer():
     problem = problem_of("wgrad", 96, 28, 28, 3, 1, ("f16", "f16"), n=32)
-    cfg = rows_kernel(problem, 8, 4)
+    cfg = depthwise_rows_config(problem, 8, 4)
     x, w, dy = operands(problem, 6)
     ref = reference(problem, x, w, dy)
     most = pixel_tiles(cfg, problem)  # 14 here: 8 * 28 * 2 segments of 16 columns over 32 segment threads

@@ -11,14 +11,12 @@ Every kernel launched is in all_configs(), compiled ahead in one parallel build 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.candidates import sm80_candidates  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.heuristics import default_launch  # noqa: E402
@@ -26,7 +24,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.sm90 import sm90_candidates  # noqa: E402
 from cutlass_byoc.types import Activation, DType, IteratorAlgorithm, SourceKind, StrideSupport  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, pick, poisoned_output, rel_err  # noqa: E402
+from gpu_util import TOLERANCE, TORCH, module_kernels, pick, poisoned_output, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -100,19 +98,10 @@ def all_configs():
     return list(dict.fromkeys(cfgs))
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
-
-
 @pytest.fixture(scope="module", autouse=True)
-def prebuilt(shared_cache, monkeypatch_module):
-    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    if os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
-        return None
-    return build(all_configs(), cache=shared_cache, progress=True)
+def prebuilt(shared_cache):
+    with module_kernels(shared_cache, all_configs):
+        yield
 
 
 def test_kernel_budget():

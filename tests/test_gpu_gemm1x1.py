@@ -11,20 +11,20 @@ pointing at a cache to reuse them.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, TORCH, kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
+)
 from test_compile_gemm1x1 import KERNELS as COMPILE_KERNELS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -54,21 +54,10 @@ KERNELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
-
-
 @pytest.fixture(scope="module", autouse=True)
-def prebuilt(shared_cache, monkeypatch_module):
-    """Compile the module's kernels in one parallel build (and make ops use that cache); a kernel that fails to
-    compile fails the tests that launch it, with nvcc's errors."""
-    monkeypatch_module.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    if os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
-        return None
-    return build(list(KERNELS.values()), cache=shared_cache, progress=True)
+def prebuilt(shared_cache):
+    with module_kernels(shared_cache, lambda: KERNELS.values()):
+        yield
 
 
 def problem_for(name, source=SourceKind.NONE, **kw) -> Conv2dProblem:

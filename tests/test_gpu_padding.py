@@ -10,21 +10,21 @@ Compiles 2.x kernels (~10-15 s each) and reuses the sm90 kernels of test_gpu_sm9
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.candidates import channel_pad_options, sm80_candidates  # noqa: E402
 from cutlass_byoc.config import LaunchConfig, round_up  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.sm90 import sm90_config  # noqa: E402
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, SourceKind, SplitKMode  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, pick, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, TORCH, kernel_operands, module_kernels, operands, pick, poisoned_output, reference, rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -100,12 +100,8 @@ def used_configs():
 
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt(shared_cache):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    if not os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
-        build(used_configs(), cache=shared_cache, progress=True)
-    yield
-    mp.undo()
+    with module_kernels(shared_cache, used_configs):
+        yield
 
 
 def check(p: Conv2dProblem, launch: LaunchConfig, seed: int, source=None, ref_extra=None):

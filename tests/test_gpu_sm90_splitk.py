@@ -9,20 +9,20 @@ each): split wgrad 64x128x64 fp16 out, the same with fp32 out, and 64x128x64 wit
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.sm90 import sm90_config  # noqa: E402
 from cutlass_byoc.types import DType, SourceKind, SplitKMode  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, kernel_operands, operands, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, TORCH, kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 F16_SPLIT_BROKEN = pytest.mark.xfail(
@@ -53,12 +53,8 @@ def used_configs():
 
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt(shared_cache):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    if not os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):
-        build(used_configs(), cache=shared_cache, progress=True)
-    yield
-    mp.undo()
+    with module_kernels(shared_cache, used_configs):
+        yield
 
 
 def run(p: Conv2dProblem, launch: LaunchConfig, a, b, source=None):

@@ -5,19 +5,19 @@ with the slice count, nor with the batch at a fixed reduction length per slice."
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
-from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem  # noqa: E402
 from cutlass_byoc.types import SplitKMode  # noqa: E402
 
-from gpu_util import TOLERANCE, kernel_operands, operands, pick, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, kernel_operands, module_kernels, operands, pick, poisoned_output, reference, rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -40,12 +40,8 @@ def used_configs():
 
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt(shared_cache):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CUTLASS_BYOC_CACHE_DIR", str(shared_cache.root))
-    if not os.environ.get("CUTLASS_BYOC_TEST_NO_PREBUILD"):  # unset unless a warm cache was carried
-        build(used_configs(), cache=shared_cache, progress=True)  # compile errors surface in the tests that load the kernel
-    yield
-    mp.undo()
+    with module_kernels(shared_cache, used_configs):
+        yield
 
 
 @pytest.mark.parametrize("out", ["f16", "f32"])
