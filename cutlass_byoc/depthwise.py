@@ -43,6 +43,12 @@ Kernels:
   kernels stage through shared memory or load one window at a time). `tile[0]` threads per channel vector take
   the split's segments in turn; the partials and the reduction are the tile kernels'. For this schedule `tile` is
   (segment threads, segment columns, channels) and `stages` the columns per step.
+- wgrad, schedule "taprows" (`TAPROWS`): the "rows" schedule with the filter rows split over R groups of threads:
+  each thread sums the S taps of one filter row (S*vector fp32 sums instead of R*S*vector, and one input row per
+  step), the R groups walking the same segments (each reads the segment's dy; all but the first from L1). For the
+  5x5 and 7x7 filters, whose R*S*vector sums leave a "rows" thread few registers for loads in flight or force a
+  narrow vector. The CTA is R x `tile[0]` x (channel vectors) threads; `tile[0]` x (channel vectors) is a multiple
+  of 32, so the threads of a warp share their filter row.
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ SMEM_LIMIT = 48 * 1024
 WGRAD_MAX_ACC = 128
 MAX_FILTER = 9
 MAX_STRIDE = 4
-#: The wgrad schedule whose work is dy row segments (see the module docstring); None is the pixel-tile schedule.
+#: The wgrad schedules whose work is dy row segments (see the module docstring); None is the pixel-tile schedule.
 ROWS = "rows"
+TAPROWS = "taprows"
 #: Registers a "rows" wgrad thread may need (accumulators, the step's dy in fp32 and its input window); past this the
 #: kernel spills or runs one CTA per SM.
 ROWS_MAX_REGS = 192
@@ -88,8 +95,19 @@ def strip(c: KernelConfig) -> int:
 
 
 def is_rows(c: KernelConfig) -> bool:
-    """Whether the config is the "rows" wgrad schedule (work: dy row segments; see the module docstring)."""
-    return c.schedule == ROWS
+    """Whether the config is a "rows" or "taprows" wgrad schedule (work: dy row segments; see the module docstring)."""
+    return c.schedule in (ROWS, TAPROWS)
+
+
+def row_groups(c: KernelConfig) -> int:
+    """Thread groups splitting the filter rows: R for "taprows" (one row per thread), else 1."""
+    return c.filter_rs[0] if c.schedule == TAPROWS else 1
+
+
+def thread_taps(c: KernelConfig) -> int:
+    """Filter taps a wgrad thread sums (fp32 accumulators per channel of its vector)."""
+    r, s = c.filter_rs
+    return r * s // row_groups(c)
 
 
 def rows_window(c: KernelConfig) -> int:
@@ -98,11 +116,12 @@ def rows_window(c: KernelConfig) -> int:
 
 
 def rows_registers(c: KernelConfig) -> int:
-    """32-bit registers a "rows" wgrad thread needs for its data: R*S*vector fp32 sums, the step's dy vectors in
-    fp32 and the R input windows as loaded (a lower bound: addresses and loop state come on top)."""
-    r, s = c.filter_rs
+    """32-bit registers a "rows"/"taprows" wgrad thread needs for its data: its taps' fp32 sums (x vector), the step's
+    dy vectors in fp32 and its filter rows' input windows as loaded (a lower bound: addresses and loop state come on
+    top)."""
     vec = c.align_a
-    return r * s * vec + c.stages * vec + r * rows_window(c) * vec * c.element_a.nbytes // 4
+    rows = c.filter_rs[0] // row_groups(c)
+    return thread_taps(c) * vec + c.stages * vec + rows * rows_window(c) * vec * c.element_a.nbytes // 4
 
 
 def is_flipped(c: KernelConfig) -> bool:
@@ -135,7 +154,7 @@ def depthwise_name(c: KernelConfig) -> str:
         "cb_dw", c.kind.value,
         f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
         f"t{rows}x{cols}x{ch}_v{c.align_a}_w{c.warps[0]}",
-        f"rows{c.stages}" if is_rows(c) else ("smem" if c.halo_smem else "l1"),
+        f"{c.schedule}{c.stages}" if is_rows(c) else ("smem" if c.halo_smem else "l1"),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
     if c.split_k_mode is SplitKMode.PARALLEL:
@@ -159,15 +178,16 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return f"conv_stride: expected (stride_h, stride_w) in 1..{MAX_STRIDE}, got {c.conv_stride}"
     if c.halo_smem is None:
         return "halo_smem: expected True or False for the depthwise family"
-    if c.schedule not in (None, ROWS):
-        return f"schedule: depthwise kernels take None (pixel tiles) or {ROWS!r} (wgrad only), got {c.schedule!r}"
+    if c.schedule not in (None, ROWS, TAPROWS):
+        return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r} or {TAPROWS!r} (wgrad only), "
+                f"got {c.schedule!r}")
     if is_rows(c):
         if c.kind is not ConvKind.WGRAD:
-            return f"schedule {ROWS!r}: wgrad only"
+            return f"schedule {c.schedule!r}: wgrad only"
         if c.halo_smem:
-            return f"halo_smem: the {ROWS!r} schedule reads its input windows through L1 (halo_smem False)"
+            return f"halo_smem: the {c.schedule!r} schedule reads its input windows through L1 (halo_smem False)"
         if c.stages not in (1, 2, 4, 8):
-            return f"stages: a {ROWS!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
+            return f"stages: a {c.schedule!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
     elif c.stages != 1:
         return f"stages: depthwise pixel-tile kernels have no pipeline, expected 1, got {c.stages}"
     if c.iterator.value != "analytic" or c.stride_support is not StrideSupport.UNITY or c.swizzle != 1:
@@ -186,9 +206,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
             return f"alignments: depthwise wgrad reads x in chunks <= the vector ({vec}) and writes dw per element"
         if c.activation is not Activation.IDENTITY:
             return "activation: wgrad has no activation epilogue"
-        r, s = c.filter_rs
-        if r * s * vec > WGRAD_MAX_ACC:
-            return f"vector {vec}: a wgrad thread holds R*S*vector = {r * s * vec} fp32 accumulators, at most {WGRAD_MAX_ACC}"
+        if thread_taps(c) * vec > WGRAD_MAX_ACC:
+            return (f"vector {vec}: a wgrad thread holds {thread_taps(c)} taps x vector = {thread_taps(c) * vec} fp32 "
+                    f"accumulators, at most {WGRAD_MAX_ACC}")
     else:
         if c.split_k_mode is not SplitKMode.SERIAL:
             return f"split_k_mode: depthwise {c.kind.value} has no split (expected serial, meaning none)"
@@ -206,9 +226,13 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
     if c.warps[1:] != (1, 1) or not 1 <= c.warps[0] <= 32:
         return f"warps {c.warps}: expected (1..32, 1, 1)"
     if is_rows(c):
-        if rows * lanes(c) != c.threads:
-            return (f"tile {c.tile}: {rows} segment threads x {lanes(c)} channel vectors must be the CTA's "
-                    f"{c.threads} threads")
+        groups = row_groups(c)
+        if groups * rows * lanes(c) != c.threads:
+            return (f"tile {c.tile}: {groups} filter-row group(s) x {rows} segment threads x {lanes(c)} channel "
+                    f"vectors must be the CTA's {c.threads} threads")
+        if groups > 1 and (rows * lanes(c)) % 32:
+            return (f"tile {c.tile}: {rows} segment threads x {lanes(c)} channel vectors must be a multiple of 32 "
+                    f"(the threads of a warp share their filter row)")
         if cols % c.stages:
             return f"tile {c.tile}: segments of {cols} columns are not a multiple of the {c.stages} columns per step"
         if rows_registers(c) > ROWS_MAX_REGS:
@@ -296,6 +320,14 @@ ROWS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (16, 16, 16, 8),  # 16 vectors, 256 threads
 )
 ROWS_STEPS = (4, 2)
+#: The "taprows" schedule's shapes: (segment threads, segment columns, channel vectors per CTA); the CTA has R times
+#: segment threads x channel vectors threads (warps derived); each filter-row group fills one or two warps.
+TAPROWS_SHAPES: tuple[tuple[int, int, int], ...] = (
+    (8, 16, 4),    # 32 threads per filter row: few channels
+    (4, 16, 8),
+    (2, 16, 16),   # many channels, small images
+    (8, 16, 8),    # 64 threads per filter row
+)
 
 
 def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optional[str] = None,
@@ -316,21 +348,27 @@ def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optio
     )
 
 
-def _vectors(problem: Conv2dProblem) -> list[int]:
-    """Vector widths worth trying: the widest the channel count allows, and half of it (more threads per CTA)."""
+def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None) -> list[int]:
+    """Vector widths worth trying: the widest the channel count allows (and, for wgrad, the thread's fp32 sums), and
+    half of it (more threads per CTA)."""
     widest = max_alignment(problem.c, problem.element_a)
     if problem.kind is ConvKind.WGRAD:
-        while widest > 1 and problem.r * problem.s * widest > WGRAD_MAX_ACC:
+        taps = problem.s if schedule == TAPROWS else problem.r * problem.s
+        while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
 
 
 def _schedule_variants(problem: Conv2dProblem):
     """(CTA shapes, (halo_smem, schedule, stages) choices) of each schedule the problem's kind has: the pixel tiles
-    with and without halo staging; for wgrad also the "rows" schedule at each of its columns per step."""
+    with and without halo staging; for wgrad also the "rows" and "taprows" schedules at each of their columns per
+    step. Shapes are (rows, cols, channel vectors, warps)."""
     yield SHAPES, [(halo, None, 1) for halo in (False, True)]
     if problem.kind is ConvKind.WGRAD:
         yield ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
+        shapes = tuple((seg, cols, nvec, problem.r * seg * nvec // 32) for seg, cols, nvec in TAPROWS_SHAPES
+                       if problem.r * seg * nvec <= 1024)
+        yield shapes, [(False, TAPROWS, steps) for steps in ROWS_STEPS]
 
 
 def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
@@ -339,7 +377,7 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
         return
     seen = set()
     for shapes, choices in _schedule_variants(problem):
-        for vec in _vectors(problem):
+        for vec in _vectors(problem, choices[0][1]):
             for shape in shapes:
                 if shape[2] * vec > max(problem.c, 4 * vec) * 2:
                     continue  # a channel tile more than twice C idles most of its threads

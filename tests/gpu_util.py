@@ -40,15 +40,16 @@ def module_kernels(shared_cache, configs: Callable[[], Iterable[KernelConfig]]):
         mp.undo()
 
 
-def depthwise_rows_config(problem: Conv2dProblem, vec: int, steps: int) -> KernelConfig:
-    """The depthwise tests' "rows" wgrad config for the problem's types, filter and stride: vector `vec`, `steps`
-    columns per step, 32 segment threads x 4 vectors at vector 8 and 16 x 8 vectors below (from the C=96 twin)."""
+def depthwise_rows_config(problem: Conv2dProblem, vec: int, steps: int, schedule: str = "rows") -> KernelConfig:
+    """The depthwise tests' "rows" (or "taprows") wgrad config for the problem's types, filter and stride: vector
+    `vec`, `steps` columns per step; "rows": 32 segment threads x 4 vectors at vector 8 and 16 x 8 vectors below;
+    "taprows": R x 8 x 4 threads at vector 8 and R x 4 x 8 below (from the C=96 twin)."""
     from cutlass_byoc.depthwise import depthwise_candidates  # noqa: PLC0415
 
     wide = problem.replace(c=96, k=96, groups=96)
-    shape = (32, 16) if vec == 8 else (16, 16)
+    shape = {"rows": (32, 16) if vec == 8 else (16, 16), "taprows": (8, 16) if vec == 8 else (4, 16)}[schedule]
     return next(c for c in depthwise_candidates(wide)
-                if c.schedule == "rows" and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
+                if c.schedule == schedule and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
 
 
 def pick(problem: Conv2dProblem, mode: SplitKMode = SplitKMode.SERIAL, tile=None) -> KernelConfig:

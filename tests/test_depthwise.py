@@ -50,7 +50,8 @@ def test_candidates_exist_and_are_valid_for_every_kind_filter_and_stride(kind, r
         assert c.name.startswith(f"cb_dw_{kind.value}_") and f"_f{r}x{r}_u{stride}x{stride}_" in c.name
         assert (c.split_k_mode is SplitKMode.PARALLEL) == (kind is ConvKind.WGRAD)
         if kind is ConvKind.WGRAD:
-            assert r * r * c.align_a <= dwmod.WGRAD_MAX_ACC and c.align_c == 1
+            assert dwmod.thread_taps(c) * c.align_a <= dwmod.WGRAD_MAX_ACC and c.align_c == 1
+            assert dwmod.thread_taps(c) == (r if c.schedule == "taprows" else r * r)
         else:
             assert c.align_b == 1
     assert {c.halo_smem for c in cands} == ({False} if kind is ConvKind.DGRAD and stride > 1 else {False, True})
@@ -63,7 +64,9 @@ def test_vector_width_follows_the_channel_count():
     assert {c.align_a for c in depthwise_candidates(dw(c=96, dtype="f32"))} == {4, 2}  # 16 bytes of fp32
     fp32_out = first(dw(c=96, out_dtype="f32"), align_a=8)
     assert fp32_out.align_c == 4  # 8 fp32 outputs stored as two 16-byte accesses
-    assert {c.align_a for c in depthwise_candidates(dw("wgrad", c=96, r=7))} == {2}  # 49 x 2 accumulators
+    sev = list(depthwise_candidates(dw("wgrad", c=96, r=7)))
+    assert {c.align_a for c in sev if c.schedule != "taprows"} == {2}  # 49 x 2 accumulators
+    assert {c.align_a for c in sev if c.schedule == "taprows"} == {8, 4}  # one filter row: 7 x 8
 
 
 def test_config_json_round_trip_and_other_families_unchanged():

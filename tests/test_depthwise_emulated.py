@@ -119,6 +119,19 @@ def test_wgrad_rows_schedule(r, stride, steps, dt, c, h, w, splits):
     check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride)
 
 
+@pytest.mark.parametrize("r, stride, steps, vec, dt, c, h, w", [
+    (3, 1, 4, 8, ("f16", "f16"), 24, 9, 21),   # three filter-row groups, a ragged segment tail
+    (5, 2, 2, 4, ("bf16", "f32"), 12, 13, 11),  # 5x5 stride 2, C not a multiple of 8, fp32 out
+    (7, 1, 2, 8, ("f16", "f16"), 16, 8, 7),    # 7x7: 7 groups of 32 threads on a small image
+])
+@pytest.mark.parametrize("splits", [1, None])
+def test_wgrad_taprows_schedule(r, stride, steps, vec, dt, c, h, w, splits):
+    p = problem_of("wgrad", c, h, w, r, stride, dt)
+    cfg = depthwise_rows_config(p, vec, steps, "taprows")
+    assert cfg.threads == r * cfg.tile[0] * cfg.tile[2] // vec
+    check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride + 1)
+
+
 def test_wgrad_rows_schedule_accumulates_into_a_residual_with_padding_0():
     p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
     cfg = depthwise_rows_config(p.replace(epilogue=Epilogue()), 8, 4)

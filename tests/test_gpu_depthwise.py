@@ -100,19 +100,24 @@ def epilogue_kernels():
 
 # The "rows" wgrad schedule (dy row segments, several loads in flight per thread): (dtypes, R, stride, vector, columns
 # per step), each run on every shape of SHAPES its vector divides C of, with 1, a few and the most splits.
+# The "taprows" variant splits the filter rows over R groups of threads: (..., "taprows").
 ROWS_KERNELS = [
-    (("f16", "f16"), 3, 1, 8, 4),
-    (("f16", "f32"), 3, 2, 8, 2),
-    (("bf16", "f32"), 5, 1, 4, 2),
-    (("f16", "f16"), 7, 2, 2, 2),
+    (("f16", "f16"), 3, 1, 8, 4, "rows"),
+    (("f16", "f32"), 3, 2, 8, 2, "rows"),
+    (("bf16", "f32"), 5, 1, 4, 2, "rows"),
+    (("f16", "f16"), 7, 2, 2, 2, "rows"),
+    (("f16", "f16"), 5, 1, 8, 4, "taprows"),
+    (("bf16", "f32"), 5, 2, 8, 2, "taprows"),
+    (("f16", "f32"), 7, 1, 8, 2, "taprows"),
+    (("f16", "f16"), 3, 2, 4, 4, "taprows"),
 ]
-ROWS_CASES = [(dt, r, stride, vec, steps, c, h, w)
-              for dt, r, stride, vec, steps in ROWS_KERNELS for c, h, w in SHAPES if c % vec == 0]
+ROWS_CASES = [(dt, r, stride, vec, steps, sched, c, h, w)
+              for dt, r, stride, vec, steps, sched in ROWS_KERNELS for c, h, w in SHAPES if c % vec == 0]
 
 
 def rows_kernels():
-    return [depthwise_rows_config(problem_of("wgrad", 96, 15, 13, r, stride, dt), vec, steps)
-            for dt, r, stride, vec, steps in ROWS_KERNELS]
+    return [depthwise_rows_config(problem_of("wgrad", 96, 15, 13, r, stride, dt), vec, steps, sched)
+            for dt, r, stride, vec, steps, sched in ROWS_KERNELS]
 
 
 def all_kernels():
@@ -155,12 +160,12 @@ def test_kind_filter_stride_shape(kind, dt, r, stride, vec, halo, c, h, w):
     run_checked(problem, cfg, seed=hash((kind, dt, r, stride, c, h, w)) % 2**31, splits=splits)
 
 
-@pytest.mark.parametrize("dt, r, stride, vec, steps, c, h, w", ROWS_CASES,
-                         ids=[f"{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-step{st}-c{c}-{h}x{w}"
-                              for d, r, s, v, st, c, h, w in ROWS_CASES])
-def test_wgrad_rows_schedule(dt, r, stride, vec, steps, c, h, w):
+@pytest.mark.parametrize("dt, r, stride, vec, steps, sched, c, h, w", ROWS_CASES,
+                         ids=[f"{sc}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-step{st}-c{c}-{h}x{w}"
+                              for d, r, s, v, st, sc, c, h, w in ROWS_CASES])
+def test_wgrad_rows_schedule(dt, r, stride, vec, steps, sched, c, h, w):
     problem = problem_of("wgrad", c, h, w, r, stride, dt)
-    cfg = depthwise_rows_config(problem, vec, steps)
+    cfg = depthwise_rows_config(problem, vec, steps, sched)
     assert cfg.reject_reason(problem) is None
     x, w_, dy = operands(problem, seed=hash((r, stride, c, h, w)) % 2**31)
     ref = reference(problem, x, w_, dy)
