@@ -355,7 +355,8 @@ def cmd_cache(args) -> int:
                 try:
                     from .decisions import _cutlass_version, template_hash  # noqa: PLC0415
 
-                    if (dec.key.template_hash, dec.key.cutlass_version) != (template_hash(), _cutlass_version()):
+                    now = (template_hash(dec.key.problem.is_depthwise), _cutlass_version())
+                    if (dec.key.template_hash, dec.key.cutlass_version) != now:
                         state = "stale"
                 except Exception:  # noqa: BLE001
                     pass

@@ -69,14 +69,25 @@ def current_gpu() -> Optional[GpuInfo]:
     return GpuInfo(name, arch)
 
 
+#: The depthwise family's own template: the only family that computes depthwise problems, and it computes nothing else.
+DEPTHWISE_TEMPLATE = "conv2d_depthwise_direct.cu.j2"
+
+
 @functools.lru_cache(maxsize=None)
-def template_hash() -> str:
-    """sha256 over the text of every kernel template (a template edit invalidates every decision)."""
+def template_hash(depthwise: bool = False) -> str:
+    """sha256 over the text of the kernel templates whose kernels compete for a problem: for a depthwise problem
+    (groups == C == K) the depthwise family's template, for any other problem every other template; both with the
+    shared includes. An edit of a template invalidates the decisions it could have changed, and only those (tuning
+    the depthwise kernels leaves a model's dense decisions standing, and the other way round)."""
     h = hashlib.sha256()
     root = resources.files("cutlass_byoc.templates")
     for entry in sorted(root.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".j2"):
-            h.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
+        if not entry.name.endswith(".j2"):
+            continue
+        family_template = entry.name.endswith(".cu.j2")
+        if family_template and (entry.name == DEPTHWISE_TEMPLATE) != depthwise:
+            continue
+        h.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -98,7 +109,7 @@ class DecisionKey:
 
     @classmethod
     def for_problem(cls, problem: Conv2dProblem, gpu: GpuInfo) -> "DecisionKey":
-        return cls(problem, gpu.name, gpu.arch, _cutlass_version(), template_hash())
+        return cls(problem, gpu.name, gpu.arch, _cutlass_version(), template_hash(problem.is_depthwise))
 
     def fields(self) -> dict:
         return {

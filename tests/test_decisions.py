@@ -76,7 +76,7 @@ def test_changing_an_environment_field_misses(store, launch, field, value):
 
 def test_template_and_cutlass_version_come_from_the_environment(store, launch, monkeypatch):
     record_decision(PROBLEM, launch, 10.0, gpu=GPU, store=store)
-    monkeypatch.setattr(dec_mod, "template_hash", lambda: "f" * 64)
+    monkeypatch.setattr(dec_mod, "template_hash", lambda depthwise=False: "f" * 64)
     assert lookup_decision(PROBLEM, gpu=GPU, store=store) is None
     monkeypatch.undo()
     monkeypatch.setattr(dec_mod, "_cutlass_version", lambda: "9.9.9")
@@ -86,6 +86,42 @@ def test_template_and_cutlass_version_come_from_the_environment(store, launch, m
 def test_template_hash_covers_the_templates():
     h = dec_mod.template_hash()
     assert len(h) == 64 and h == dec_mod.template_hash()
+    assert dec_mod.template_hash(True) != h
+
+
+def test_a_template_edit_invalidates_the_decisions_of_its_own_family_only(monkeypatch, tmp_path):
+    import importlib.resources as resources  # noqa: PLC0415
+
+    from cutlass_byoc.profiler.plan import enumerate_kernels  # noqa: PLC0415
+    from cutlass_byoc.types import KernelFamily  # noqa: PLC0415
+
+    dw = Conv2dProblem.make("wgrad", 8, 32, 14, 14, 32, 3, padding=1, groups=32)
+    assert {k.family for k in enumerate_kernels(dw, 90)[0]} == {KernelFamily.DEPTHWISE_DIRECT}
+    assert KernelFamily.DEPTHWISE_DIRECT not in {k.family for k in enumerate_kernels(PROBLEM, 90)[0]}
+    before = (dec_mod.template_hash(False), dec_mod.template_hash(True))
+    src = resources.files("cutlass_byoc.templates")
+    for entry in src.iterdir():
+        if entry.name.endswith(".j2"):
+            (tmp_path / entry.name).write_bytes(entry.read_bytes())
+
+    def rehash(edit: str) -> tuple[str, str]:
+        (tmp_path / edit).write_text((tmp_path / edit).read_text() + "// edited\n")
+        dec_mod.template_hash.cache_clear()
+        monkeypatch.setattr(resources, "files", lambda pkg: tmp_path)
+        try:
+            return dec_mod.template_hash(False), dec_mod.template_hash(True)
+        finally:
+            monkeypatch.undo()
+            dec_mod.template_hash.cache_clear()
+
+    dense, depthwise = rehash(dec_mod.DEPTHWISE_TEMPLATE)
+    assert dense == before[0] and depthwise != before[1]
+    dense, depthwise = rehash("conv2d_sm80_implicit_gemm.cu.j2")
+    assert dense != before[0] and depthwise != before[1]  # (the depthwise edit above is still in tmp_path)
+    dense2, depthwise2 = rehash("conv2d_sm90_tma_wgmma.cu.j2")
+    assert dense2 != dense and depthwise2 == depthwise
+    dense3, depthwise3 = rehash("conv2d_api.h.j2")  # the shared include: both
+    assert dense3 != dense2 and depthwise3 != depthwise2
 
 
 def test_stale_format_and_garbage_are_ignored(store, launch):
