@@ -330,6 +330,28 @@ TAPROWS_SHAPES: tuple[tuple[int, int, int], ...] = (
 )
 
 
+def _exact_channel_shapes(problem: Conv2dProblem, vec: int) -> tuple[tuple[int, int, int, int], ...]:
+    """fprop/dgrad CTA shapes whose channel tile divides C exactly where no power-of-two tile does (C=144 at vector 8:
+    18 vectors, which tiles of 4/8/16 vectors cover with 11% idle threads): a channel tile of C / blocks vectors for
+    1-4 blocks, not a power of two, the one nearest 8 vectors; the CTA the smallest multiple of both the channel
+    vectors and 32 threads that is at least 128, each thread a strip of 2 columns."""
+    total = problem.c // vec
+    opts = []
+    for blocks in range(1, 5):
+        nvec = total // blocks
+        if total % blocks or not 3 <= nvec <= 32 or nvec & (nvec - 1) == 0:
+            continue
+        threads = math.lcm(nvec, 32)
+        while threads < 128:
+            threads += math.lcm(nvec, 32)
+        pixels = 2 * threads // nvec
+        cols = 16 if pixels % 16 == 0 and pixels >= 32 else 8
+        if threads > 1024 or pixels % cols:
+            continue
+        opts.append((abs(nvec - 8), (pixels // cols, cols, nvec, threads // 32)))
+    return tuple(shape for _, shape in sorted(opts)[:1])
+
+
 def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optional[str] = None,
             stages: int = 1) -> KernelConfig:
     rows, cols, nvec, warps = shape
@@ -378,6 +400,8 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
     seen = set()
     for shapes, choices in _schedule_variants(problem):
         for vec in _vectors(problem, choices[0][1]):
+            if shapes is SHAPES and problem.kind is not ConvKind.WGRAD:  # (wgrad's CTA sum needs 2^k vectors)
+                shapes = SHAPES + _exact_channel_shapes(problem, vec)
             for shape in shapes:
                 if shape[2] * vec > max(problem.c, 4 * vec) * 2:
                     continue  # a channel tile more than twice C idles most of its threads

@@ -254,11 +254,13 @@ def _spread_over_tiles(ranked: list) -> list:
 
 def _alternate_schedules(ranked: list) -> list:
     """The family's kernels taken in turn from each of its schedules (each schedule's own order kept), where the
-    family has more than one and the model cannot rank them against each other: the depthwise wgrad's pixel-tile and
-    "rows" schedules. A budget then times the best few of both instead of the first schedule's only."""
+    family has more than one and the model cannot rank them against each other: the depthwise kernels' pixel tiles
+    read through L1 or staged in shared memory, and wgrad's "rows" and "taprows" schedules. A budget then times the
+    best few of each instead of the first schedule's only."""
     groups: dict = {}
     for t in ranked:
-        groups.setdefault(t[1].schedule if t[1].family is KernelFamily.DEPTHWISE_DIRECT else None, []).append(t)
+        k = t[1]
+        groups.setdefault((k.schedule, k.halo_smem) if k.family is KernelFamily.DEPTHWISE_DIRECT else None, []).append(t)
     if len(groups) < 2:
         return ranked
     out, lists = [], list(groups.values())

@@ -98,6 +98,15 @@ def test_wgrad_strided_bf16_accumulates_into_a_residual():
     check(p, config(p.replace(epilogue=Epilogue()), 8, False), splits=2)
 
 
+@pytest.mark.parametrize("kind, stride", [("fprop", 1), ("fprop", 2), ("dgrad", 1)])
+def test_exact_channel_tile_of_a_non_power_of_two_vector_count(kind, stride):
+    p = problem_of(kind, 48, 9, 19, 3, stride, epilogue=Epilogue(Activation.RELU, SourceKind.BIAS) if kind == "fprop"
+                   else Epilogue())
+    cfg = next(c for c in depthwise_candidates(p) if c.tile[2] == 48 and c.align_a == 8 and not c.halo_smem)
+    assert cfg.threads == 192 and cfg.tile[:2] == (4, 16)  # 6 channel vectors x 32 pixel threads, strips of 2
+    check(p, cfg, 1, seed=stride)
+
+
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 def test_default_launches_of_a_mobilenet_layer(kind):
     p = problem_of(kind, 32, 14, 14, 3, 2)

@@ -120,8 +120,19 @@ def rows_kernels():
             for dt, r, stride, vec, steps, sched in ROWS_KERNELS]
 
 
+# Channel tiles of a non-power-of-two vector count (6 vectors of 8: C=48 in one block, 96 and 144 in 2 and 3): (kind,
+# stride, halo in smem), each run on C = 48, 96, 144.
+EXACT_KERNELS = [("fprop", 1, False), ("fprop", 2, True), ("dgrad", 1, True), ("dgrad", 2, False)]
+
+
+def exact_kernel(kind, stride, halo):
+    p = problem_of(kind, 48, 15, 13, 3, stride)
+    return next(c for c in depthwise_candidates(p) if c.tile[2] == 48 and c.align_a == 8 and c.halo_smem == halo)
+
+
 def all_kernels():
     ks = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo) for kind, dt, r, stride, vec, halo in KERNELS]
+    ks += [exact_kernel(*k) for k in EXACT_KERNELS]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
@@ -182,6 +193,15 @@ def test_wgrad_rows_schedule_split_counts_on_a_mobilenet_layer():
     most = pixel_tiles(cfg, problem)  # 14 here: 8 * 28 * 2 segments of 16 columns over 32 segment threads
     for splits in sorted({1, 2, 7, most} | ({64} if most >= 64 else set())):
         run_checked(problem, cfg, 6, splits=splits, ref=ref, x=x, w=w, dy=dy)
+
+
+@pytest.mark.parametrize("kind, stride, halo", EXACT_KERNELS)
+def test_exact_channel_tiles(kind, stride, halo):
+    cfg = exact_kernel(kind, stride, halo)
+    assert cfg.threads == 192 and cfg.tile[2] == 48
+    for c in (48, 96, 144):
+        problem = problem_of(kind, c, 17, 11, 3, stride)
+        run_checked(problem, cfg, seed=c + stride)
 
 
 @pytest.mark.parametrize("pad", [0, 2, 3])
