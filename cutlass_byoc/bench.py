@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .problem import Conv2dProblem
-from .types import Activation, ConvKind, SourceKind
+from .types import ConvKind
+from .profiler.verify import cudnn_fn
 from .workloads import WorkloadItem
 
 log = logging.getLogger("cutlass_byoc.bench")
@@ -173,36 +174,8 @@ class BenchReport:
         plt.close(fig)
 
 
-def _cudnn_fn(problem: Conv2dProblem, sets):
-    """A callable running cuDNN's version of `problem` (epilogue included) on operand set i."""
-    import torch  # noqa: PLC0415
-
-    from .profiler.verify import _activation  # noqa: PLC0415
-
-    p = problem
-    stride, pad, dil = [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w]
-    act = p.epilogue.activation
-    F = torch.nn.functional
-    bwd = torch.ops.aten.convolution_backward
-
-    if p.kind is ConvKind.FPROP:
-        def fn(i: int) -> None:
-            s = sets[i]
-            bias = s.source if p.epilogue.source is SourceKind.BIAS else s.bias
-            y = F.conv2d(s.x, s.w, bias.to(s.x.dtype) if bias is not None else None, stride, pad, dil, p.groups)
-            if p.epilogue.source.has_residual:
-                y = y.add_(s.source)
-            if act is not Activation.IDENTITY:
-                _activation(y, act)
-    else:
-        mask = [True, False, False] if p.kind is ConvKind.DGRAD else [False, True, False]
-
-        def fn(i: int) -> None:
-            s = sets[i]
-            g = bwd(s.y, s.x, s.w, None, stride, pad, dil, False, [0, 0], p.groups, mask)
-            if p.epilogue.source is SourceKind.RESIDUAL:
-                (g[0] if p.kind is ConvKind.DGRAD else g[1]).add_(s.source)
-    return fn
+# cuDNN's version of a problem: shared with the profiler, which times it next to the candidates
+_cudnn_fn = cudnn_fn  # (the name scripts and profiler/splitk.py import)
 
 
 def bench_item(item: WorkloadItem, settings=None) -> BenchRow:

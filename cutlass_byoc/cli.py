@@ -229,14 +229,18 @@ def cmd_tune(args) -> int:
     report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
                            progress=not args.no_progress, arch=args.arch, force=args.force,
                            compile_only=args.compile_only, devices=devices)
-    rows = [("layer", "kind", "status", "time us", "ok/planned", "launch")]
+    rows = [("layer", "kind", "status", "time us", "cuDNN us", "ok/planned", "launch")]
     for o in report.outcomes:
         ok = sum(1 for r in o.results if r.ok)
+        mark = "*" if o.cudnn_us is not None and o.time_us is not None and o.cudnn_us <= o.time_us else ""
         rows.append((names.get(o.problem, o.problem.name), o.problem.kind.value, o.status, _fmt(o.time_us, ".2f"),
-                     f"{ok}/{o.planned}" if o.planned else "-", o.launch.name if o.launch else o.message))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                     _fmt(o.cudnn_us, ".2f") + mark, f"{ok}/{o.planned}" if o.planned else "-",
+                     o.launch.name if o.launch else o.message))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+        print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6])
+    if any(r[4].endswith("*") for r in rows[1:]):
+        print("* cuDNN was faster: the backend leaves these convs to PyTorch (option prefer_cudnn=False offloads them)")
     counts: dict[str, int] = {}
     for o in report.outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1

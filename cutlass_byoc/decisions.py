@@ -132,13 +132,16 @@ class Decision:
     runner_up_us: Optional[float] = None
     max_error: Optional[float] = None
     recorded_at: float = 0.0
+    #: cuDNN's time for the problem, measured with the candidates (None: not measured). Where it is below `time_us`
+    #: the partitioner leaves the conv to PyTorch (select.cudnn_faster).
+    cudnn_us: Optional[float] = None
 
     def to_dict(self) -> dict:
         return {
             **self.key.fields(), "digest": self.key.digest, "launch": self.launch.to_dict(),
             "launch_name": self.launch.name, "time_us": self.time_us, "candidates_timed": self.candidates_timed,
             "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "max_error": self.max_error,
-            "recorded_at": self.recorded_at,
+            "recorded_at": self.recorded_at, "cudnn_us": self.cudnn_us,
         }
 
     @classmethod
@@ -150,6 +153,7 @@ class Decision:
         return cls(
             key, LaunchConfig.from_dict(d["launch"]), float(d["time_us"]), int(d.get("candidates_timed", 0)),
             d.get("runner_up"), d.get("runner_up_us"), d.get("max_error"), float(d.get("recorded_at", 0.0)),
+            d.get("cudnn_us"),
         )
 
 
@@ -311,7 +315,7 @@ def lookup(problem: Conv2dProblem, *, gpu: Optional[GpuInfo] = None,
 def record_decision(
     problem: Conv2dProblem, launch: LaunchConfig, time_us: float, *, gpu: Optional[GpuInfo] = None,
     store: Optional[DecisionStore] = None, candidates_timed: int = 0, runner_up: Optional[str] = None,
-    runner_up_us: Optional[float] = None, max_error: Optional[float] = None,
+    runner_up_us: Optional[float] = None, max_error: Optional[float] = None, cudnn_us: Optional[float] = None,
 ) -> Decision:
     """Store `launch` as the decision for `problem` on `gpu` (default: the current device)."""
     gpu = gpu or current_gpu()
@@ -321,6 +325,6 @@ def record_decision(
     if why:
         raise ValueError(f"record_decision: {launch.name} cannot compute {problem.name}: {why}")
     dec = Decision(DecisionKey.for_problem(problem, gpu), launch, float(time_us), candidates_timed, runner_up,
-                   runner_up_us, max_error, time.time())
+                   runner_up_us, max_error, time.time(), cudnn_us)
     (store or default_store()).record(dec)
     return dec

@@ -57,6 +57,26 @@ def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
     return default_launch(problem)
 
 
+_cudnn_memo: dict[tuple, Optional[str]] = {}
+
+
+def cudnn_faster(problem: Conv2dProblem) -> Optional[str]:
+    """Why the backend should leave `problem` to PyTorch (cuDNN): its recorded decision measured cuDNN at or below
+    the tuned winner's time (both timed by the profiler on the same operands). None when there is no decision,
+    no cuDNN time in it, or the kernel is faster. Remembered like `choose`."""
+    key = (problem, cache_root_path(), generation())
+    if key not in _cudnn_memo:
+        from .decisions import lookup  # noqa: PLC0415
+
+        dec = lookup(problem)
+        why = None
+        if dec is not None and dec.cudnn_us is not None and dec.cudnn_us <= dec.time_us:
+            why = (f"cuDNN is faster: {dec.cudnn_us:.1f} us vs {dec.time_us:.1f} us for the tuned "
+                   f"{dec.launch.name} (decision cache; prefer_cudnn=False offloads it anyway)")
+        _cudnn_memo[key] = why
+    return _cudnn_memo[key]
+
+
 # ---------------------------------------------------------------------------------------------- offset views
 Caps = tuple[int, int, int]
 

@@ -90,7 +90,7 @@ def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Opt
                   progress: bool = False) -> SplitKReport:
     import torch  # noqa: PLC0415
 
-    from ..bench import _cudnn_fn  # noqa: PLC0415
+    from .verify import cudnn_fn as _cudnn_fn  # noqa: PLC0415
     from ..build import build  # noqa: PLC0415
     from .timing import time_gpu  # noqa: PLC0415
     from .worker import WorkerSettings, evaluate_candidate, make_problem_sets  # noqa: PLC0415

@@ -58,12 +58,13 @@ class ProblemOutcome:
     results: tuple[CandidateResult, ...] = ()
     planned: int = 0  # launches planned
     message: str = ""
+    cudnn_us: Optional[float] = None  # cuDNN's time, measured with the candidates
 
     def to_dict(self) -> dict:
         return {
             "problem": self.problem.name, "status": self.status,
             "launch": self.launch.name if self.launch else None, "time_us": self.time_us,
-            "planned": self.planned, "message": self.message,
+            "planned": self.planned, "message": self.message, "cudnn_us": self.cudnn_us,
             "results": [r.to_dict() for r in self.results],
         }
 
@@ -178,7 +179,8 @@ def tune_workload(
     for p in problems:
         dec = lookup(p, gpu=gpu, store=store) if (gpu is not None and not force) else None
         if dec is not None:
-            outcomes[p] = ProblemOutcome(p, CACHED, dec.launch, dec.time_us, message="decision cache")
+            outcomes[p] = ProblemOutcome(p, CACHED, dec.launch, dec.time_us, message="decision cache",
+                                         cudnn_us=dec.cudnn_us)
         else:
             todo.append(p)
     if not todo:
@@ -230,13 +232,16 @@ def tune_workload(
                 from tqdm import tqdm  # noqa: PLC0415
 
                 bar = tqdm(total=len(todo), desc="timing", unit="problem")
+            cudnn_us: dict[Conv2dProblem, Optional[float]] = {}
+
             def evaluate(runner, p: Conv2dProblem) -> list[CandidateResult]:
                 pp = plan_of[p]
                 runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
                 results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
                            for c in pp.candidates if not builds[c.launch.kernel].ok]
-                if runnable:
-                    results += runner.evaluate(p, runnable)
+                if runnable:  # cuDNN timed first, on the same operands: the bar the winner must clear
+                    results += runner.evaluate(p, runnable, baseline=True)
+                    cudnn_us[p] = runner.baseline_us
                 return results
 
             def finish(p: Conv2dProblem, results: list[CandidateResult]) -> None:
@@ -262,9 +267,10 @@ def tune_workload(
                         candidates_timed=sum(1 for r in results if r.ok),
                         runner_up=others[0].launch.name if others else None,
                         runner_up_us=others[0].median_us if others else None, max_error=win.max_error,
+                        cudnn_us=cudnn_us.get(p),
                     )
                     outcomes[p] = ProblemOutcome(p, TUNED, win.launch, win.median_us, tuple(results),
-                                                 len(pp.candidates))
+                                                 len(pp.candidates), cudnn_us=cudnn_us.get(p))
                 emit({"event": "decision", **{k: v for k, v in outcomes[p].to_dict().items() if k != "results"}})
                 if bar is not None:
                     bar.update(1)

@@ -136,3 +136,35 @@ def compare(p: Conv2dProblem, out, ref) -> CheckResult:
     if err > tol:
         return CheckResult(False, err, f"max error {err:.3g} of the output's range exceeds {tol:g}")
     return CheckResult(True, err, "ok")
+
+
+def cudnn_fn(problem: Conv2dProblem, sets):
+    """A callable running cuDNN's version of `problem` on operand set i: aten's conv2d / convolution_backward for the
+    kind (only the gradient the problem asks for), then the epilogue (bias, residual, activation) as PyTorch ops.
+    What the partitioner leaves a conv to when cuDNN is faster, timed by the profiler next to the candidates."""
+    import torch  # noqa: PLC0415
+
+    p = problem
+    stride, pad, dil = [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w]
+    act = p.epilogue.activation
+    F = torch.nn.functional
+    bwd = torch.ops.aten.convolution_backward
+
+    if p.kind is ConvKind.FPROP:
+        def fn(i: int) -> None:
+            s = sets[i]
+            bias = s.source if p.epilogue.source is SourceKind.BIAS else s.bias
+            y = F.conv2d(s.x, s.w, bias.to(s.x.dtype) if bias is not None else None, stride, pad, dil, p.groups)
+            if p.epilogue.source.has_residual:
+                y = y.add_(s.source)
+            if act is not Activation.IDENTITY:
+                _activation(y, act)
+    else:
+        mask = [True, False, False] if p.kind is ConvKind.DGRAD else [False, True, False]
+
+        def fn(i: int) -> None:
+            s = sets[i]
+            g = bwd(s.y, s.x, s.w, None, stride, pad, dil, False, [0, 0], p.groups, mask)
+            if p.epilogue.source is SourceKind.RESIDUAL:
+                (g[0] if p.kind is ConvKind.DGRAD else g[1]).add_(s.source)
+    return fn

@@ -124,6 +124,26 @@ def evaluate_candidate(problem: Conv2dProblem, launch: LaunchConfig, sets, ref, 
                            max(check.max_error, check2.max_error))
 
 
+def _time_baseline(problem: Conv2dProblem, sets, settings: WorkerSettings) -> Optional[float]:
+    """cuDNN's median time for `problem` (verify.cudnn_fn, with cudnn.benchmark: its best algorithm), or None if it
+    failed or timed invalid (the candidates are still timed)."""
+    import torch  # noqa: PLC0415
+
+    from .timing import time_gpu  # noqa: PLC0415
+    from .verify import cudnn_fn  # noqa: PLC0415
+
+    prev = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        stats = time_gpu(cudnn_fn(problem, sets), len(sets), settings.timing)
+        return stats.median_us if stats.valid else None
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is no reason to lose the candidates
+        log.debug("cuDNN baseline of %s: %s", problem.name, e)
+        return None
+    finally:
+        torch.backends.cudnn.benchmark = prev
+
+
 def make_problem_sets(problem: Conv2dProblem, settings: WorkerSettings):
     import torch  # noqa: PLC0415
 
@@ -169,7 +189,7 @@ def _worker_main(tasks, results, settings: WorkerSettings) -> None:
         msg = tasks.get()
         if msg is None:
             return
-        job, problem_d, launch_ds, start = msg
+        job, problem_d, launch_ds, start, baseline = msg
         problem = Conv2dProblem.from_dict(problem_d)
         try:
             sets, ref = make_problem_sets(problem, settings)
@@ -183,6 +203,8 @@ def _worker_main(tasks, results, settings: WorkerSettings) -> None:
                 os._exit(3)
             continue
         results.put((job, "ready", len(sets)))
+        if baseline:  # cuDNN's time for the problem, on the same operand sets and timing as the candidates
+            results.put((job, "baseline", _time_baseline(problem, sets, settings)))
         for idx in range(start, len(launch_ds)):
             launch = LaunchConfig.from_dict(launch_ds[idx])
             try:
@@ -302,10 +324,14 @@ class CandidateRunner:
             if time.monotonic() >= deadline:
                 return None
 
-    def evaluate(self, problem: Conv2dProblem, launches: Sequence[LaunchConfig]) -> list[CandidateResult]:
-        """Check and time every launch on `problem`; one result per launch, in order."""
+    def evaluate(self, problem: Conv2dProblem, launches: Sequence[LaunchConfig],
+                 baseline: bool = False) -> list[CandidateResult]:
+        """Check and time every launch on `problem`; one result per launch, in order. With `baseline`, the worker
+        first times cuDNN on the same operand sets: `self.baseline_us` (None if it could not be timed)."""
         out: list[Optional[CandidateResult]] = [None] * len(launches)
         launch_ds = [l.to_dict() for l in launches]
+        self.baseline_us: Optional[float] = None
+        want_baseline = baseline
         nxt = 0
         while nxt < len(launches):
             if self._proc is None or not self._proc.is_alive():
@@ -314,7 +340,7 @@ class CandidateRunner:
                 self.restarts += 1
             self._job += 1
             job = self._job
-            self._tasks.put((job, problem.to_dict(), launch_ds, nxt))
+            self._tasks.put((job, problem.to_dict(), launch_ds, nxt, want_baseline))
             timeout = self.settings.setup_timeout_s
             restart = False
             while nxt < len(launches):
@@ -339,6 +365,9 @@ class CandidateRunner:
                     break
                 if msg[1] == "ready":
                     timeout = self.settings.candidate_timeout_s
+                    continue
+                if msg[1] == "baseline":
+                    self.baseline_us, want_baseline = msg[2], False  # (not timed again after a restart)
                     continue
                 if msg[1] == "done":
                     break

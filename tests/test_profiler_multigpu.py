@@ -127,8 +127,9 @@ class FakeGpuRunner:
     def __exit__(self, *exc):
         return None
 
-    def evaluate(self, problem, launches):
+    def evaluate(self, problem, launches, baseline=False):
         FakeGpuRunner.calls.append((self.device, problem))
+        self.baseline_us = 60.0 if baseline else None
         time.sleep(0.05)  # so both GPUs get work
         return [W.CandidateResult(l, W.OK, 50.0 + i, 49.0 + i, 20, 2, 1e-4) for i, l in enumerate(launches)]
 
@@ -220,8 +221,10 @@ def fake_device_worker(tasks, results, settings) -> None:
         msg = tasks.get()
         if msg is None:
             return
-        job, _problem, launch_ds, start = msg
+        job, _problem, launch_ds, start, baseline = msg
         results.put((job, "ready", 1))
+        if baseline:
+            results.put((job, "baseline", 20.0))
         for idx in range(start, len(launch_ds)):
             time.sleep(0.2)
             launch = LaunchConfig.from_dict(launch_ds[idx])

@@ -23,7 +23,8 @@ PROBLEMS = [
 
 
 class FakeRunner:
-    """Candidate i of each problem: 0 crashes, 1 is wrong, 2 has time 0 (must not win), others take 100 - i us."""
+    """Candidate i of each problem: 0 crashes, 1 is wrong, 2 has time 0 (must not win), others take 100 - i us; cuDNN
+    (the baseline) takes 50 us."""
 
     calls: list = []
 
@@ -36,8 +37,9 @@ class FakeRunner:
     def __exit__(self, *exc):
         return None
 
-    def evaluate(self, problem, launches):
+    def evaluate(self, problem, launches, baseline=False):
         FakeRunner.calls.append((problem, list(launches)))
+        self.baseline_us = 50.0 if baseline else None
         out = []
         for i, l in enumerate(launches):
             if i == 0:
@@ -81,6 +83,7 @@ def test_tune_orchestration(fakes):
         assert statuses[o.launch] == W.OK
         assert o.time_us > 0  # the time-0 candidate never wins
         assert o.time_us == min(r.median_us for r in o.results if r.ok and r.median_us > 0)
+        assert o.cudnn_us == 50.0 and lookup(o.problem, gpu=GPU, store=store).cudnn_us == 50.0  # timed alongside
     # the narrow strided dgrad is timed and decided on the user's problem, its launch carrying the padding
     dgrad = rep.outcomes[2]
     assert any(p == PROBLEMS[2] for p, _ in FakeRunner.calls)
@@ -98,6 +101,7 @@ def test_tune_orchestration(fakes):
     assert [o.status for o in again.outcomes] == [T.CACHED] * 3
     assert len(builds) == 1 and len(FakeRunner.calls) == n_calls
     assert [o.launch for o in again.outcomes] == [o.launch for o in rep.outcomes]
+    assert [o.cudnn_us for o in again.outcomes] == [50.0] * 3
     # --force re-times
     T.tune_workload(PROBLEMS[:1], max_candidates=4, cache=cache, store=store, force=True)
     assert len(builds) == 2
@@ -108,7 +112,8 @@ def test_no_winner_records_nothing(fakes, monkeypatch):
     store = DecisionStore(cache.root)
 
     class AllFail(FakeRunner):
-        def evaluate(self, problem, launches):
+        def evaluate(self, problem, launches, baseline=False):
+            self.baseline_us = 40.0 if baseline else None
             return [W.CandidateResult(l, W.WRONG, max_error=1.0) for l in launches]
 
     monkeypatch.setattr(T, "CandidateRunner", AllFail)

@@ -25,14 +25,16 @@ def _launches(n: int) -> list[LaunchConfig]:
 
 def fake_gpu_worker(tasks, results, settings) -> None:
     """Stands in for the GPU worker: candidate i behaves as its index says (1: crashes the process, 3: hangs,
-    4: wrong result, others: ok with time 10 + i)."""
+    4: wrong result, others: ok with time 10 + i; cuDNN's baseline, when asked for, 12.5)."""
     results.put(("hello", "Fake GPU", 90, os.getpid()))
     while True:
         msg = tasks.get()
         if msg is None:
             return
-        job, _problem, launch_ds, start = msg
+        job, _problem, launch_ds, start, baseline = msg
         results.put((job, "ready", 1))
+        if baseline:
+            results.put((job, "baseline", 12.5))
         for idx in range(start, len(launch_ds)):
             launch = LaunchConfig.from_dict(launch_ds[idx])
             if idx == 1:
@@ -56,9 +58,13 @@ def test_runner_survives_crash_and_hang():
         assert [r.launch for r in res] == launches
         assert runner.restarts == 2
         assert "exited with code 7" in res[1].message
+        assert runner.baseline_us is None  # not asked for
         # the worker is healthy again for the next problem
         again = runner.evaluate(PROBLEM, launches[:1])
         assert again[0].status == W.OK
+        # cuDNN's time comes with the candidates when asked for, once, even across a restart
+        res = runner.evaluate(PROBLEM, launches[:3], baseline=True)
+        assert [r.status for r in res] == [W.OK, W.CRASHED, W.OK] and runner.baseline_us == 12.5
     win = pick_winner(res)
     assert win is res[0]
 

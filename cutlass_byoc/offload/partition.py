@@ -40,6 +40,7 @@ from .patterns import (
     ConvPattern,
     OffloadOptions,
     PatternMatcher,
+    PreferPyTorch,
     Reject,
     backward_pattern,
     check_dtypes,
@@ -82,7 +83,7 @@ class _Rewriter:
         self.fake_mode = self._detect_fake_mode()
         self.new_nodes: list[fx.Node] = []
         self.cl_cache: dict[fx.Node, fx.Node] = {}
-        self.rejections: dict[fx.Node, list[tuple[ConvPattern, str]]] = {}
+        self.rejections: dict[fx.Node, list[tuple[ConvPattern, Reject]]] = {}
         self.changed: set[fx.Node] = set()  # new nodes whose layout differs from the value they replaced
         self.orig_val: dict[fx.Node, Any] = {}  # traced metadata of values whose layout changed
         self.restore_cache: dict[fx.Node, fx.Node] = {}
@@ -145,6 +146,8 @@ class _Rewriter:
                 conv = m.nodes_map[pat.conv]
                 if conv.graph is not self.graph or conv._erased:  # consumed by an earlier pattern
                     continue
+                if any(isinstance(e, PreferPyTorch) for _, e in self.rejections.get(conv, [])):
+                    continue  # cuDNN measured faster for this conv's largest pattern: no smaller one is tried
                 if any(gn._erased for pn, gn in m.nodes_map.items()
                        if isinstance(gn, fx.Node) and pn.op != "placeholder"):
                     continue
@@ -152,11 +155,11 @@ class _Rewriter:
                     self._rebind(pat, m)
                     self._rewrite_fprop(pat, m)
                 except Reject as e:
-                    self.rejections.setdefault(conv, []).append((pat, str(e)))
+                    self.rejections.setdefault(conv, []).append((pat, e))
         for n in list(self.graph.nodes):
             if n.target is CONV:
                 rej = self.rejections.get(n, [])
-                reason = rej[-1][1] if rej else "no pattern matched"
+                reason = str(rej[-1][1]) if rej else "no pattern matched"
                 self._conv_entry(n, False, reason=reason)
 
     def _conv_entry(self, conv: fx.Node, offloaded: bool, **kw) -> OffloadEntry:

@@ -34,7 +34,7 @@ from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from ..config import LaunchConfig
 from ..problem import Conv2dProblem, Epilogue, ProblemError
-from ..select import SelectMode, choose
+from ..select import SelectMode, choose, cudnn_faster
 from ..types import Activation, ConvKind, DType, SourceKind
 
 log = logging.getLogger("cutlass_byoc.offload")
@@ -79,6 +79,9 @@ class OffloadOptions:
     prebuild: bool = True  # compile the chosen kernels in parallel at graph compile time (CUDA, select != tune)
     strict: bool = False  # re-raise a partitioning failure instead of compiling that graph without offload (tests)
     cudagraphs: bool = False  # Inductor's CUDA graphs (cudagraph trees) around the compiled graphs, ops included
+    # leave a conv to PyTorch where the decision cache says cuDNN was faster than the tuned kernel (select cached or
+    # tune; the heuristic has no measurement to go by)
+    prefer_cudnn: bool = True
     mode: Optional[str] = None  # torch.compile's mode, passed to Inductor ("reduce-overhead" implies cudagraphs)
 
     def __post_init__(self) -> None:
@@ -290,6 +293,11 @@ class Reject(Exception):
     """A pattern instance CUTLASS cannot take; the message is the reason recorded in the report."""
 
 
+class PreferPyTorch(Reject):
+    """The conv is left to PyTorch because cuDNN measured faster: no smaller pattern of the same conv is tried (its
+    problem would run untuned where the tuned one lost)."""
+
+
 def val(x) -> torch.Tensor:
     """The FakeTensor (or example tensor) an fx node carries in meta['val']; Reject if it has none."""
     if not isinstance(x, fx.Node):
@@ -400,6 +408,10 @@ def kernel_for(problem: Conv2dProblem, options: OffloadOptions) -> LaunchConfig:
     why = problem.int32_overflow
     if why:
         raise Reject(f"size: {why}")
+    if options.prefer_cudnn and options.compile_time_select is SelectMode.CACHED:
+        why = cudnn_faster(problem)
+        if why:
+            raise PreferPyTorch(why)
     launch = _choose(problem, options.compile_time_select)
     if launch is None:
         from ..candidates import unsupported_reason  # noqa: PLC0415

@@ -1,0 +1,90 @@
+"""cuDNN as the bar a tuned kernel must clear: the profiler times cuDNN next to the candidates and records it in the
+decision; the partitioner leaves a conv to PyTorch where cuDNN measured faster (option prefer_cudnn, on by default),
+naming both times, and does not fall back to a smaller, untuned pattern of the same conv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cutlass_byoc import decisions as dec_mod
+from cutlass_byoc import select as sel
+from cutlass_byoc.decisions import GpuInfo, record_decision
+from cutlass_byoc.heuristics import default_launch
+from cutlass_byoc.offload import OffloadOptions, Pass
+from cutlass_byoc.offload import patterns as pat_mod
+from cutlass_byoc.offload.partition import offloaded_calls
+from cutlass_byoc.offload.trace import explain
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.types import Activation
+
+GPU = GpuInfo("NVIDIA H200", 90)
+CPU = OffloadOptions(require_cuda=False)
+
+
+@pytest.fixture
+def gpu_here(tmp_cache, monkeypatch):
+    monkeypatch.setattr(dec_mod, "current_gpu", lambda: GPU)
+    return tmp_cache
+
+
+@pytest.mark.parametrize("cudnn_us, faster", [(8.0, True), (10.0, True), (12.0, False), (None, False)])
+def test_cudnn_faster_reads_the_decision(gpu_here, cudnn_us, faster):
+    p = Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 3, padding=1)
+    assert sel.cudnn_faster(p) is None  # no decision: nothing measured
+    launch = default_launch(p)
+    record_decision(p, launch, 10.0, gpu=GPU, cudnn_us=cudnn_us)
+    assert dec_mod.lookup(p).cudnn_us == cudnn_us
+    why = sel.cudnn_faster(p)
+    if faster:
+        assert why.startswith(f"cuDNN is faster: {cudnn_us:.1f} us vs 10.0 us") and launch.name in why
+    else:
+        assert why is None
+
+
+class ConvBiasRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+def _fused_loses(monkeypatch, seen):
+    def fake(problem):
+        seen.append(problem)
+        return "cuDNN is faster: 1.0 us vs 2.0 us" if problem.epilogue.activation is Activation.RELU else None
+    monkeypatch.setattr(pat_mod, "cudnn_faster", fake)
+
+
+def test_partitioner_leaves_the_conv_to_pytorch_where_cudnn_is_faster(monkeypatch):
+    seen: list = []
+    _fused_loses(monkeypatch, seen)
+    m, x = ConvBiasRelu(), torch.randn(2, 8, 8, 8)
+    gm, rep = explain(m, x, options=CPU)
+    (e,) = rep.entries
+    assert e.kind is Pass.FPROP and not e.offloaded and e.reason.startswith("cuDNN is faster"), rep.summary()
+    assert not offloaded_calls(gm)  # not the conv alone (or conv + bias) untuned either
+    assert len(seen) == 1 and seen[0].epilogue.activation is Activation.RELU
+    # off: the fused kernel runs as before
+    gm, rep = explain(m, x, options=OffloadOptions(require_cuda=False, prefer_cudnn=False))
+    assert rep.entries[0].offloaded and rep.entries[0].fused == ("bias", "relu")
+    # the heuristic measures nothing, so it has nothing to go by
+    gm, rep = explain(m, x, options=OffloadOptions(require_cuda=False, select="heuristic"))
+    assert rep.entries[0].offloaded
+
+
+def test_backward_passes_each_go_by_their_own_decision(monkeypatch):
+    def fake(problem):
+        return "cuDNN is faster: 1.0 us vs 2.0 us" if problem.kind.value == "wgrad" else None
+    monkeypatch.setattr(pat_mod, "cudnn_faster", fake)
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False))
+    x = torch.randn(2, 8, 8, 8, requires_grad=True)
+    gm, rep = explain(m, x, training=True, options=CPU)
+    by = {}
+    for e in rep.entries:
+        by.setdefault(e.kind, []).append(e)
+    assert all(e.offloaded for e in by[Pass.FPROP]) and all(e.offloaded for e in by[Pass.DGRAD])
+    assert by[Pass.WGRAD] and all(not e.offloaded and "cuDNN is faster" in e.reason for e in by[Pass.WGRAD])
