@@ -116,12 +116,15 @@ def rows_window(c: KernelConfig) -> int:
 
 
 def rows_registers(c: KernelConfig) -> int:
-    """32-bit registers a "rows"/"taprows" wgrad thread needs for its data: its taps' fp32 sums (x vector), the step's
-    dy vectors in fp32 and its filter rows' input windows as loaded (a lower bound: addresses and loop state come on
-    top)."""
+    """32-bit registers a "rows"/"taprows" thread needs for its data (a lower bound: addresses and loop state come on
+    top). wgrad: its taps' fp32 sums (x vector), the step's dy vectors in fp32 and its filter rows' input windows as
+    loaded; fprop / stride-1 dgrad: the step's fp32 outputs, one filter row's taps and the R input windows."""
     vec = c.align_a
     rows = c.filter_rs[0] // row_groups(c)
-    return thread_taps(c) * vec + c.stages * vec + rows * rows_window(c) * vec * c.element_a.nbytes // 4
+    window = rows * rows_window(c) * vec * c.element_a.nbytes // 4
+    if c.kind is not ConvKind.WGRAD:
+        return c.stages * vec + c.filter_rs[1] * vec + window
+    return thread_taps(c) * vec + c.stages * vec + window
 
 
 def is_flipped(c: KernelConfig) -> bool:
@@ -182,8 +185,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r} or {TAPROWS!r} (wgrad only), "
                 f"got {c.schedule!r}")
     if is_rows(c):
-        if c.kind is not ConvKind.WGRAD:
-            return f"schedule {c.schedule!r}: wgrad only"
+        if c.kind is not ConvKind.WGRAD and not (c.schedule == ROWS and (c.kind is ConvKind.FPROP or is_flipped(c))):
+            return (f"schedule {c.schedule!r}: wgrad, and for {ROWS!r} also fprop and stride-1 dgrad (strided dgrad "
+                    f"gathers its taps)")
         if c.halo_smem:
             return f"halo_smem: the {c.schedule!r} schedule reads its input windows through L1 (halo_smem False)"
         if c.stages not in (1, 2, 4, 8):
@@ -290,7 +294,8 @@ def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
     "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread)."""
     rows, cols, _ = c.tile
     if is_rows(c):
-        return math.ceil(problem.n * problem.p * math.ceil(problem.q / cols) / rows)
+        ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
+        return math.ceil(problem.n * ph * math.ceil(pw / cols) / rows)
     if c.kind is ConvKind.DGRAD:
         h, w = problem.h, problem.w
     else:
@@ -320,6 +325,14 @@ ROWS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (16, 16, 16, 8),  # 16 vectors, 256 threads
 )
 ROWS_STEPS = (4, 2)
+#: The "rows" schedule of fprop and stride-1 dgrad: (segment threads, segment columns, channel vectors, warps); each
+#: thread computes one output row segment, the CTA's segments consecutive along the rows.
+FPROP_ROWS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (8, 16, 16, 4),   # 16 vectors (128 channels at 8)
+    (16, 16, 8, 4),
+    (32, 8, 4, 4),    # few channels: short segments, many of them
+    (4, 16, 32, 4),   # many channels, small images
+)
 #: The "taprows" schedule's shapes: (segment threads, segment columns, channel vectors per CTA); the CTA has R times
 #: segment threads x channel vectors threads (warps derived); each filter-row group fills one or two warps.
 TAPROWS_SHAPES: tuple[tuple[int, int, int], ...] = (
@@ -350,6 +363,16 @@ def _exact_channel_shapes(problem: Conv2dProblem, vec: int) -> tuple[tuple[int, 
             continue
         opts.append((abs(nvec - 8), (pixels // cols, cols, nvec, threads // 32)))
     return tuple(shape for _, shape in sorted(opts)[:1])
+
+
+def _exact_channel_rows_shapes(problem: Conv2dProblem, vec: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The fprop "rows" twin of `_exact_channel_shapes`: the channel tile of the nearest-8 non-power-of-two vector
+    count dividing C, segments of 16 columns, as many segment threads as make the CTA a multiple of 32 threads."""
+    out = []
+    for rows, cols, nvec, warps in _exact_channel_shapes(problem, vec):
+        threads = warps * 32
+        out.append((threads // nvec, 16, nvec, warps))
+    return tuple(out)
 
 
 def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optional[str] = None,
@@ -386,6 +409,9 @@ def _schedule_variants(problem: Conv2dProblem):
     with and without halo staging; for wgrad also the "rows" and "taprows" schedules at each of their columns per
     step. Shapes are (rows, cols, channel vectors, warps)."""
     yield SHAPES, [(halo, None, 1) for halo in (False, True)]
+    if problem.kind is ConvKind.FPROP or (problem.kind is ConvKind.DGRAD and
+                                          (problem.stride_h, problem.stride_w) == (1, 1)):
+        yield FPROP_ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
     if problem.kind is ConvKind.WGRAD:
         yield ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
         shapes = tuple((seg, cols, nvec, problem.r * seg * nvec // 32) for seg, cols, nvec in TAPROWS_SHAPES
@@ -402,6 +428,8 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
         for vec in _vectors(problem, choices[0][1]):
             if shapes is SHAPES and problem.kind is not ConvKind.WGRAD:  # (wgrad's CTA sum needs 2^k vectors)
                 shapes = SHAPES + _exact_channel_shapes(problem, vec)
+            elif shapes is FPROP_ROWS_SHAPES:
+                shapes = FPROP_ROWS_SHAPES + _exact_channel_rows_shapes(problem, vec)
             for shape in shapes:
                 if shape[2] * vec > max(problem.c, 4 * vec) * 2:
                     continue  # a channel tile more than twice C idles most of its threads

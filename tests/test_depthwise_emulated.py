@@ -107,6 +107,20 @@ def test_exact_channel_tile_of_a_non_power_of_two_vector_count(kind, stride):
     check(p, cfg, 1, seed=stride)
 
 
+@pytest.mark.parametrize("kind, r, stride, steps, cols, dt, c, h, w, epi", [
+    ("fprop", 3, 1, 4, 16, ("f16", "f16"), 24, 9, 21, Epilogue(Activation.RELU, SourceKind.BIAS)),  # ragged tail
+    ("fprop", 3, 2, 2, 8, ("bf16", "f32"), 16, 13, 11, Epilogue(source=SourceKind.RESIDUAL)),
+    ("fprop", 5, 1, 2, 8, ("f16", "f16"), 12, 7, 6, Epilogue(Activation.SILU)),  # C not a multiple of 8
+    ("dgrad", 3, 1, 4, 16, ("f16", "f16"), 32, 11, 19, Epilogue()),                # rotated filter
+    ("dgrad", 7, 1, 2, 8, ("f16", "f32"), 16, 10, 9, Epilogue()),
+])
+def test_fprop_and_dgrad_rows_schedule(kind, r, stride, steps, cols, dt, c, h, w, epi):
+    p = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
+    cfg = max((k for k in depthwise_candidates(p) if k.schedule == "rows" and k.stages == steps and k.tile[1] == cols),
+              key=lambda k: k.align_a)  # the widest vector whose windows fit the registers (7x7: 4)
+    check(p, cfg, 1, seed=r + stride + steps)
+
+
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 def test_default_launches_of_a_mobilenet_layer(kind):
     p = problem_of(kind, 32, 14, 14, 3, 2)

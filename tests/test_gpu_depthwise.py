@@ -130,9 +130,31 @@ def exact_kernel(kind, stride, halo):
     return next(c for c in depthwise_candidates(p) if c.tile[2] == 48 and c.align_a == 8 and c.halo_smem == halo)
 
 
+# The "rows" schedule of fprop and stride-1 dgrad (one output row segment per thread, kStep columns per step):
+# (kind, dtypes, R, stride, columns per step, segment columns, epilogue), the widest vector that fits (C=96 twin),
+# narrowed to 4 where C needs it.
+ROWS_FPROP_KERNELS = [
+    ("fprop", ("f16", "f16"), 3, 1, 4, 16, Epilogue(Activation.RELU, SourceKind.BIAS)),
+    ("fprop", ("bf16", "bf16"), 3, 2, 2, 8, Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    ("fprop", ("f16", "f32"), 5, 1, 2, 8, Epilogue(Activation.SILU)),
+    ("fprop", ("f16", "f16"), 7, 2, 2, 16, Epilogue()),
+    ("dgrad", ("f16", "f16"), 3, 1, 4, 16, Epilogue()),
+    ("dgrad", ("bf16", "f32"), 5, 1, 2, 8, Epilogue()),
+]
+
+
+def rows_fprop_kernel(kind, dt, r, stride, steps, cols, epi):
+    p = problem_of(kind, 96, 15, 13, r, stride, dt, epilogue=epi)
+    return max((k for k in depthwise_candidates(p) if k.schedule == "rows" and k.stages == steps and k.tile[1] == cols
+                and k.tile[2] // k.align_a in (4, 8, 16)), key=lambda k: (k.align_a, k.tile[2]))
+
+
 def all_kernels():
     ks = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo) for kind, dt, r, stride, vec, halo in KERNELS]
     ks += [exact_kernel(*k) for k in EXACT_KERNELS]
+    for k in ROWS_FPROP_KERNELS:
+        cfg = rows_fprop_kernel(*k)
+        ks += [cfg] + ([with_alignments(cfg, 4, 4, 4)] if cfg.align_a > 4 else [])
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
@@ -193,6 +215,32 @@ def test_wgrad_rows_schedule_split_counts_on_a_mobilenet_layer():
     most = pixel_tiles(cfg, problem)  # 14 here: 8 * 28 * 2 segments of 16 columns over 32 segment threads
     for splits in sorted({1, 2, 7, most} | ({64} if most >= 64 else set())):
         run_checked(problem, cfg, 6, splits=splits, ref=ref, x=x, w=w, dy=dy)
+
+
+@pytest.mark.parametrize("kind, dt, r, stride, steps, cols, epi", ROWS_FPROP_KERNELS,
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-step{st}-cols{co}-{e.tag}"
+                              for k, d, r, s, st, co, e in ROWS_FPROP_KERNELS])
+def test_fprop_and_dgrad_rows_schedule(kind, dt, r, stride, steps, cols, epi):
+    wide = rows_fprop_kernel(kind, dt, r, stride, steps, cols, epi)
+    for c, h, w in SHAPES:
+        cfg = wide if c % wide.align_a == 0 else with_alignments(wide, 4, 4, 4)
+        problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
+        assert cfg.reject_reason(problem) is None, cfg.name
+        x, w_, dy = operands(problem, seed=c + h + r)
+        out_t = TORCH[problem.element_out]
+        source = None
+        if kind == "fprop":
+            ref = torch.nn.functional.conv2d(x.double(), w_.double(), None, stride, r // 2, 1, c)
+            if epi.source is SourceKind.BIAS:
+                source = torch.randn(c, device="cuda").to(out_t)
+                ref = ref + source.double().view(1, -1, 1, 1)
+            elif epi.source is SourceKind.RESIDUAL:
+                source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
+                ref = ref + source.double()
+            ref = ops._apply_activation(ref, epi.activation)
+        else:
+            ref = reference(problem, x, w_, dy)
+        run_checked(problem, cfg, 0, source=source, ref=ref, x=x, w=w_, dy=dy)
 
 
 @pytest.mark.parametrize("kind, stride, halo", EXACT_KERNELS)
