@@ -11,7 +11,10 @@
 #           when the cache is empty, e.g. on a fresh machine)
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
 # tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
-#           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50)
+#           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50;
+#           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz)
+# import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT) imported into
+#           the offload and tune caches, so a fresh machine benches what an earlier call tuned
 # offload-bench: `python -m cutlass_byoc.offload.bench` ($BENCH_CASES, default the issue's six cases; all five modes;
 #           host overhead per call) -> $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
@@ -121,7 +124,14 @@ for step in "${steps[@]}"; do
         --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
     tune-model)
       cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
-        --training --amp fp16 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
+        --training --amp fp16 ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1
+      if [ -n "${TUNE_EXPORT:-}" ]; then
+        cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1
+      fi ;;
+    import)
+      for dir in "$CUTLASS_BYOC_CACHE_DIR" "$TUNE_CACHE"; do
+        [ -f tuned.tar.gz ] && { CUTLASS_BYOC_CACHE_DIR=$dir cutlass-byoc cache import tuned.tar.gz || rc=1; }
+      done ;;
     offload-bench)
       python3 -m cutlass_byoc.offload.bench ${BENCH_CASES:+--cases $BENCH_CASES} --steps "${BENCH_STEPS:-20}" \
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
