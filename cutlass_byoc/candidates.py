@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 from .config import PAD_MULTIPLES, KernelConfig, Shape3, instruction_shape_for, math_op_for, round_up
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem, max_alignment
-from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
+from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
 
 TileSpec = tuple[Shape3, Shape3, int]  # (threadblock tile, warp counts, stages)
 
@@ -178,6 +178,9 @@ def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
         return None
     if problem.groups != 1:
         return f"groups: implicit-GEMM kernels need groups == 1 (depthwise kernels groups == C == K), got groups={problem.groups}"
+    if problem.epilogue.activation is Activation.RELU6:
+        return ("activation relu6: the implicit-GEMM epilogues have no clamp (only the depthwise kernels fuse "
+                "ReLU6); the clamp stays in PyTorch")
     if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1) and \
             (problem.stride_h > 1 or problem.stride_w > 1):
         return (f"dilation: dgrad with stride {problem.stride_h}x{problem.stride_w} takes dilation 1 only (strided-"

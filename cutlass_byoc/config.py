@@ -201,6 +201,9 @@ class KernelConfig:
             return depthwise_static_error(self)
         if self.conv_stride is not None or self.halo_smem is not None:
             return "conv_stride and halo_smem are fields of the depthwise family only"
+        if self.activation is Activation.RELU6:
+            return (f"activation relu6: the {self.family.value} epilogue has no clamp (the ReLU6 clamp is fused by the "
+                    "depthwise family only; after an implicit-GEMM conv it stays in PyTorch)")
         if self.stages < 2:
             return f"stages: expected >= 2, got {self.stages}"
         if self.swizzle not in (1, 2, 4, 8):

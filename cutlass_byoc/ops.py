@@ -416,8 +416,10 @@ def _problem(kind, n, c, h, w, k, r, s, stride, padding, dilation, groups, ref, 
 
 
 def _apply_activation(y, activation: Activation):
+    """The epilogue activations with PyTorch's definitions (GELU exact, as F.gelu's default; ReLU6 as F.relu6): the
+    references of the tests and the profiler, and the PyTorch side of the offloaded ops."""
     F = _torch().nn.functional
     return {
         Activation.IDENTITY: lambda t: t, Activation.RELU: F.relu, Activation.SIGMOID: _torch().sigmoid,
-        Activation.SILU: F.silu, Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu,
+        Activation.SILU: F.silu, Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu, Activation.RELU6: F.relu6,
     }[activation](y)

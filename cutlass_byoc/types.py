@@ -109,6 +109,7 @@ class Activation(str, enum.Enum):
     SILU = "silu"
     HARDSWISH = "hardswish"
     GELU = "gelu"  # exact (erf) GELU, as torch.nn.functional.gelu's default
+    RELU6 = "relu6"  # min(max(x, 0), 6) (MobileNet's clamp): the depthwise family only (see KernelConfig.static_error)
 
     @property
     def functor(self) -> str:
@@ -120,7 +121,7 @@ class Activation(str, enum.Enum):
             "silu": "cutlass::epilogue::thread::LinearCombinationSilu",
             "hardswish": "cutlass::epilogue::thread::LinearCombinationHardSwish",
             "gelu": "cutlass::epilogue::thread::LinearCombinationGELU",
-        }[self.value]
+        }[self.value]  # (no relu6: the implicit-GEMM families do not take it)
 
 
 class SourceKind(str, enum.Enum):

@@ -78,12 +78,9 @@ def make_operand_set(p: Conv2dProblem, device, generator=None) -> OperandSet:
 
 
 def _activation(y, act: Activation):
-    torch = _torch()
-    F = torch.nn.functional
-    return {
-        Activation.IDENTITY: lambda v: v, Activation.RELU: F.relu, Activation.SIGMOID: torch.sigmoid,
-        Activation.SILU: F.silu, Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu,
-    }[act](y)
+    from ..ops import _apply_activation  # noqa: PLC0415
+
+    return _apply_activation(y, act)
 
 
 def reference(p: Conv2dProblem, ops: OperandSet):

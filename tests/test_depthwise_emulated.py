@@ -70,6 +70,11 @@ def test_fprop_halo_strided_with_bias_and_silu_on_odd_channels():
     check(p, config(p, 4, True))
 
 
+def test_fprop_relu6_clamp_with_bias():
+    p = problem_of("fprop", 24, 9, 10, 3, 1, epilogue=Epilogue(Activation.RELU6, SourceKind.BIAS))
+    check(p, config(p, 8, False), 1, seed=6)
+
+
 def test_fprop_bf16_to_fp32_5x5_with_residual_relu():
     p = problem_of("fprop", 24, 11, 7, 5, 1, ("bf16", "f32"), epilogue=Epilogue(Activation.RELU, SourceKind.RESIDUAL))
     check(p, config(p, 8, False))

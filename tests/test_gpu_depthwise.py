@@ -70,6 +70,7 @@ SHAPES = [(96, 15, 13), (36, 17, 9), (20, 6, 31), (64, 1, 11)]
 
 EPI_KERNEL_DT = ("f16", "f16")
 EPILOGUES = [Epilogue(Activation.RELU, SourceKind.BIAS), Epilogue(Activation.RELU, SourceKind.RESIDUAL),
+             Epilogue(Activation.RELU6, SourceKind.BIAS), Epilogue(Activation.RELU6),
              Epilogue(Activation.SILU, SourceKind.BIAS), Epilogue(Activation.GELU), Epilogue(Activation.HARDSWISH),
              Epilogue(Activation.SIGMOID), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)]
 

@@ -403,6 +403,26 @@ def test_depthwise_bias_and_activation_fused():
     assert close(run(gm, m, x), m(x))
 
 
+@pytest.mark.parametrize("decomp, dtype", [(None, torch.float32), ("inductor", torch.float32),
+                                           ("inductor", torch.float16), ("core", torch.bfloat16)])
+def test_relu6_fused_into_depthwise_and_left_after_a_dense_conv(decomp, dtype):
+    """MobileNet's ReLU6 (hardtanh(0, 6); clamp_min/clamp_max once decomposed, around an fp32 upcast in 16 bits):
+    the depthwise kernels clamp in their epilogue; the implicit-GEMM families have no clamp, so after a dense conv
+    the conv (and its bias) is offloaded and the clamp stays in PyTorch, with the reason in the notes."""
+    m = Lambda(lambda c, x: F.relu6(c[1](F.relu6(c[0](x)))), nn.Conv2d(16, 16, 3, padding=1, groups=16),
+               nn.Conv2d(16, 8, 1))
+    m = m.to(dtype)
+    x = x_(c=16, h=9, w=9, dtype=dtype)
+    gm, rep = explain(m, x, options=CPU, decompositions=decomp)
+    dw, dense = rep.entries
+    assert dw.offloaded and dw.fused == ("bias", "relu6"), rep.summary()
+    assert dw.kernel.startswith("cb_dw_fprop_") and "_relu6_" in dw.kernel
+    assert dense.offloaded and dense.fused[0] == "bias" and "relu6" not in dense.fused, rep.summary()
+    assert any("relu6" in n and "clamp" in n for n in dense.notes), dense.notes
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert close(run(gm, m, x), m(x), tol)
+
+
 class _EfficientNetBlock(nn.Module):
     """MBConv as in EfficientNet-B0: 1x1 expand, BN, SiLU; 5x5 depthwise stride 2, BN, SiLU; 1x1 project, BN."""
 

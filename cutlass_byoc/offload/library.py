@@ -199,12 +199,10 @@ def conv_out_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
 
 
 def apply_activation(y: torch.Tensor, activation: str) -> torch.Tensor:
-    """The epilogue activations with PyTorch's definitions (GELU exact, as F.gelu's default)."""
-    act = Activation(activation)
-    return {
-        Activation.IDENTITY: lambda t: t, Activation.RELU: F.relu, Activation.SIGMOID: torch.sigmoid,
-        Activation.SILU: F.silu, Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu,
-    }[act](y)
+    """The epilogue activations with PyTorch's definitions (ops._apply_activation)."""
+    from ..ops import _apply_activation  # noqa: PLC0415
+
+    return _apply_activation(y, Activation(activation))
 
 
 # ---------------------------------------------------------------------------------------------- references

@@ -49,10 +49,13 @@ ADD = aten.add.Tensor
 ACTIVATION_OPS = {
     Activation.RELU: aten.relu.default, Activation.SIGMOID: aten.sigmoid.default, Activation.SILU: aten.silu.default,
     Activation.HARDSWISH: aten.hardswish.default, Activation.GELU: aten.gelu.default,
+    Activation.RELU6: aten.hardtanh.default,  # F.relu6 is hardtanh(x, 0, 6) in aten graphs
 }
+#: literal arguments after the input, where the activation op has some (ReLU6: hardtanh's bounds)
+ACTIVATION_ARGS = {Activation.RELU6: (0.0, 6.0)}
 ACTIVATION_FNS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.RELU: torch.relu, Activation.SIGMOID: torch.sigmoid, Activation.SILU: F.silu,
-    Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu,
+    Activation.HARDSWISH: F.hardswish, Activation.GELU: F.gelu, Activation.RELU6: F.relu6,
 }
 CONV_PARAMS = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -182,7 +185,7 @@ def activation_forms(act: Activation) -> tuple[fx.GraphModule, ...]:
 
     g = fx.Graph()
     y = g.placeholder("y")
-    g.output(g.call_function(ACTIVATION_OPS[act], (y,)))
+    g.output(g.call_function(ACTIVATION_OPS[act], (y, *ACTIVATION_ARGS.get(act, ()))))
     add(fx.GraphModule(torch.nn.Module(), g))
     from torch._decomp import core_aten_decompositions  # noqa: PLC0415
     from torch._inductor.decomposition import select_decomp_table  # noqa: PLC0415
