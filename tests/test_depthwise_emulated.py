@@ -121,9 +121,18 @@ def test_exact_channel_tile_of_a_non_power_of_two_vector_count(kind, stride):
 ])
 def test_fprop_and_dgrad_rows_schedule(kind, r, stride, steps, cols, dt, c, h, w, epi):
     p = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
+    _check_rows(p, steps, cols, seed=r + stride + steps)
+
+
+@pytest.mark.parametrize("kind, pad", [("fprop", 0), ("dgrad", 0), ("dgrad", 3)])  # dgrad pad 3: rotated pad -1
+def test_fprop_and_dgrad_rows_schedule_other_paddings(kind, pad):
+    _check_rows(problem_of(kind, 16, 10, 13, 3, 1, pad=pad), 4, 8, seed=pad)
+
+
+def _check_rows(p, steps, cols, seed):
     cfg = max((k for k in depthwise_candidates(p) if k.schedule == "rows" and k.stages == steps and k.tile[1] == cols),
               key=lambda k: k.align_a)  # the widest vector whose windows fit the registers (7x7: 4)
-    check(p, cfg, 1, seed=r + stride + steps)
+    check(p, cfg, 1, seed=seed)
 
 
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
