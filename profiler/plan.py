@@ -35,6 +35,10 @@ from ..types import KernelFamily, SplitKMode
 log = logging.getLogger("cutlass_byoc.profiler.plan")
 
 DEFAULT_MAX_CANDIDATES = 8  # kernels per problem
+#: A depthwise problem times this many times `max_candidates` kernels: they run in microseconds, and the model ranks
+#: their schedules (pixel tiles through L1 or shared memory, "rows", "taprows") and vector widths poorly against each
+#: other (on the H200 the budget of 8 left a 1.4x faster "taprows" kernel of a strided wgrad untimed).
+DEPTHWISE_BUDGET_FACTOR = 2
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
@@ -166,6 +170,8 @@ def plan_problem(
     the padding's copies (`heuristics.padding_cost_us`), and it is timed through ops.run_problem, copies included."""
     if max_candidates < 1:
         raise ValueError(f"max_candidates: expected >= 1, got {max_candidates}")
+    if problem.is_depthwise:
+        max_candidates *= DEPTHWISE_BUDGET_FACTOR
     options = []  # (pad_c, pad_k, families ranked, valid kernels)
     pruned: list[Pruned] = []
     n_valid = 0

@@ -20,7 +20,7 @@ from cutlass_byoc.depthwise import (
 )
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
-from cutlass_byoc.profiler.plan import has_kernels, plan_problem
+from cutlass_byoc.profiler.plan import DEPTHWISE_BUDGET_FACTOR, has_kernels, plan_problem
 from cutlass_byoc.render import render
 from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode
 from cutlass_byoc.workloads import DEPTHWISE_LAYERS, default_workload, depthwise_workload, named_workload
@@ -195,7 +195,8 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         p = dw(kind.value, n=32, c=144, hw=56)
         plan = plan_problem(p, max_candidates=4)
         assert plan.candidates and all(c.launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT for c in plan.candidates)
-        assert len(plan.kernels) == 4
+        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR  # depthwise kernels time in microseconds
+        assert len({(k.schedule, k.halo_smem) for k in plan.kernels}) >= 2  # schedules alternate
         if kind is ConvKind.WGRAD:
             assert len({c.launch.split_k_slices for c in plan.candidates}) > 1
         launch = default_launch(p)
