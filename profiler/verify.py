@@ -152,16 +152,30 @@ def cudnn_fn(problem: Conv2dProblem, sets):
             s = sets[i]
             bias = s.source if p.epilogue.source is SourceKind.BIAS else s.bias
             y = F.conv2d(s.x, s.w, bias.to(s.x.dtype) if bias is not None else None, stride, pad, dil, p.groups)
+            if p.element_out is not p.element_a:  # the cast the kernel fuses
+                y = y.to(torch_dtype(p.element_out))
             if p.epilogue.source.has_residual:
                 y = y.add_(s.source)
             if act is not Activation.IDENTITY:
                 _activation(y, act)
     else:
-        mask = [True, False, False] if p.kind is ConvKind.DGRAD else [False, True, False]
+        dgrad = p.kind is ConvKind.DGRAD
+        mask = [True, False, False] if dgrad else [False, True, False]
+        # The gradient's own operand (x for dgrad, w for wgrad) only gives aten its shape, and aten wants it in the
+        # input's type: an fp32-output problem (a 16-bit gradient with its fp32 cast fused) is the 16-bit gradient
+        # plus the cast, as PyTorch runs it.
+        in_dt = torch_dtype(p.element_a)
+        cast = p.element_out is not p.element_a
+        stand_in = [torch.empty_like(s.x if dgrad else s.w, dtype=in_dt) if cast else None for s in sets]
 
         def fn(i: int) -> None:
             s = sets[i]
-            g = bwd(s.y, s.x, s.w, None, stride, pad, dil, False, [0, 0], p.groups, mask)
+            x = stand_in[i] if dgrad and cast else s.x
+            w = stand_in[i] if not dgrad and cast else s.w
+            g = bwd(s.y, x, w, None, stride, pad, dil, False, [0, 0], p.groups, mask)
+            out = g[0] if dgrad else g[1]
+            if cast:
+                out = out.to(torch_dtype(p.element_out))
             if p.epilogue.source is SourceKind.RESIDUAL:
-                (g[0] if p.kind is ConvKind.DGRAD else g[1]).add_(s.source)
+                out.add_(s.source)
     return fn
