@@ -87,10 +87,14 @@ def offload_tables(data: dict) -> list[str]:
            f"cuDNN {data.get('cudnn')}, {data.get('image')}x{data.get('image')}, autocast {data.get('dtype')}, "
            f"channels_last, {data.get('steps')} timed steps; `vs Inductor` = Inductor's time in the same mode, with or "
            "without CUDA graphs, over this row's):", "",
-           "| model | batch | training | mode | step ms | vs Inductor | fallbacks |", "|---|---|---|---|---|---|---|"]
+           "| model | batch | training | mode | step ms | vs Inductor | fallbacks | offloaded |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
+        # the conv passes the backend offloaded (the rest left to PyTorch: no kernel, or cuDNN measured faster)
+        m = re.search(r"(fprop \d+/\d+, dgrad \d+/\d+, wgrad \d+/\d+)", r.get("offload") or "")
         out.append(f"| {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | {r['step_ms']:.2f} | "
-                   f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} |")
+                   f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
+                   f"{m.group(1) if m else '-'} |")
     host = data.get("host_overhead")
     if host:
         out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "
