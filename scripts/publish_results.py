@@ -95,6 +95,18 @@ def offload_tables(data: dict) -> list[str]:
         out.append(f"| {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | {r['step_ms']:.2f} | "
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
                    f"{m.group(1) if m else '-'} |")
+    prof = [r for r in data.get("rows", []) if r.get("profile")]
+    if prof:
+        out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed kernel "
+                "time; the conv ops' host time includes everything they call; under CUDA graphs the kernels replay "
+                "without their ops, so only the first two columns apply there):", "",
+                "| model | batch | mode | wall ms | GPU kernels ms | offloaded convs: calls, host ms, GPU ms | "
+                "aten convs: calls, host ms, GPU ms |", "|---|---|---|---|---|---|---|"]
+        for r in prof:
+            q = r["profile"]
+            out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | {q['gpu_kernel_ms']:.2f} | "
+                       f"{q['offloaded_calls']:.0f}, {q['offloaded_cpu_ms']:.2f}, {q['offloaded_gpu_ms']:.2f} | "
+                       f"{q['aten_conv_calls']:.0f}, {q['aten_conv_cpu_ms']:.2f}, {q['aten_conv_gpu_ms']:.2f} |")
     host = data.get("host_overhead")
     if host:
         out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "

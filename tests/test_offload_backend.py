@@ -204,3 +204,21 @@ def test_torch_compile_mode_is_accepted():
     out = torch.compile(m, backend="cutlass_byoc", mode="reduce-overhead")(x)
     assert torch.allclose(out, ref(x), rtol=1e-4, atol=1e-5)
     assert last_report().count(Pass.FPROP) == 0  # require_cuda (the default): nothing offloaded off the GPU
+
+
+def test_profile_breakdown_splits_the_conv_ops_per_step():
+    """The offload bench's --profile split (bench.profile_breakdown) from torch.profiler-like averages."""
+    import types
+
+    from cutlass_byoc.offload.bench import profile_breakdown
+
+    def ev(key, count, cpu, gpu):
+        return types.SimpleNamespace(key=key, count=count, cpu_time_total=cpu, device_time_total=gpu)
+
+    avg = [ev("cutlass_byoc::conv2d_fprop", 10, 300.0, 2000.0), ev("cutlass_byoc::conv2d_wgrad", 6, 120.0, 1000.0),
+           ev("aten::convolution", 4, 80.0, 500.0), ev("aten::convolution_backward", 4, 100.0, 900.0),
+           ev("aten::add_", 50, 400.0, 300.0)]
+    out = profile_breakdown(avg, [1000.0] * 20, steps=2, wall_ms=9.5)
+    assert out["wall_ms"] == 9.5 and out["gpu_kernel_ms"] == 10.0  # 20 ms of kernels over 2 steps
+    assert out["offloaded_calls"] == 8 and out["offloaded_cpu_ms"] == 0.21 and out["offloaded_gpu_ms"] == 1.5
+    assert out["aten_conv_calls"] == 4 and out["aten_conv_cpu_ms"] == 0.09 and out["aten_conv_gpu_ms"] == 0.7

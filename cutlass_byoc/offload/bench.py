@@ -46,6 +46,7 @@ class BenchRow:
     fallbacks: int = 0  # op calls that fell back to PyTorch at run time (cutlass_byoc mode)
     batch: int = 0
     training: bool = True
+    profile: Optional[dict] = None  # --profile: where a step's time goes (profile_breakdown)
 
     def record(self) -> dict:
         """The row as benchmarks/h200/offload.json holds it."""
@@ -53,7 +54,8 @@ class BenchRow:
                 "step_ms": round(self.step_ms, 4), "speedup_vs_inductor_same_mode": round(self.speedup_vs_inductor, 4),
                 "first_step_s": round(self.first_step_s, 2), "loss_rel_err_vs_eager": self.loss_rel_err,
                 "grad_rel_err_vs_eager": None if math.isnan(self.grad_rel_err) else self.grad_rel_err,
-                "fallbacks": self.fallbacks, "offload": self.offload}
+                "fallbacks": self.fallbacks, "offload": self.offload,
+                **({"profile": self.profile} if self.profile else {})}
 
     def line(self) -> str:
         return (f"{self.model:14s} {self.mode:13s} {self.step_ms:9.2f} {self.speedup_vs_inductor:8.3f} "
@@ -177,6 +179,42 @@ DEFAULT_CASES = (Case("resnet50", 32), Case("resnet50", 64), Case("mobilenet_v2"
                  Case("resnet50", 1, False), Case("resnet50", 32, False))
 
 
+#: Ops whose GPU and CPU time the profile splits out: the offloaded conv passes and PyTorch's own convolutions (cuDNN)
+OFFLOADED_OPS = ("cutlass_byoc::conv2d_fprop", "cutlass_byoc::conv2d_dgrad", "cutlass_byoc::conv2d_wgrad")
+ATEN_CONV_OPS = ("aten::convolution", "aten::convolution_backward")
+
+
+def profile_breakdown(averages, kernel_us: Sequence[float], steps: int, wall_ms: float) -> dict:
+    """A profile's per-step split, from torch.profiler's key averages (name, count, cpu_time_total,
+    device_time_total in us) and the durations of the GPU kernels it recorded: wall ms, the sum of kernel ms (the
+    GPU's busy time, overlaps aside), and for the offloaded conv ops and aten's convolutions their calls, host
+    (CPU, children included) ms and GPU ms. Under CUDA graphs the kernels replay without their ops, so only the
+    first two mean anything there."""
+    out = {"steps": steps, "wall_ms": wall_ms, "gpu_kernel_ms": sum(kernel_us) / steps / 1e3}
+    for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
+        ev = [e for e in averages if e.key in names]
+        out[f"{tag}_calls"] = sum(e.count for e in ev) / steps
+        out[f"{tag}_cpu_ms"] = sum(e.cpu_time_total for e in ev) / steps / 1e3
+        out[f"{tag}_gpu_ms"] = sum(getattr(e, "device_time_total", 0.0) for e in ev) / steps / 1e3
+    return out
+
+
+def profile_steps(one: Callable[[], None], steps: int = 5) -> dict:
+    """torch.profiler over `steps` more steps (after the timed loop): profile_breakdown of them."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    kernel_us = [getattr(e, "device_time", 0.0) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return profile_breakdown(prof.key_averages(), kernel_us, steps, wall_ms)
+
+
 def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -192,7 +230,7 @@ def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
 
 def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: int = 20, warmup: int = 3,
              dtype: torch.dtype = torch.float16, channels_last: bool = True, options: Optional[dict] = None,
-             seed: int = 0) -> list[BenchRow]:
+             seed: int = 0, profile: bool = False) -> list[BenchRow]:
     """Every mode of one case, in this process, from the same weights on the same batch. Training: the first step
     (compile included) is compared with eager's; then SGD-with-momentum + GradScaler steps are timed. With CUDA
     graphs (cudagraph trees) each step starts with ``torch.compiler.cudagraph_mark_step_begin()`` and gradients
@@ -252,7 +290,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
                 fwd()
         ms = _timed_loop(one, steps, warmup)
         row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
-                       training=case.training)
+                       training=case.training, profile=profile_steps(one) if profile else None)
         if backend is not None:
             row.offload = backend.report().summary().splitlines()[0]
             row.fallbacks = len(library.RUNTIME.fallbacks)
@@ -268,7 +306,8 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
 def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int = 64, image: int = 224,
               steps: int = 20, warmup: int = 3, dtype: torch.dtype = torch.float16, channels_last: bool = True,
               modes: Sequence[str] = MODES, options: Optional[dict] = None, seed: int = 0,
-              print_table: bool = True, cases: Optional[Sequence[Case]] = None) -> list[BenchRow]:
+              print_table: bool = True, cases: Optional[Sequence[Case]] = None,
+              profile: bool = False) -> list[BenchRow]:
     """Run the benchmark (`cases`, else training steps of `models` at `batch`); every mode of a case starts from
     the same weights and sees the same batches."""
     if not torch.cuda.is_available():
@@ -277,7 +316,7 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
     torch.backends.cudnn.benchmark = True  # cuDNN's best algorithms for every mode (eager, Inductor, ours' rest)
     rows: list[BenchRow] = []
     for case in cases:
-        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed)
+        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed, profile)
         rows += case_rows
         if print_table:
             print(format_table(case_rows, case, image, dtype, channels_last), flush=True)
@@ -347,6 +386,14 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
     for r in rows:
         if r.offload:
             lines.append(f"{r.model}: {r.offload}; {r.fallbacks} run-time fallbacks")
+    for r in rows:
+        if r.profile:
+            q = r.profile
+            lines.append(f"profile {r.model} {r.mode}: {q['wall_ms']:.2f} ms per step, GPU kernels "
+                         f"{q['gpu_kernel_ms']:.2f} ms; offloaded convs {q['offloaded_calls']:.0f} calls, GPU "
+                         f"{q['offloaded_gpu_ms']:.2f} ms, host {q['offloaded_cpu_ms']:.2f} ms; aten convs "
+                         f"{q['aten_conv_calls']:.0f} calls, GPU {q['aten_conv_gpu_ms']:.2f} ms, host "
+                         f"{q['aten_conv_cpu_ms']:.2f} ms")
     return "\n".join(lines)
 
 
@@ -366,11 +413,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--json", type=Path, default=None, help="write the rows (model, batch, training, mode, step_ms, ...)")
     ap.add_argument("--host-overhead", action="store_true", help="also measure host microseconds per call")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each mode's timing, profile 5 steps: GPU kernel time, the conv ops' host and GPU time")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     cases = a.cases if a.cases else ([Case(m, a.batch) for m in a.models] if a.models else list(DEFAULT_CASES))
     rows = benchmark(steps=a.steps, warmup=a.warmup, image=a.image, dtype=getattr(torch, a.dtype),
-                     channels_last=not a.nchw, modes=a.modes, options={"select": a.select}, cases=cases)
+                     channels_last=not a.nchw, modes=a.modes, options={"select": a.select}, cases=cases,
+                     profile=a.profile)
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "cudnn": torch.backends.cudnn.version(), "image": a.image, "steps": a.steps, "dtype": a.dtype,
                  "rows": [r.record() for r in rows]}
