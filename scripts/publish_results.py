@@ -97,15 +97,15 @@ def offload_tables(data: dict) -> list[str]:
                    f"{m.group(1) if m else '-'} |")
     prof = [r for r in data.get("rows", []) if r.get("profile")]
     if prof:
-        out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed kernel "
-                "time; the conv ops' host time includes everything they call; under CUDA graphs the kernels replay "
-                "without their ops, so only the first two columns apply there):", "",
+        out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed "
+                "kernel time; the conv ops' host time includes everything they call; under CUDA graphs the kernels "
+                "replay without their ops, so only the first two columns apply there):", "",
                 "| model | batch | mode | wall ms | GPU kernels ms | offloaded convs: calls, host ms, GPU ms | "
                 "aten convs: calls, host ms, GPU ms |", "|---|---|---|---|---|---|---|"]
         for r in prof:
             q = r["profile"]
-            out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | {q['gpu_kernel_ms']:.2f} | "
-                       f"{q['offloaded_calls']:.0f}, {q['offloaded_cpu_ms']:.2f}, {q['offloaded_gpu_ms']:.2f} | "
+            out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
+                       f"{q['gpu_kernel_ms']:.2f} | {q['offloaded_calls']:.0f}, {q['offloaded_cpu_ms']:.2f}, {q['offloaded_gpu_ms']:.2f} | "
                        f"{q['aten_conv_calls']:.0f}, {q['aten_conv_cpu_ms']:.2f}, {q['aten_conv_gpu_ms']:.2f} |")
     host = data.get("host_overhead")
     if host:
