@@ -104,9 +104,10 @@ def offload_tables(data: dict) -> list[str]:
                 "aten convs: calls, host ms, GPU ms |", "|---|---|---|---|---|---|---|"]
         for r in prof:
             q = r["profile"]
+            split = [f"{q[t + '_calls']:.0f}, {q[t + '_cpu_ms']:.2f}, {q[t + '_gpu_ms']:.2f}"
+                     for t in ("offloaded", "aten_conv")]
             out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
-                       f"{q['gpu_kernel_ms']:.2f} | {q['offloaded_calls']:.0f}, {q['offloaded_cpu_ms']:.2f}, {q['offloaded_gpu_ms']:.2f} | "
-                       f"{q['aten_conv_calls']:.0f}, {q['aten_conv_cpu_ms']:.2f}, {q['aten_conv_gpu_ms']:.2f} |")
+                       f"{q['gpu_kernel_ms']:.2f} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")
     if host:
         out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "
