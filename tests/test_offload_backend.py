@@ -210,12 +210,17 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     """The offload bench's --profile split (bench.profile_breakdown) from torch.profiler-like averages."""
     import types
 
+    from cutlass_byoc.offload import bench
     from cutlass_byoc.offload.bench import profile_breakdown
 
     def ev(key, count, cpu, gpu):
         return types.SimpleNamespace(key=key, count=count, cpu_time_total=cpu, device_time_total=gpu)
 
-    avg = [ev("cutlass_byoc::conv2d_fprop", 10, 300.0, 2000.0), ev("cutlass_byoc::conv2d_wgrad", 6, 120.0, 1000.0),
+    from cutlass_byoc.offload import library
+
+    # the names the profiler records for the ops an offloaded graph calls
+    assert {op.name() for op in (library.FPROP, library.DGRAD, library.WGRAD)} <= set(bench.OFFLOADED_OPS)
+    avg = [ev("cutlass_byoc::fprop_site", 10, 300.0, 2000.0), ev("cutlass_byoc::wgrad_site", 6, 120.0, 1000.0),
            ev("aten::convolution", 4, 80.0, 500.0), ev("aten::convolution_backward", 4, 100.0, 900.0),
            ev("aten::add_", 50, 400.0, 300.0)]
     out = profile_breakdown(avg, [1000.0] * 20, steps=2, wall_ms=9.5)

@@ -180,7 +180,8 @@ DEFAULT_CASES = (Case("resnet50", 32), Case("resnet50", 64), Case("mobilenet_v2"
 
 
 #: Ops whose GPU and CPU time the profile splits out: the offloaded conv passes and PyTorch's own convolutions (cuDNN)
-OFFLOADED_OPS = ("cutlass_byoc::conv2d_fprop", "cutlass_byoc::conv2d_dgrad", "cutlass_byoc::conv2d_wgrad")
+OFFLOADED_OPS = ("cutlass_byoc::fprop_site", "cutlass_byoc::dgrad_site", "cutlass_byoc::wgrad_site",  # graphs' ops
+                 "cutlass_byoc::conv2d_fprop", "cutlass_byoc::conv2d_dgrad", "cutlass_byoc::conv2d_wgrad")
 ATEN_CONV_OPS = ("aten::convolution", "aten::convolution_backward")
 
 
