@@ -9,6 +9,8 @@ Which kernels: the fixed picks of the GPU test modules (conv, split-k, sm90, sm9
 depthwise), and the kernels the offload
 partitioner chooses (compile-time select: decision cache, else heuristic) for the models and batch sizes of
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
+``--depthwise``: the depthwise tests' and `tune depthwise` plan's kernels; ``--tune-model resnet50 --batch 32
+--max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def _launch_kernels(model, batch: int, image: int, channels_last: bool, training
     return kernels
 
 
+def tune_model_kernels(models: list[str], batch: int, training: bool, max_candidates: int) -> list[KernelConfig]:
+    """The kernels `cutlass-byoc tune --model M --batch B [--training] --amp fp16 --max-candidates K` plans for each
+    model (tests/models.py's resnet18 / resnet50 / mobilenet_v2, torchvision's twins; or a `pkg.module:factory`
+    spec), traced on fake tensors here: carried to the GPU round, its tune-model step then compiles nothing."""
+    from models import MODELS  # noqa: PLC0415
+
+    from cutlass_byoc.offload.trace import load_model, model_problems  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
+
+    out: list[KernelConfig] = []
+    for spec in models:
+        torch.manual_seed(0)
+        model = MODELS[spec]() if spec in MODELS else load_model(spec)
+        problems, _ = model_problems(model, batch, training=training)
+        kernels = list(plan_workload(problems, max_candidates=max_candidates).kernels)
+        print(f"tune --model {spec} --batch {batch}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
+        out += kernels
+    return out
+
+
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
     from models import FAMILIES, MODELS  # noqa: PLC0415
 
@@ -108,10 +130,21 @@ def main() -> int:
     ap.add_argument("--depthwise", action="store_true",
                     help="only the depthwise GPU tests' kernels and those `cutlass-byoc tune depthwise` plans (so the "
                          "round's tune-depthwise step compiles nothing)")
+    ap.add_argument("--tune-model", nargs="+", default=None, metavar="MODEL",
+                    help="only the kernels `cutlass-byoc tune --model MODEL` plans (resnet18, resnet50, mobilenet_v2 "
+                         "or pkg.module:factory), at --batch, training unless --inference, with --max-candidates")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--inference", action="store_true")
+    ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
     a = ap.parse_args()
     runs = [] if a.tests_only else OFFLOAD_RUNS
-    if a.depthwise:
+    if a.tune_model:
+        from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
+
+        mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
+        cfgs = list(dict.fromkeys(tune_model_kernels(a.tune_model, a.batch, not a.inference, mc)))
+    elif a.depthwise:
         cfgs = list(dict.fromkeys(depthwise_kernels()))
     else:
         cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels(runs)))
