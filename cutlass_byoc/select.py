@@ -58,6 +58,8 @@ def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
 
 
 _cudnn_memo: dict[tuple, Optional[str]] = {}
+#: how cudnn_faster's reasons begin (the offload report counts them)
+CUDNN_FASTER = "cuDNN is faster"
 
 
 def cudnn_faster(problem: Conv2dProblem) -> Optional[str]:
@@ -71,7 +73,7 @@ def cudnn_faster(problem: Conv2dProblem) -> Optional[str]:
         dec = lookup(problem)
         why = None
         if dec is not None and dec.cudnn_us is not None and dec.cudnn_us <= dec.time_us:
-            why = (f"cuDNN is faster: {dec.cudnn_us:.1f} us vs {dec.time_us:.1f} us for the tuned "
+            why = (f"{CUDNN_FASTER}: {dec.cudnn_us:.1f} us vs {dec.time_us:.1f} us for the tuned "
                    f"{dec.launch.name} (decision cache; prefer_cudnn=False offloads it anyway)")
         _cudnn_memo[key] = why
     return _cudnn_memo[key]

@@ -67,6 +67,7 @@ def test_partitioner_leaves_the_conv_to_pytorch_where_cudnn_is_faster(monkeypatc
     (e,) = rep.entries
     assert e.kind is Pass.FPROP and not e.offloaded and e.reason.startswith("cuDNN is faster"), rep.summary()
     assert not offloaded_calls(gm)  # not the conv alone (or conv + bias) untuned either
+    assert "fprop 0/1 offloaded (1 left to cuDNN, measured faster)" in rep.summary()
     assert len(seen) == 1 and seen[0].epilogue.activation is Activation.RELU
     # off: the fused kernel runs as before
     gm, rep = explain(m, x, options=OffloadOptions(require_cuda=False, prefer_cudnn=False))

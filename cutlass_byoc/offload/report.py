@@ -8,6 +8,8 @@ import enum
 import logging
 from typing import Optional
 
+from ..select import CUDNN_FASTER
+
 log = logging.getLogger("cutlass_byoc.offload")
 
 
@@ -98,7 +100,9 @@ class OffloadReport:
         if self.failure:
             return (f"cutlass_byoc offload report for {self.graph}: nothing offloaded, the graph was compiled as "
                     f"without this backend: {self.failure}")
-        lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded; "
+        faster = sum(1 for e in self.entries if not e.offloaded and (e.reason or "").startswith(CUDNN_FASTER))
+        kept = f" ({faster} left to cuDNN, measured faster)" if faster else ""
+        lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded{kept}; "
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
                  f"{self.layout_restores} layout restores"]
         lines += ["  " + e.line() for e in self.entries]
