@@ -595,7 +595,6 @@ def _layout_differs(a, b) -> bool:
 
 def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict | None = None,
               name: str = "graph") -> OffloadReport:
-    """Offload every convolution of `graph` that CUTLASS can take, in place; return the report."""
     """Offload every convolution of `graph` that CUTLASS can take, in place; return the report.
 
     Never breaks the graph: if partitioning raises, or leaves a graph that fails ``lint`` (a node used before it is
