@@ -100,14 +100,16 @@ def offload_tables(data: dict) -> list[str]:
         out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed "
                 "kernel time; the conv ops' host time includes everything they call; under CUDA graphs the kernels "
                 "replay without their ops, so only the first two columns apply there):", "",
-                "| model | batch | mode | wall ms | GPU kernels ms | offloaded convs: calls, host ms, GPU ms | "
-                "aten convs: calls, host ms, GPU ms |", "|---|---|---|---|---|---|---|"]
+                "| model | batch | mode | wall ms | GPU kernels ms | graph replays, launches outside graphs | "
+                "offloaded convs: calls, host ms, GPU ms | aten convs: calls, host ms, GPU ms |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in prof:
             q = r["profile"]
             split = [f"{q[t + '_calls']:.0f}, {q[t + '_cpu_ms']:.2f}, {q[t + '_gpu_ms']:.2f}"
                      for t in ("offloaded", "aten_conv")]
+            launches = f"{q.get('graph_launches', 0):.0f}, {q.get('kernel_launches', 0):.0f}"
             out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
-                       f"{q['gpu_kernel_ms']:.2f} | {split[0]} | {split[1]} |")
+                       f"{q['gpu_kernel_ms']:.2f} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")
     if host:
         out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "

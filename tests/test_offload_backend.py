@@ -222,8 +222,10 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     assert {op.name() for op in (library.FPROP, library.DGRAD, library.WGRAD)} <= set(bench.OFFLOADED_OPS)
     avg = [ev("cutlass_byoc::fprop_site", 10, 300.0, 2000.0), ev("cutlass_byoc::wgrad_site", 6, 120.0, 1000.0),
            ev("aten::convolution", 4, 80.0, 500.0), ev("aten::convolution_backward", 4, 100.0, 900.0),
-           ev("aten::add_", 50, 400.0, 300.0)]
+           ev("aten::add_", 50, 400.0, 300.0), ev("cudaGraphLaunch", 6, 30.0, 0.0),
+           ev("cudaLaunchKernel", 40, 90.0, 0.0)]
     out = profile_breakdown(avg, [1000.0] * 20, steps=2, wall_ms=9.5)
     assert out["wall_ms"] == 9.5 and out["gpu_kernel_ms"] == 10.0  # 20 ms of kernels over 2 steps
     assert out["offloaded_calls"] == 8 and out["offloaded_cpu_ms"] == 0.21 and out["offloaded_gpu_ms"] == 1.5
     assert out["aten_conv_calls"] == 4 and out["aten_conv_cpu_ms"] == 0.09 and out["aten_conv_gpu_ms"] == 0.7
+    assert out["graph_launches"] == 3 and out["kernel_launches"] == 20

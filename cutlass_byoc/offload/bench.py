@@ -183,15 +183,22 @@ DEFAULT_CASES = (Case("resnet50", 32), Case("resnet50", 64), Case("mobilenet_v2"
 OFFLOADED_OPS = ("cutlass_byoc::fprop_site", "cutlass_byoc::dgrad_site", "cutlass_byoc::wgrad_site",  # graphs' ops
                  "cutlass_byoc::conv2d_fprop", "cutlass_byoc::conv2d_dgrad", "cutlass_byoc::conv2d_wgrad")
 ATEN_CONV_OPS = ("aten::convolution", "aten::convolution_backward")
+#: CUDA API calls the profile counts per step: CUDA graph replays (one per captured graph or graph partition) and
+#: kernel launches outside graphs (with CUDA graphs on, each one is host work between replays)
+GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
+KERNEL_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 def profile_breakdown(averages, kernel_us: Sequence[float], steps: int, wall_ms: float) -> dict:
     """A profile's per-step split, from torch.profiler's key averages (name, count, cpu_time_total,
     device_time_total in us) and the durations of the GPU kernels it recorded: wall ms, the sum of kernel ms (the
     GPU's busy time, overlaps aside), and for the offloaded conv ops and aten's convolutions their calls, host
-    (CPU, children included) ms and GPU ms. Under CUDA graphs the kernels replay without their ops, so only the
-    first two mean anything there."""
+    (CPU, children included) ms and GPU ms; CUDA graph replays and kernel launches outside graphs per step. Under
+    CUDA graphs the kernels replay without their ops, so the op split means nothing there, and the launch counts
+    say how the step was captured (one replay per graph or partition; launches outside graphs are host work)."""
     out = {"steps": steps, "wall_ms": wall_ms, "gpu_kernel_ms": sum(kernel_us) / steps / 1e3}
+    for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
+        out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
         ev = [e for e in averages if e.key in names]
         out[f"{tag}_calls"] = sum(e.count for e in ev) / steps
@@ -391,7 +398,9 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
         if r.profile:
             q = r.profile
             lines.append(f"profile {r.model} {r.mode}: {q['wall_ms']:.2f} ms per step, GPU kernels "
-                         f"{q['gpu_kernel_ms']:.2f} ms; offloaded convs {q['offloaded_calls']:.0f} calls, GPU "
+                         f"{q['gpu_kernel_ms']:.2f} ms; {q.get('graph_launches', 0):.0f} graph replays and "
+                         f"{q.get('kernel_launches', 0):.0f} kernel launches outside graphs per step; offloaded "
+                         f"convs {q['offloaded_calls']:.0f} calls, GPU "
                          f"{q['offloaded_gpu_ms']:.2f} ms, host {q['offloaded_cpu_ms']:.2f} ms; aten convs "
                          f"{q['aten_conv_calls']:.0f} calls, GPU {q['aten_conv_gpu_ms']:.2f} ms, host "
                          f"{q['aten_conv_cpu_ms']:.2f} ms")
