@@ -102,3 +102,39 @@ def test_cudnn_baseline_runs_for_every_kind_and_output_type(kind, out):
     p = Conv2dProblem.make(kind, 2, 8, 6, 6, 8, 3, padding=1, dtype="f16", out_dtype=out)
     s = make_operand_set(p, "cpu", torch.Generator().manual_seed(0))
     cudnn_fn(p, [s])(0)
+
+
+def test_select_tune_tunes_before_partitioning_so_the_first_compile_keeps_cudnn(monkeypatch):
+    """With select="tune" the problems are tuned (cuDNN timed alongside) before the real partition, which then
+    leaves the passes where cuDNN won to PyTorch in this same compile; a failing tune changes nothing else."""
+    import importlib
+
+    part_mod = importlib.import_module("cutlass_byoc.offload.partition")  # (the package exports a function so named)
+
+    tuned: set = set()
+
+    def fake_tune(report):  # "tunes" the report's problems: cuDNN wins every wgrad
+        tuned.update(report.problems)
+
+    def faster(problem):
+        return "cuDNN is faster: 1.0 us vs 2.0 us" if problem in tuned and problem.kind.value == "wgrad" else None
+
+    monkeypatch.setattr(part_mod, "_can_tune", lambda: True)
+    monkeypatch.setattr(part_mod, "tune_report", fake_tune)
+    monkeypatch.setattr(pat_mod, "cudnn_faster", faster)
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False))
+    x = torch.randn(2, 8, 8, 8, requires_grad=True)
+    opts = OffloadOptions(require_cuda=False, select="tune")
+    gm, rep = explain(m, x, training=True, options=opts)
+    assert tuned and {p.kind.value for p in tuned} == {"fprop", "dgrad", "wgrad"}
+    wgrad = [e for e in rep.entries if e.kind is Pass.WGRAD]
+    assert wgrad and all(not e.offloaded and e.reason.startswith("cuDNN is faster") for e in wgrad)
+    assert all(e.offloaded for e in rep.entries if e.kind is not Pass.WGRAD)
+
+    def broken(report):
+        raise RuntimeError("no GPU after all")
+
+    tuned.clear()
+    monkeypatch.setattr(part_mod, "tune_report", broken)
+    gm, rep = explain(m, x, training=True, options=opts)
+    assert all(e.offloaded for e in rep.entries)  # as without tuning first

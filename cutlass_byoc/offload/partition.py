@@ -23,6 +23,7 @@ Steps of :func:`partition`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from typing import Any, Iterable, Optional
@@ -604,6 +605,8 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
     options = OffloadOptions.from_any(options)
     gm = graph if isinstance(graph, fx.GraphModule) else graph.owning_module
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    if options.select.value == "tune" and options.prefer_cudnn and options.prebuild and _can_tune():
+        _tune_first(g, options, name)
     report = OffloadReport(name)
     backup = _snapshot(g)
     try:
@@ -626,6 +629,27 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
     if changed and options.prebuild:
         prebuild(report, options)
     return report
+
+
+def _can_tune() -> bool:
+    return torch.cuda.is_available()
+
+
+def _tune_first(g: fx.Graph, options: OffloadOptions, name: str) -> None:
+    """select="tune" with prefer_cudnn: partition a copy of the graph to find its problems, tune the new ones (cuDNN
+    timed alongside, tune_report), so that the real partition below already knows where cuDNN is faster and leaves
+    those convs to PyTorch in this very compile. Any failure here only loses that: the real partition then runs as
+    without it (and the ops tune at prebuild, as before)."""
+    try:
+        copy = _snapshot(g)
+        probe = OffloadReport(f"{name}(problems to tune)")
+        rw = _Rewriter(copy, dataclasses.replace(options, strict=False, prebuild=False), probe)
+        rw.run_fprop()
+        rw.run_backward()
+        if probe.problems:
+            tune_report(probe)
+    except Exception as e:  # noqa: BLE001 - tuning first is an optimisation of the offload decisions
+        log.warning("cutlass_byoc: could not tune %s before partitioning it: %s", name, e)
 
 
 def _snapshot(g: fx.Graph) -> fx.Graph:
