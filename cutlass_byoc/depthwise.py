@@ -368,11 +368,7 @@ def _exact_channel_shapes(problem: Conv2dProblem, vec: int) -> tuple[tuple[int, 
 def _exact_channel_rows_shapes(problem: Conv2dProblem, vec: int) -> tuple[tuple[int, int, int, int], ...]:
     """The fprop "rows" twin of `_exact_channel_shapes`: the channel tile of the nearest-8 non-power-of-two vector
     count dividing C, segments of 16 columns, as many segment threads as make the CTA a multiple of 32 threads."""
-    out = []
-    for rows, cols, nvec, warps in _exact_channel_shapes(problem, vec):
-        threads = warps * 32
-        out.append((threads // nvec, 16, nvec, warps))
-    return tuple(out)
+    return tuple((warps * 32 // nvec, 16, nvec, warps) for _, _, nvec, warps in _exact_channel_shapes(problem, vec))
 
 
 def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optional[str] = None,
@@ -426,11 +422,12 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
     seen = set()
     for shapes, choices in _schedule_variants(problem):
         for vec in _vectors(problem, choices[0][1]):
-            if shapes is SHAPES and problem.kind is not ConvKind.WGRAD:  # (wgrad's CTA sum needs 2^k vectors)
-                shapes = SHAPES + _exact_channel_shapes(problem, vec)
+            extra: tuple = ()  # the exact channel tiles of this vector width (wgrad's CTA sum needs 2^k vectors)
+            if shapes is SHAPES and problem.kind is not ConvKind.WGRAD:
+                extra = _exact_channel_shapes(problem, vec)
             elif shapes is FPROP_ROWS_SHAPES:
-                shapes = FPROP_ROWS_SHAPES + _exact_channel_rows_shapes(problem, vec)
-            for shape in shapes:
+                extra = _exact_channel_rows_shapes(problem, vec)
+            for shape in shapes + extra:
                 if shape[2] * vec > max(problem.c, 4 * vec) * 2:
                     continue  # a channel tile more than twice C idles most of its threads
                 for halo, schedule, stages in choices:
