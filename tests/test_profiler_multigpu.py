@@ -19,6 +19,8 @@ from cutlass_byoc.profiler import multigpu as M
 from cutlass_byoc.profiler import tune as T
 from cutlass_byoc.profiler import worker as W
 
+from fake_profiler import FakeRunner, serve_fake_worker  # noqa: E402
+
 H200 = GpuInfo("NVIDIA H200", 90)
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 90)
 PROBLEMS = [
@@ -109,27 +111,21 @@ def test_cli_passes_devices_and_prints_scaling(monkeypatch, capsys, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- tune_workload
-class FakeGpuRunner:
+class FakeGpuRunner(FakeRunner):
     """A runner whose worker sits on settings.device; the GPU it reports comes from FakeGpuRunner.gpus."""
 
     gpus: dict = {}
     calls: list = []
+    BASELINE_US = 60.0
 
     def __init__(self, settings):
+        super().__init__(settings)
         self.device = settings.device
         g = FakeGpuRunner.gpus[self.device]
         self.gpu = (g.name, g.arch)
-        self.restarts = 0
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def evaluate(self, problem, launches, baseline=False):
+    def results(self, problem, launches):
         FakeGpuRunner.calls.append((self.device, problem))
-        self.baseline_us = 60.0 if baseline else None
         time.sleep(0.05)  # so both GPUs get work
         return [W.CandidateResult(l, W.OK, 50.0 + i, 49.0 + i, 20, 2, 1e-4) for i, l in enumerate(launches)]
 
@@ -216,21 +212,13 @@ def fake_device_worker(tasks, results, settings) -> None:
     W.apply_environment(settings)  # as the real worker does: CUDA_VISIBLE_DEVICES = its one GPU
     name = os.environ.get(f"FAKE_GPU_{settings.device}", "NVIDIA H200")
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    results.put(("hello", name, 90, os.getpid()))
-    while True:
-        msg = tasks.get()
-        if msg is None:
-            return
-        job, _problem, launch_ds, start, baseline = msg
-        results.put((job, "ready", 1))
-        if baseline:
-            results.put((job, "baseline", 20.0))
-        for idx in range(start, len(launch_ds)):
-            time.sleep(0.2)
-            launch = LaunchConfig.from_dict(launch_ds[idx])
-            results.put((job, idx, W.CandidateResult(launch, W.OK, 10.0 + settings.device, 10.0, 5, 1, 0.0,
-                                                     message=f"pid {os.getpid()} sees {cvd}")))
-        results.put((job, "done", None))
+
+    def answer(idx: int, launch: LaunchConfig) -> W.CandidateResult:
+        time.sleep(0.2)
+        return W.CandidateResult(launch, W.OK, 10.0 + settings.device, 10.0, 5, 1, 0.0,
+                                 message=f"pid {os.getpid()} sees {cvd}")
+
+    serve_fake_worker(tasks, results, name, 20.0, answer)
 
 
 def _runner(settings):

@@ -14,6 +14,8 @@ from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import tune as T
 from cutlass_byoc.profiler import worker as W
 
+import fake_profiler  # noqa: E402
+
 GPU = GpuInfo("NVIDIA H200", 90)
 PROBLEMS = [
     Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 3, padding=1),
@@ -22,24 +24,15 @@ PROBLEMS = [
 ]
 
 
-class FakeRunner:
+class FakeRunner(fake_profiler.FakeRunner):
     """Candidate i of each problem: 0 crashes, 1 is wrong, 2 has time 0 (must not win), others take 100 - i us; cuDNN
     (the baseline) takes 50 us."""
 
     calls: list = []
+    BASELINE_US = 50.0
 
-    def __init__(self, settings):
-        self.restarts = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def evaluate(self, problem, launches, baseline=False):
+    def results(self, problem, launches):
         FakeRunner.calls.append((problem, list(launches)))
-        self.baseline_us = 50.0 if baseline else None
         out = []
         for i, l in enumerate(launches):
             if i == 0:
@@ -112,8 +105,9 @@ def test_no_winner_records_nothing(fakes, monkeypatch):
     store = DecisionStore(cache.root)
 
     class AllFail(FakeRunner):
-        def evaluate(self, problem, launches, baseline=False):
-            self.baseline_us = 40.0 if baseline else None
+        BASELINE_US = 40.0
+
+        def results(self, problem, launches):
             return [W.CandidateResult(l, W.WRONG, max_error=1.0) for l in launches]
 
     monkeypatch.setattr(T, "CandidateRunner", AllFail)

@@ -15,6 +15,8 @@ from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import worker as W
 from cutlass_byoc.profiler.tune import pick_winner
 
+from fake_profiler import serve_fake_worker  # noqa: E402
+
 PROBLEM = Conv2dProblem.make("wgrad", 8, 64, 16, 16, 64, 3, padding=1)
 
 
@@ -26,26 +28,17 @@ def _launches(n: int) -> list[LaunchConfig]:
 def fake_gpu_worker(tasks, results, settings) -> None:
     """Stands in for the GPU worker: candidate i behaves as its index says (1: crashes the process, 3: hangs,
     4: wrong result, others: ok with time 10 + i; cuDNN's baseline, when asked for, 12.5)."""
-    results.put(("hello", "Fake GPU", 90, os.getpid()))
-    while True:
-        msg = tasks.get()
-        if msg is None:
-            return
-        job, _problem, launch_ds, start, baseline = msg
-        results.put((job, "ready", 1))
-        if baseline:
-            results.put((job, "baseline", 12.5))
-        for idx in range(start, len(launch_ds)):
-            launch = LaunchConfig.from_dict(launch_ds[idx])
-            if idx == 1:
-                os._exit(7)  # a kernel that takes the process down
-            if idx == 3:
-                time.sleep(3600)
-            if idx == 4:
-                results.put((job, idx, W.CandidateResult(launch, W.WRONG, max_error=0.5, message="max error 0.5")))
-                continue
-            results.put((job, idx, W.CandidateResult(launch, W.OK, 10.0 + idx, 10.0 + idx, 20, 2, 1e-4)))
-        results.put((job, "done", None))
+
+    def answer(idx: int, launch: LaunchConfig) -> W.CandidateResult:
+        if idx == 1:
+            os._exit(7)  # a kernel that takes the process down
+        if idx == 3:
+            time.sleep(3600)
+        if idx == 4:
+            return W.CandidateResult(launch, W.WRONG, max_error=0.5, message="max error 0.5")
+        return W.CandidateResult(launch, W.OK, 10.0 + idx, 10.0 + idx, 20, 2, 1e-4)
+
+    serve_fake_worker(tasks, results, "Fake GPU", 12.5, answer)
 
 
 def test_runner_survives_crash_and_hang():

@@ -1,0 +1,52 @@
+"""Stand-ins for the profiler's timing worker in CPU tests: the worker process's side of the candidate runner's
+protocol (hello, then per task: ready, cuDNN's baseline when asked, one result per candidate, done), and a runner
+object for tune_workload that starts no process. One copy of the protocol for the tests that fake it."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from cutlass_byoc.config import LaunchConfig
+from cutlass_byoc.profiler import worker as W
+
+
+def serve_fake_worker(tasks, results, gpu: str, baseline_us: float,
+                      answer: Callable[[int, LaunchConfig], Optional[W.CandidateResult]]) -> None:
+    """Run a fake worker process's loop: report `gpu` (sm_90), then answer each task, candidate idx with
+    `answer(idx, launch)` (which may also sleep or exit the process); cuDNN's baseline is `baseline_us`."""
+    results.put(("hello", gpu, 90, os.getpid()))
+    while True:
+        msg = tasks.get()
+        if msg is None:
+            return
+        job, _problem, launch_ds, start, baseline = msg
+        results.put((job, "ready", 1))
+        if baseline:
+            results.put((job, "baseline", baseline_us))
+        for idx in range(start, len(launch_ds)):
+            results.put((job, idx, answer(idx, LaunchConfig.from_dict(launch_ds[idx]))))
+        results.put((job, "done", None))
+
+
+class FakeRunner:
+    """A CandidateRunner for tune_workload that starts no process: subclasses give `results(problem, launches)` and
+    BASELINE_US, cuDNN's time when the tuner asks for it."""
+
+    BASELINE_US = 50.0
+
+    def __init__(self, settings):
+        self.restarts = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def evaluate(self, problem, launches, baseline=False):
+        self.baseline_us = self.BASELINE_US if baseline else None
+        return self.results(problem, list(launches))
+
+    def results(self, problem, launches) -> list:
+        raise NotImplementedError
