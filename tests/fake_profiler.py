@@ -5,6 +5,8 @@ object for tune_workload that starts no process. One copy of the protocol for th
 from __future__ import annotations
 
 import os
+import types
+from pathlib import Path
 from typing import Callable, Optional
 
 from cutlass_byoc.config import LaunchConfig
@@ -50,3 +52,17 @@ class FakeRunner:
 
     def results(self, problem, launches) -> list:
         raise NotImplementedError
+
+
+def fake_build(builds: list, entry: Path, fail_last: bool = False):
+    """A stand-in for build.build in tune_workload: records each call's configs in `builds` and compiles nothing;
+    with `fail_last`, the last kernel of each call fails to compile."""
+
+    def build(configs, *, jobs=None, cache=None, progress=False):
+        configs = list(configs)
+        builds.append(configs)
+        bad = configs[-1] if fail_last and configs else None
+        return {c: types.SimpleNamespace(ok=c is not bad, built_now=True, entry=types.SimpleNamespace(path=entry))
+                for c in configs}
+
+    return build

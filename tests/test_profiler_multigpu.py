@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-import types
 
 import pytest
 
@@ -19,7 +18,7 @@ from cutlass_byoc.profiler import multigpu as M
 from cutlass_byoc.profiler import tune as T
 from cutlass_byoc.profiler import worker as W
 
-from fake_profiler import FakeRunner, serve_fake_worker  # noqa: E402
+from fake_profiler import FakeRunner, fake_build, serve_fake_worker  # noqa: E402
 
 H200 = GpuInfo("NVIDIA H200", 90)
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 90)
@@ -133,16 +132,9 @@ class FakeGpuRunner(FakeRunner):
 @pytest.fixture
 def fakes(tmp_cache, monkeypatch):
     builds: list = []
-
-    def fake_build(configs, *, jobs=None, cache=None, progress=False):
-        configs = list(configs)
-        builds.append(configs)
-        return {c: types.SimpleNamespace(ok=True, built_now=True, entry=types.SimpleNamespace(path=tmp_cache.root))
-                for c in configs}
-
     FakeGpuRunner.gpus = {0: H200, 1: H200}
     FakeGpuRunner.calls = []
-    monkeypatch.setattr(T, "build", fake_build)
+    monkeypatch.setattr(T, "build", fake_build(builds, tmp_cache.root))
     monkeypatch.setattr(T, "CandidateRunner", FakeGpuRunner)
     monkeypatch.setattr(T, "current_gpu", lambda: H100)  # the parent's current device is not what decides
     monkeypatch.setattr(T, "probe_gpus", lambda devices: [FakeGpuRunner.gpus[d] for d in devices])

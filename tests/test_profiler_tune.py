@@ -5,7 +5,6 @@ run does nothing."""
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 
@@ -49,16 +48,8 @@ class FakeRunner(fake_profiler.FakeRunner):
 @pytest.fixture
 def fakes(tmp_cache, monkeypatch):
     builds: list = []
-
-    def fake_build(configs, *, jobs=None, cache=None, progress=False):
-        configs = list(configs)
-        builds.append(configs)
-        bad = configs[-1]  # one kernel fails to compile
-        return {c: types.SimpleNamespace(ok=c is not bad, built_now=True,
-                                         entry=types.SimpleNamespace(path=tmp_cache.root / "x")) for c in configs}
-
     FakeRunner.calls = []
-    monkeypatch.setattr(T, "build", fake_build)
+    monkeypatch.setattr(T, "build", fake_profiler.fake_build(builds, tmp_cache.root / "x", fail_last=True))
     monkeypatch.setattr(T, "CandidateRunner", FakeRunner)
     monkeypatch.setattr(T, "current_gpu", lambda: GPU)
     return builds, tmp_cache
