@@ -296,10 +296,7 @@ def default_store() -> DecisionStore:
 def lookup_decision(problem: Conv2dProblem, *, gpu: Optional[GpuInfo] = None,
                     store: Optional[DecisionStore] = None) -> Optional[LaunchConfig]:
     """The recorded launch for `problem` on `gpu` (default: the current device), or None."""
-    gpu = gpu or current_gpu()
-    if gpu is None:
-        return None
-    dec = (store or default_store()).lookup(DecisionKey.for_problem(problem, gpu))
+    dec = lookup(problem, gpu=gpu, store=store)
     return dec.launch if dec else None
 
 

@@ -228,9 +228,9 @@ def _take_budget(by_family: dict, max_candidates: int) -> list:
     """Up to `max_candidates` kernels (with their launches) across the families."""
     # Budget: the families share max_candidates; 2.x first as the model is calibrated on it, the others get an
     # equal share each (at least one kernel) because the model cannot rank them against 2.x.
-    others = [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]
     if len(by_family) == 1:  # one family (e.g. depthwise): its own order, which alternates its schedules
         return next(iter(by_family.values()))[:max_candidates]
+    others = [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]
     if max_candidates < len(by_family):  # too few for one kernel per family: each family's best, best estimate first
         return sorted((lst[0] for lst in by_family.values() if lst), key=lambda t: t[0])[:max_candidates]
     share = {f: max(1, max_candidates // (len(others) + 1)) for f in others} if others else {}

@@ -605,7 +605,9 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
     options = OffloadOptions.from_any(options)
     gm = graph if isinstance(graph, fx.GraphModule) else graph.owning_module
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
-    if options.select.value == "tune" and options.prefer_cudnn and options.prebuild and _can_tune():
+    from ..select import SelectMode  # noqa: PLC0415
+
+    if options.select is SelectMode.TUNE and options.prefer_cudnn and options.prebuild and _can_tune():
         _tune_first(g, options, name)
     report = OffloadReport(name)
     backup = _snapshot(g)
