@@ -123,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     grp.add_argument("--kernels", action="store_true", help="compiled kernels only")
     ce = csub.add_parser("export", parents=[sub_common], help="decisions and their kernels into a .tar.gz")
     ce.add_argument("path")
-    ce.add_argument("--all-kernels", action="store_true", help="every compiled kernel, not just the decided ones")
+    ce_what = ce.add_mutually_exclusive_group()
+    ce_what.add_argument("--all-kernels", action="store_true", help="every compiled kernel, not just the decided ones")
+    ce_what.add_argument("--decisions-only", action="store_true",
+                         help="the decisions alone, no kernels (small; `cache import` on the other side then compiles "
+                              "or finds their kernels there)")
     ci = csub.add_parser(
         "import", parents=[sub_common], help="merge an exported .tar.gz into this cache",
         description="Merge an exported .tar.gz into this cache. Its kernels are compiled code that every process "
@@ -400,7 +404,7 @@ def cmd_cache(args) -> int:
         print(f"removed {nd} decisions and {nk} kernels from {cache.root}")
         return EXIT_OK
     if sub == "export":
-        keys, complete = _decision_kernel_keys(store, cache)
+        keys, complete = (set(), True) if args.decisions_only else _decision_kernel_keys(store, cache)
         with tarfile.open(args.path, "w:gz") as tar:
             nd = 0
             for path, dec, _ in store.entries():
@@ -408,7 +412,7 @@ def cmd_cache(args) -> int:
                     tar.add(path, arcname=f"decisions/{path.parent.name}/{path.name}")
                     nd += 1
             nk = 0
-            for e in cache.entries():
+            for e in [] if args.decisions_only else cache.entries():
                 if e.state is EntryState.OK and (args.all_kernels or not complete or e.key in keys):
                     tar.add(e.path, arcname=f"kernels/{e.key[:2]}/{e.key}")
                     nk += 1

@@ -13,8 +13,10 @@
 # tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
 #           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50;
 #           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz)
-# import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT) imported into
-#           the offload and tune caches, so a fresh machine benches what an earlier call tuned
+# import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT=1) or
+#           decisions.tar.gz (decisions alone, TUNE_EXPORT=decisions; their kernels from the carried .kcache.tar.xz or
+#           compiled here) imported into the offload and tune caches, so a fresh machine benches what an earlier call
+#           tuned
 # offload-bench: `python -m cutlass_byoc.offload.bench` ($BENCH_CASES, default the issue's six cases; all five modes
 #           or $BENCH_MODES; host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
@@ -73,6 +75,15 @@ if secs:
 PY
 }
 
+export_tuned() {  # export_tuned CACHE_DIR: TUNE_EXPORT=1: decisions and kernels -> $OUT/tuned.tar.gz (large);
+  # TUNE_EXPORT=decisions: the decisions alone -> $OUT/decisions.tar.gz (small; carry it back for the import step)
+  case ${TUNE_EXPORT:-} in
+    "") ;;
+    decisions) CUTLASS_BYOC_CACHE_DIR=$1 cutlass-byoc cache export --decisions-only "$OUT/decisions.tar.gz" || rc=1 ;;
+    *) CUTLASS_BYOC_CACHE_DIR=$1 cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1 ;;
+  esac
+}
+
 rc=0
 for step in "${steps[@]}"; do
   t0=$(date +%s)
@@ -96,9 +107,7 @@ for step in "${steps[@]}"; do
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune 2>&1 | tee -a "$OUT/tune.log" || rc=1
-      if [ -n "${TUNE_EXPORT:-}" ]; then
-        CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1
-      fi ;;
+      export_tuned "$TUNE_CACHE" ;;
     bench)
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
         CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
@@ -111,9 +120,7 @@ for step in "${steps[@]}"; do
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune depthwise --verbose --no-progress 2>&1 \
         | tee "$OUT/tune-depthwise.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune-depthwise.log"
-      if [ -n "${TUNE_EXPORT:-}" ]; then
-        CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1
-      fi ;;
+      export_tuned "$TUNE_CACHE" ;;
     bench-depthwise)
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
         CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
@@ -126,12 +133,14 @@ for step in "${steps[@]}"; do
     tune-model)
       cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
         --training --amp fp16 ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1
-      if [ -n "${TUNE_EXPORT:-}" ]; then
-        cutlass-byoc cache export "$OUT/tuned.tar.gz" || rc=1
-      fi ;;
+      export_tuned "$CUTLASS_BYOC_CACHE_DIR" ;;
     import)
       for dir in "$CUTLASS_BYOC_CACHE_DIR" "$TUNE_CACHE"; do
         [ -f tuned.tar.gz ] && { CUTLASS_BYOC_CACHE_DIR=$dir cutlass-byoc cache import tuned.tar.gz || rc=1; }
+        # decisions alone (an earlier call's TUNE_EXPORT=decisions): their kernels come from the carried cache, or
+        # are compiled here from the templates
+        [ -f decisions.tar.gz ] && { CUTLASS_BYOC_CACHE_DIR=$dir cutlass-byoc cache import --decisions-only \
+          --no-progress decisions.tar.gz || rc=1; }
       done ;;
     offload-bench)
       python3 -m cutlass_byoc.offload.bench ${BENCH_CASES:+--cases $BENCH_CASES} --steps "${BENCH_STEPS:-20}" \

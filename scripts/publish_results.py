@@ -99,17 +99,23 @@ def offload_tables(data: dict) -> list[str]:
     if prof:
         out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed "
                 "kernel time; the conv ops' host time includes everything they call; under CUDA graphs the kernels "
-                "replay without their ops, so only the first two columns apply there):", "",
-                "| model | batch | mode | wall ms | GPU kernels ms | graph replays, launches outside graphs | "
+                "replay without their ops, so their columns apply only without graphs; the GPU timeline: busy = the union of the "
+                "kernels, launch gaps = gaps between kernels up to 10 µs, host gaps = longer ones, the GPU waiting "
+                "for the host):", "",
+                "| model | batch | mode | wall ms | GPU kernels ms | kernels | GPU busy ms | launch gaps ms | "
+                "host gaps: ms, count | graph replays, launches outside graphs | "
                 "offloaded convs: calls, host ms, GPU ms | aten convs: calls, host ms, GPU ms |",
-                "|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in prof:
             q = r["profile"]
             split = [f"{q[t + '_calls']:.0f}, {q[t + '_cpu_ms']:.2f}, {q[t + '_gpu_ms']:.2f}"
                      for t in ("offloaded", "aten_conv")]
             launches = f"{q.get('graph_launches', 0):.0f}, {q.get('kernel_launches', 0):.0f}"
+            timeline = (f"{_f(q.get('kernels'), '.0f')} | {_f(q.get('busy_ms'), '.2f')} | "
+                        f"{_f(q.get('launch_gap_ms'), '.2f')} | {_f(q.get('host_gap_ms'), '.2f')}, "
+                        f"{_f(q.get('host_gaps'), '.0f')}")
             out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
-                       f"{q['gpu_kernel_ms']:.2f} | {launches} | {split[0]} | {split[1]} |")
+                       f"{q['gpu_kernel_ms']:.2f} | {timeline} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")
     if host:
         out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "

@@ -123,6 +123,17 @@ def test_cache_list_show_export_import_clear(tmp_path, monkeypatch, capsys):
     with tarfile.open(tgz) as t:
         assert all(n.startswith(("decisions", "kernels")) for n in t.getnames())
 
+    # --decisions-only: the decisions and nothing else (kernels are not even looked up)
+    small = tmp_path / "decisions.tar.gz"
+    monkeypatch.setattr(cli, "_decision_kernel_keys", lambda *a: pytest.fail("looked up kernels"))
+    assert cli.main(["cache", "export", "--decisions-only", str(small)]) == 0
+    assert "exported 3 decisions and 0 kernels" in capsys.readouterr().out
+    with tarfile.open(small) as t:
+        names = [n for n in t.getnames() if t.getmember(n).isfile()]
+    assert len(names) == 3 and all(n.startswith("decisions/") for n in names)
+    monkeypatch.undo()
+    monkeypatch.setenv("CUTLASS_BYOC_CACHE_DIR", str(src))
+
     dst = tmp_path / "dst"
     monkeypatch.setenv("CUTLASS_BYOC_CACHE_DIR", str(dst))
     assert cli.main(["cache", "import", str(tgz)]) == 0

@@ -206,6 +206,21 @@ def test_torch_compile_mode_is_accepted():
     assert last_report().count(Pass.FPROP) == 0  # require_cuda (the default): nothing offloaded off the GPU
 
 
+def test_kernel_timeline_splits_busy_time_launch_gaps_and_host_gaps():
+    from cutlass_byoc.offload.bench import HOST_GAP_US, kernel_timeline
+
+    short = HOST_GAP_US / 2
+    ks = [(0.0, 100.0, "a"), (50.0, 120.0, "overlaps a"), (60.0, 70.0, "inside a"),  # busy 0..120
+          (120.0 + short, 200.0, "after a launch gap"),
+          (500.0, 600.0, "after the host"), (600.0, 650.0, "back to back"), (1650.0, 1700.0, "after a long wait")]
+    t = kernel_timeline(list(reversed(ks)), steps=1, top=2)  # the order recorded does not matter
+    assert t["kernels"] == 7
+    assert t["busy_ms"] * 1e3 == 120 + (200 - 120 - short) + 100 + 50 + 50
+    assert t["launch_gap_ms"] * 1e3 == short and t["host_gaps"] == 2
+    assert t["host_gap_ms"] * 1e3 == 300 + 1000
+    assert t["longest_gaps"] == [[1000.0, "after a long wait"], [300.0, "after the host"]]
+
+
 def test_profile_breakdown_splits_the_conv_ops_per_step():
     """The offload bench's --profile split (bench.profile_breakdown) from torch.profiler-like averages."""
     import types
@@ -224,8 +239,10 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
            ev("aten::convolution", 4, 80.0, 500.0), ev("aten::convolution_backward", 4, 100.0, 900.0),
            ev("aten::add_", 50, 400.0, 300.0), ev("cudaGraphLaunch", 6, 30.0, 0.0),
            ev("cudaLaunchKernel", 40, 90.0, 0.0)]
-    out = profile_breakdown(avg, [1000.0] * 20, steps=2, wall_ms=9.5)
+    kernels = [(i * 1000.0, (i + 1) * 1000.0, f"k{i}") for i in range(20)]  # back to back
+    out = profile_breakdown(avg, kernels, steps=2, wall_ms=9.5)
     assert out["wall_ms"] == 9.5 and out["gpu_kernel_ms"] == 10.0  # 20 ms of kernels over 2 steps
+    assert out["kernels"] == 10 and out["busy_ms"] == 10.0 and out["host_gap_ms"] == 0 == out["launch_gap_ms"]
     assert out["offloaded_calls"] == 8 and out["offloaded_cpu_ms"] == 0.21 and out["offloaded_gpu_ms"] == 1.5
     assert out["aten_conv_calls"] == 4 and out["aten_conv_cpu_ms"] == 0.09 and out["aten_conv_gpu_ms"] == 0.7
     assert out["graph_launches"] == 3 and out["kernel_launches"] == 20

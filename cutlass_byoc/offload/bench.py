@@ -189,14 +189,53 @@ GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
 KERNEL_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
-def profile_breakdown(averages, kernel_us: Sequence[float], steps: int, wall_ms: float) -> dict:
+#: gaps between consecutive kernels above this (us) count as the GPU waiting for the host; shorter ones are launch and
+#: dependency latency inside a stream or graph
+HOST_GAP_US = 10.0
+
+
+def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top: int = 3) -> dict:
+    """Per-step split of the GPU's timeline from the recorded kernels' (start us, end us, name): kernels per step,
+    busy ms (the union of the kernels' intervals), the idle ms between the first and the last kernel split into
+    short gaps (<= HOST_GAP_US: launch latency) and long gaps (the GPU waiting for the host), the long gaps' count,
+    and the `top` longest gaps with the kernel that ended the wait (what the host was late with)."""
+    ks = sorted(kernels)
+    busy = short = long_ = 0.0
+    n_long = 0
+    gaps: list[tuple[float, str]] = []
+    end = None  # the end of the busy time so far
+    for start, stop, name in ks:
+        if end is not None and start > end:
+            gap = start - end
+            if gap > HOST_GAP_US:
+                long_ += gap
+                n_long += 1
+                gaps.append((gap, name))
+            else:
+                short += gap
+        if end is None or start >= end:  # a new busy interval
+            busy += stop - start
+            end = stop
+        elif stop > end:  # overlaps the busy time and extends it
+            busy += stop - end
+            end = stop
+    gaps.sort(key=lambda g: -g[0])
+    return {"kernels": len(ks) / steps, "busy_ms": busy / steps / 1e3, "launch_gap_ms": short / steps / 1e3,
+            "host_gap_ms": long_ / steps / 1e3, "host_gaps": n_long / steps,
+            "longest_gaps": [[round(g, 1), name[:80]] for g, name in gaps[:top]]}
+
+
+def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], steps: int, wall_ms: float) -> dict:
     """A profile's per-step split, from torch.profiler's key averages (name, count, cpu_time_total,
-    device_time_total in us) and the durations of the GPU kernels it recorded: wall ms, the sum of kernel ms (the
-    GPU's busy time, overlaps aside), and for the offloaded conv ops and aten's convolutions their calls, host
-    (CPU, children included) ms and GPU ms; CUDA graph replays and kernel launches outside graphs per step. Under
-    CUDA graphs the kernels replay without their ops, so the op split means nothing there, and the launch counts
-    say how the step was captured (one replay per graph or partition; launches outside graphs are host work)."""
-    out = {"steps": steps, "wall_ms": wall_ms, "gpu_kernel_ms": sum(kernel_us) / steps / 1e3}
+    device_time_total in us) and the GPU kernels it recorded ((start us, end us, name)): wall ms, the sum of kernel
+    ms, the GPU timeline (:func:`kernel_timeline`: busy, launch gaps, host gaps), and for the offloaded conv ops and
+    aten's convolutions their calls, host (CPU, children included) ms and GPU ms; CUDA graph replays and kernel
+    launches outside graphs per step. Under CUDA graphs the kernels replay without their ops, so the op split means
+    nothing there, and the launch counts say how the step was captured (one replay per graph or partition; launches
+    outside graphs are host work)."""
+    out = {"steps": steps, "wall_ms": wall_ms,
+           "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
+           **kernel_timeline(kernels, steps)}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
@@ -219,8 +258,9 @@ def profile_steps(one: Callable[[], None], steps: int = 5) -> dict:
             one()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) / steps * 1e3
-    kernel_us = [getattr(e, "device_time", 0.0) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return profile_breakdown(prof.key_averages(), kernel_us, steps, wall_ms)
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return profile_breakdown(prof.key_averages(), kernels, steps, wall_ms)
 
 
 def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
@@ -398,7 +438,10 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
         if r.profile:
             q = r.profile
             lines.append(f"profile {r.model} {r.mode}: {q['wall_ms']:.2f} ms per step, GPU kernels "
-                         f"{q['gpu_kernel_ms']:.2f} ms; {q.get('graph_launches', 0):.0f} graph replays and "
+                         f"{q['gpu_kernel_ms']:.2f} ms ({q.get('kernels', 0):.0f} kernels, busy "
+                         f"{q.get('busy_ms', 0):.2f} ms, launch gaps {q.get('launch_gap_ms', 0):.2f} ms, host gaps "
+                         f"{q.get('host_gap_ms', 0):.2f} ms in {q.get('host_gaps', 0):.0f}; longest "
+                         f"{q.get('longest_gaps', [])}); {q.get('graph_launches', 0):.0f} graph replays and "
                          f"{q.get('kernel_launches', 0):.0f} kernel launches outside graphs per step; offloaded "
                          f"convs {q['offloaded_calls']:.0f} calls, GPU "
                          f"{q['offloaded_gpu_ms']:.2f} ms, host {q['offloaded_cpu_ms']:.2f} ms; aten convs "
