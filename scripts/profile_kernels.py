@@ -5,6 +5,8 @@ substrings, next to cuDNN's kernels for the same problem. A diagnostic for the G
 call between CUDA events; this splits it into kernels).
 
     python scripts/profile_kernels.py --layers mbv2_dw_960_7 effb0_dw_1152_7 --kinds wgrad --match rows4 smem
+    ncu --clock-control none --section SpeedOfLight python scripts/profile_kernels.py --layers mbv2_dw_144_56 \
+        --kinds fprop --decided --iters 1
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", nargs="+", required=True)
     ap.add_argument("--kinds", nargs="+", default=["wgrad"])
     ap.add_argument("--match", nargs="+", default=[""], help="launch-name substrings; the model's best of each")
+    ap.add_argument("--decided", action="store_true",
+                    help="the launch the decision cache holds for each problem (after `tune`), not --match's")
     ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args(argv)
 
@@ -43,7 +47,12 @@ def main(argv=None) -> int:
         p = item.problem
         valid, _ = enumerate_kernels(p, 90)
         launches = []
-        for m in a.match:  # the model's best launch among the kernels whose name contains m
+        if a.decided:
+            from cutlass_byoc.select import choose  # noqa: PLC0415
+
+            decided = choose(p, "cached")
+            launches += [decided] if decided is not None else []
+        for m in [] if a.decided else a.match:  # the model's best launch among the kernels whose name contains m
             ranked = [launches_for(p, k) for k in valid if m in k.name]
             best = [ls[0] for ls in ranked if ls]
             if best:

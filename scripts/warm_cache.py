@@ -16,6 +16,7 @@ tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fak
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import tarfile
 import time
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
+from cutlass_byoc.offload.bench import host_overhead  # noqa: E402
 
 #: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
@@ -105,6 +107,23 @@ def tune_model_kernels(models: list[str], batch: int, training: bool, max_candid
     return out
 
 
+def host_overhead_kernels() -> list[KernelConfig]:
+    """The heuristic launches of the offload benchmark's host-overhead problem (cutlass_byoc.offload.bench
+    .host_overhead's defaults), which every offload-bench step runs."""
+    from cutlass_byoc.offload.patterns import make_problem  # noqa: PLC0415
+    from cutlass_byoc.select import choose  # noqa: PLC0415
+    from cutlass_byoc.types import ConvKind  # noqa: PLC0415
+
+    sig = inspect.signature(host_overhead)
+    n, c, hw, k, r = (sig.parameters[name].default for name in ("n", "c", "hw", "k", "r"))
+    out = []
+    for kind in ConvKind:
+        p = make_problem(kind, (n, c, hw, hw), (k, c, r, r), (1, 1), (r // 2, r // 2), (1, 1), 1, torch.half,
+                         torch.half)
+        out.append(choose(p, "heuristic").kernel)
+    return out
+
+
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
     from models import FAMILIES, MODELS  # noqa: PLC0415
 
@@ -132,7 +151,8 @@ def main() -> int:
                          "round's tune-depthwise step compiles nothing)")
     ap.add_argument("--tune-model", nargs="+", default=None, metavar="MODEL",
                     help="only the kernels `cutlass-byoc tune --model MODEL` plans (resnet18, resnet50, mobilenet_v2 "
-                         "or pkg.module:factory), at --batch, training unless --inference, with --max-candidates")
+                         "or pkg.module:factory), at --batch, training unless --inference, with --max-candidates, "
+                         "and those of the offload benchmark's host-overhead problem")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--inference", action="store_true")
     ap.add_argument("--max-candidates", type=int, default=None)
@@ -143,7 +163,8 @@ def main() -> int:
         from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
 
         mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
-        cfgs = list(dict.fromkeys(tune_model_kernels(a.tune_model, a.batch, not a.inference, mc)))
+        cfgs = list(dict.fromkeys(tune_model_kernels(a.tune_model, a.batch, not a.inference, mc)
+                                  + host_overhead_kernels()))
     elif a.depthwise:
         cfgs = list(dict.fromkeys(depthwise_kernels()))
     else:
