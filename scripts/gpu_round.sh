@@ -18,7 +18,8 @@
 #           compiled here) imported into the offload and tune caches, so a fresh machine benches what an earlier call
 #           tuned
 # offload-bench: `python -m cutlass_byoc.offload.bench` ($BENCH_CASES, default the issue's six cases; all five modes
-#           or $BENCH_MODES; host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
+#           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
+#           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
@@ -144,6 +145,7 @@ for step in "${steps[@]}"; do
       done ;;
     offload-bench)
       python3 -m cutlass_byoc.offload.bench ${BENCH_CASES:+--cases $BENCH_CASES} --steps "${BENCH_STEPS:-20}" \
+        ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
         ${BENCH_MODES:+--modes $BENCH_MODES} ${BENCH_PROFILE:+--profile} \
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;

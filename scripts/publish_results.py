@@ -85,14 +85,18 @@ def splitk_table(rows: list) -> list[str]:
 def offload_tables(data: dict) -> list[str]:
     out = [f"Training steps and inference through `torch.compile` ({data.get('device')}, torch {data.get('torch')}, "
            f"cuDNN {data.get('cudnn')}, {data.get('image')}x{data.get('image')}, autocast {data.get('dtype')}, "
-           f"channels_last, {data.get('steps')} timed steps; `vs Inductor` = Inductor's time in the same mode, with or "
+           f"channels_last, {data.get('steps')} timed steps (per round where rounds are given: the modes of a case "
+           "interleaved, the median round); `vs Inductor` = Inductor's time in the same mode, with or "
            "without CUDA graphs, over this row's):", "",
-           "| model | batch | training | mode | step ms | vs Inductor | fallbacks | offloaded |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| model | batch | training | mode | step ms | rounds: min-max ms | vs Inductor | fallbacks | offloaded |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
         # the conv passes the backend offloaded (the rest left to PyTorch: no kernel, or cuDNN measured faster)
         m = re.search(r"(fprop \d+/\d+, dgrad \d+/\d+, wgrad \d+/\d+)", r.get("offload") or "")
-        out.append(f"| {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | {r['step_ms']:.2f} | "
+        # --rounds: the modes interleaved, step ms the median round; else one run of the timed steps
+        rounds = r.get("step_ms_rounds")
+        spread = f"{len(rounds)}: {min(rounds):.2f}-{max(rounds):.2f}" if rounds else "1"
+        out.append(f"| {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | {r['step_ms']:.2f} | {spread} | "
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
                    f"{m.group(1) if m else '-'} |")
     prof = [r for r in data.get("rows", []) if r.get("profile")]

@@ -206,6 +206,15 @@ def test_torch_compile_mode_is_accepted():
     assert last_report().count(Pass.FPROP) == 0  # require_cuda (the default): nothing offloaded off the GPU
 
 
+def test_interleaved_rounds_take_turns_and_rotate_the_first():
+    from cutlass_byoc.offload.bench import interleaved_rounds
+
+    order = []
+    times = interleaved_rounds(["a", "b", "c"], 3, lambda s: order.append(s) or float(len(order)))
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert times == [[1.0, 6.0, 8.0], [2.0, 4.0, 9.0], [3.0, 5.0, 7.0]]  # each stepper's own times, round order
+
+
 def test_kernel_timeline_splits_busy_time_launch_gaps_and_host_gaps():
     from cutlass_byoc.offload.bench import HOST_GAP_US, kernel_timeline
 

@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import logging
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -47,6 +48,7 @@ class BenchRow:
     batch: int = 0
     training: bool = True
     profile: Optional[dict] = None  # --profile: where a step's time goes (profile_breakdown)
+    rounds_ms: Optional[list] = None  # --rounds > 1: each round's ms per step (step_ms is their median)
 
     def record(self) -> dict:
         """The row as benchmarks/h200/offload.json holds it."""
@@ -55,6 +57,7 @@ class BenchRow:
                 "first_step_s": round(self.first_step_s, 2), "loss_rel_err_vs_eager": self.loss_rel_err,
                 "grad_rel_err_vs_eager": None if math.isnan(self.grad_rel_err) else self.grad_rel_err,
                 "fallbacks": self.fallbacks, "offload": self.offload,
+                **({"step_ms_rounds": [round(t, 4) for t in self.rounds_ms]} if self.rounds_ms else {}),
                 **({"profile": self.profile} if self.profile else {})}
 
     def line(self) -> str:
@@ -278,12 +281,17 @@ def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
 
 def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: int = 20, warmup: int = 3,
              dtype: torch.dtype = torch.float16, channels_last: bool = True, options: Optional[dict] = None,
-             seed: int = 0, profile: bool = False) -> list[BenchRow]:
+             seed: int = 0, profile: bool = False, rounds: int = 1) -> list[BenchRow]:
     """Every mode of one case, in this process, from the same weights on the same batch. Training: the first step
     (compile included) is compared with eager's; then SGD-with-momentum + GradScaler steps are timed. With CUDA
     graphs (cudagraph trees) each step starts with ``torch.compiler.cudagraph_mark_step_begin()`` and gradients
     are set to None, so no replay reads another's outputs. Inference: ``torch.no_grad()`` forwards, outputs
-    compared with eager's."""
+    compared with eager's.
+
+    rounds=1 times each mode's `steps` right after compiling it (Dynamo reset before each mode). rounds > 1 compiles
+    every mode first and then times `rounds` rounds of `steps` steps, the modes in turn within each round (their
+    order rotating), and reports the median round: a host-bound step drifts by more than the modes differ over the
+    minutes one mode takes, and interleaving puts every mode under the same drift."""
     from . import library  # noqa: PLC0415
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -293,9 +301,14 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
     x = torch.randn(case.batch, 3, image, image, device="cuda", generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 1000, (case.batch,), device="cuda", generator=g)
     rows: list[BenchRow] = []
+    steppers: list[Callable[[], None]] = []
     ref = None
-    for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference of the errors
+    interleave = rounds > 1
+    if interleave:
         torch._dynamo.reset()
+    for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference of the errors
+        if not interleave:
+            torch._dynamo.reset()
         library.RUNTIME.clear()
         model = copy.deepcopy(base)
         run, backend = compile_mode(model, mode, options)
@@ -316,12 +329,12 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
-            def one() -> None:
+            def one(run=run, mark=mark, opt=opt, scaler=scaler) -> None:
                 mark()
                 _step(run, x, y, opt, dtype, scaler)
             value = loss.item()
         else:
-            def fwd():
+            def fwd(run=run, mark=mark):
                 mark()
                 with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
                     return run(x).float().clone()
@@ -334,16 +347,31 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             gerr = gmax = math.nan
             value = float(out.float().norm())
 
-            def one() -> None:
+            def one(fwd=fwd) -> None:
                 fwd()
-        ms = _timed_loop(one, steps, warmup)
+        if interleave:
+            for _ in range(warmup):
+                one()
+            ms = math.nan
+        else:
+            ms = _timed_loop(one, steps, warmup)
         row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
-                       training=case.training, profile=profile_steps(one) if profile else None)
+                       training=case.training, profile=profile_steps(one) if profile and not interleave else None)
         if backend is not None:
             row.offload = backend.report().summary().splitlines()[0]
             row.fallbacks = len(library.RUNTIME.fallbacks)
         rows.append(row)
-        log.info("%s", row.line())
+        steppers.append(one)
+        if not interleave:
+            log.info("%s", row.line())
+    if interleave:
+        times = interleaved_rounds(steppers, rounds, lambda one: _timed_loop(one, steps, 1))
+        for row, one, ts in zip(rows, steppers, times):
+            row.rounds_ms = ts
+            row.step_ms = statistics.median(ts)
+            if profile:
+                row.profile = profile_steps(one)
+            log.info("%s", row.line())
     for r in rows:
         same = "inductor-cudagraphs" if r.mode.endswith("-cudagraphs") else "inductor"
         ind = next((q.step_ms for q in rows if q.mode == same), math.nan)
@@ -351,11 +379,23 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
     return rows
 
 
+def interleaved_rounds(steppers: Sequence, rounds: int, time_one: Callable) -> list[list[float]]:
+    """`rounds` rounds of `time_one(stepper)` for every stepper, in turn; round i starts at stepper i (mod n), so no
+    stepper always runs first or right after the same one. Each stepper's times, in round order."""
+    n = len(steppers)
+    times: list[list[float]] = [[] for _ in range(n)]
+    for i in range(rounds):
+        for j in range(n):
+            k = (i + j) % n
+            times[k].append(time_one(steppers[k]))
+    return times
+
+
 def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int = 64, image: int = 224,
               steps: int = 20, warmup: int = 3, dtype: torch.dtype = torch.float16, channels_last: bool = True,
               modes: Sequence[str] = MODES, options: Optional[dict] = None, seed: int = 0,
               print_table: bool = True, cases: Optional[Sequence[Case]] = None,
-              profile: bool = False) -> list[BenchRow]:
+              profile: bool = False, rounds: int = 1) -> list[BenchRow]:
     """Run the benchmark (`cases`, else training steps of `models` at `batch`); every mode of a case starts from
     the same weights and sees the same batches."""
     if not torch.cuda.is_available():
@@ -364,7 +404,7 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
     torch.backends.cudnn.benchmark = True  # cuDNN's best algorithms for every mode (eager, Inductor, ours' rest)
     rows: list[BenchRow] = []
     for case in cases:
-        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed, profile)
+        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed, profile, rounds)
         rows += case_rows
         if print_table:
             print(format_table(case_rows, case, image, dtype, channels_last), flush=True)
@@ -458,7 +498,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--models", nargs="+", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--image", type=int, default=224)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (per round with --rounds)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="N > 1: compile every mode of a case first, then time N rounds of --steps steps with the "
+                         "modes interleaved; step ms is each mode's median round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     ap.add_argument("--nchw", action="store_true", help="NCHW model and input (default channels_last)")
@@ -473,9 +516,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cases = a.cases if a.cases else ([Case(m, a.batch) for m in a.models] if a.models else list(DEFAULT_CASES))
     rows = benchmark(steps=a.steps, warmup=a.warmup, image=a.image, dtype=getattr(torch, a.dtype),
                      channels_last=not a.nchw, modes=a.modes, options={"select": a.select}, cases=cases,
-                     profile=a.profile)
+                     profile=a.profile, rounds=a.rounds)
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "cudnn": torch.backends.cudnn.version(), "image": a.image, "steps": a.steps, "dtype": a.dtype,
+                 "cudnn": torch.backends.cudnn.version(), "image": a.image, "steps": a.steps, "rounds": a.rounds,
+                 "dtype": a.dtype,
                  "rows": [r.record() for r in rows]}
     if a.host_overhead:
         out["host_overhead"] = host_overhead()
