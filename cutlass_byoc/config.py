@@ -28,7 +28,7 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 
 
 #: Fields only the depthwise family sets; left out of to_dict when None (the other families' JSON predates them).
-_DEPTHWISE_ONLY = ("conv_stride", "halo_smem")
+_DEPTHWISE_ONLY = ("conv_stride", "halo_smem", "min_blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,10 @@ class KernelConfig:
     # halo in shared memory instead of reading it through L1.
     conv_stride: Optional[tuple[int, int]] = None
     halo_smem: Optional[bool] = None
+    # direct depthwise only: CTAs per SM the compiler must fit (__launch_bounds__' second argument), which caps each
+    # thread's registers at 65536 / (min_blocks * threads); None leaves the registers to the compiler. Memory-bound
+    # kernels whose windows and sums take 100-200 registers run at 12-25% occupancy without it.
+    min_blocks: Optional[int] = None
     # The bias-vector epilogue (fprop): None for the plain kernels, which read a bias as C through a zero stride in the
     # output's type. Set, the kernel takes the bias as a separate vector of this type (CbConv2dArgs.bias, or .source
     # for source_kind 1) and an optional residual as C: D = act(alpha * acc + beta * residual + bias), all in fp32,
@@ -199,8 +203,8 @@ class KernelConfig:
             from .depthwise import depthwise_static_error  # noqa: PLC0415
 
             return depthwise_static_error(self)
-        if self.conv_stride is not None or self.halo_smem is not None:
-            return "conv_stride and halo_smem are fields of the depthwise family only"
+        if self.conv_stride is not None or self.halo_smem is not None or self.min_blocks is not None:
+            return "conv_stride, halo_smem and min_blocks are fields of the depthwise family only"
         if self.activation is Activation.RELU6:
             return (f"activation relu6: the {self.family.value} epilogue has no clamp (the ReLU6 clamp is fused by the "
                     "depthwise family only; after an implicit-GEMM conv it stays in PyTorch)")

@@ -22,6 +22,9 @@ split_k_mode   PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel t
 align_b        fprop/dgrad: 1 (the filter, [C][R][S], is read per channel into shared memory once per CTA);
                wgrad: x's alignment
 align_c        fprop/dgrad: the output's store width; wgrad: 1 (the reduction writes dw [C][R][S] per element)
+min_blocks     None, or the CTAs per SM the compiler must fit (`__launch_bounds__(threads, min_blocks)`): a
+               register cap of 65536 / (min_blocks * threads) per thread, for more warps in flight at the price
+               of possible spills. Candidates come in pairs, without and with the cap of MIN_BLOCKS_REGS.
 =============  ===============================================================================================
 
 Kernels:
@@ -76,6 +79,16 @@ ROWS_MAX_REGS = 192
 H200_SMS = 132
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
+#: Threads an SM holds (sm_90), and its 32-bit registers.
+MAX_SM_THREADS = 2048
+SM_REGISTERS = 65536
+#: Registers per thread the `min_blocks` variants cap a kernel at: fprop/dgrad (ptxas, sm_90a: the 3x3 "rows"
+#: fprop kernel with 4 columns per step needs 108 unbounded and spills 88 bytes at 80) and wgrad, whose R*S*vector
+#: fp32 sums stay in registers (192 unbounded for 3x3 at vector 8).
+MIN_BLOCKS_REGS = {ConvKind.FPROP: 80, ConvKind.DGRAD: 80, ConvKind.WGRAD: 128}
+#: How much the model discounts a `min_blocks` variant for the spills its register cap may cause: it ranks right
+#: after its unbounded twin (the profiler times both; the model cannot tell which wins).
+MIN_BLOCKS_PENALTY = 1.01
 
 
 # ---------------------------------------------------------------------------------------------- derived sizes
@@ -168,6 +181,8 @@ def depthwise_name(c: KernelConfig) -> str:
         parts.append(f"f{c.filter_rs[0]}x{c.filter_rs[1]}")
     if c.conv_stride:
         parts.append(f"u{c.conv_stride[0]}x{c.conv_stride[1]}")
+    if c.min_blocks:
+        parts.append(f"mb{c.min_blocks}")
     parts.append(f"sm{c.arch}")
     return "_".join(parts)
 
@@ -194,6 +209,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
             return f"stages: a {c.schedule!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
     elif c.stages != 1:
         return f"stages: depthwise pixel-tile kernels have no pipeline, expected 1, got {c.stages}"
+    if c.min_blocks is not None and not (2 <= c.min_blocks and c.min_blocks * c.threads <= MAX_SM_THREADS):
+        return (f"min_blocks: None or 2 .. {MAX_SM_THREADS // c.threads} CTAs of {c.threads} threads per SM, "
+                f"got {c.min_blocks}")
     if c.iterator.value != "analytic" or c.stride_support is not StrideSupport.UNITY or c.swizzle != 1:
         return "iterator/stride_support/swizzle: unused by the depthwise family, expected analytic/unity/1"
     if c.cluster != (1, 1, 1):
@@ -438,6 +456,22 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg
+                        capped = min_blocks_variant(cfg)
+                        if capped is not None and capped not in seen:
+                            seen.add(capped)
+                            yield capped
+
+
+def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
+    """`c` with its registers capped at MIN_BLOCKS_REGS[kind] (min_blocks = the CTAs of its threads that fit), or
+    None where that cap allows no more than 1 CTA per SM or no more CTAs than the CTA's threads allow anyway."""
+    blocks = min(SM_REGISTERS // (MIN_BLOCKS_REGS[c.kind] * c.threads), MAX_SM_THREADS // c.threads)
+    if blocks < 2 or c.min_blocks is not None:
+        return None
+    try:
+        return dataclasses.replace(c, min_blocks=blocks)
+    except ValueError:
+        return None
 
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:
@@ -487,13 +521,16 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         extra += LAUNCH_US
     ctas = pixel_tiles(c, problem) * math.ceil(problem.c / ch) if c.kind is not ConvKind.WGRAD else \
         launch.split_k_slices * math.ceil(problem.c / ch)
-    per_sm = max(1, min(2048 // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+    per_sm = max(1, min(MAX_SM_THREADS // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
     if is_rows(c):
-        per_sm = max(1, min(per_sm, 65536 // ((rows_registers(c) + 24) * c.threads)))
+        per_sm = max(1, min(per_sm, SM_REGISTERS // ((rows_registers(c) + 24) * c.threads)))
+    if c.min_blocks:  # the compiler fits at least this many
+        per_sm = max(per_sm, min(c.min_blocks, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
     waves = ctas / (sms * per_sm)
     fill = waves / math.ceil(waves) if waves < 4 else 1.0
     eff = min(1.0, (c.align_a * c.element_a.nbytes / 16) ** 0.5) * max(0.25, fill)
-    return bytes_ / (DRAM_GBS * 1e9 * eff) * 1e6 + LAUNCH_US + extra
+    penalty = MIN_BLOCKS_PENALTY if c.min_blocks else 1.0
+    return (bytes_ / (DRAM_GBS * 1e9 * eff) * 1e6 + LAUNCH_US + extra) * penalty
 
 
 def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:

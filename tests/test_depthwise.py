@@ -80,6 +80,37 @@ def test_config_json_round_trip_and_other_families_unchanged():
     assert "conv_stride" not in sm80.to_dict() and "halo_smem" not in sm80.to_dict()  # sources (cache keys) unchanged
     with pytest.raises(ValueError, match="depthwise family only"):
         dataclasses.replace(sm80, halo_smem=True)
+    with pytest.raises(ValueError, match="depthwise family only"):
+        dataclasses.replace(sm80, min_blocks=4)
+    assert "min_blocks" not in c.to_dict()  # unset: the depthwise sources (cache keys) of before are unchanged
+    capped = dataclasses.replace(c, min_blocks=4)
+    assert KernelConfig.from_dict(json.loads(capped.to_json())) == capped and capped.to_dict()["min_blocks"] == 4
+
+
+def test_register_capped_twins():
+    """Every candidate comes with its min_blocks twin (registers capped at MIN_BLOCKS_REGS) right after it, named
+    _mb<n>, ranked by the model just behind it; the unbounded kernel's source has the plain __launch_bounds__."""
+    from cutlass_byoc.depthwise import MIN_BLOCKS_REGS, estimate_us, min_blocks_variant
+
+    for kind in ("fprop", "dgrad", "wgrad"):
+        cands = list(depthwise_candidates(dw(kind)))
+        plain = [c for c in cands if c.min_blocks is None]
+        capped = [c for c in cands if c.min_blocks is not None]
+        assert plain and len(capped) == len(plain)
+        for c in plain:
+            twin = cands[cands.index(c) + 1]
+            assert twin == dataclasses.replace(c, min_blocks=twin.min_blocks) and twin.name == c.name.replace(
+                "_sm90", f"_mb{twin.min_blocks}_sm90")
+            assert twin.min_blocks == min(65536 // (MIN_BLOCKS_REGS[c.kind] * c.threads), 2048 // c.threads)
+            assert min_blocks_variant(twin) is None
+            p = dw(kind)
+            for s in split_candidates(p, c)[:1]:
+                assert estimate_us(p, LaunchConfig(twin, s)) <= estimate_us(p, LaunchConfig(c, s)) * 1.011
+    c = first(dw("fprop"), halo_smem=False, align_a=8, min_blocks=None)
+    assert "__launch_bounds__(kThreads) depthwise_kernel" in render(c, "nvcc")
+    src = render(min_blocks_variant(c), "nvcc")
+    assert f"__launch_bounds__(kThreads, {min_blocks_variant(c).min_blocks}) depthwise_kernel" in src
+    assert "__launch_bounds__(kReduceCols * kReduceGroups) reduce_kernel" not in src  # fprop: no reduction kernel
 
 
 @pytest.mark.parametrize("change, message", [
@@ -94,6 +125,8 @@ def test_config_json_round_trip_and_other_families_unchanged():
     (dict(split_k_mode=SplitKMode.PARALLEL, align_c=4), "split_k_mode"),
     (dict(align_a=16), "align_a"),
     (dict(tile=(16, 32, 64), warps=(4, 1, 1)), "strip"),
+    (dict(min_blocks=1), "min_blocks"),
+    (dict(min_blocks=17), "min_blocks"),  # 17 x 128 threads > 2048
 ])
 def test_static_errors_name_the_field(change, message):
     c = first(dw(), halo_smem=False, align_a=8)

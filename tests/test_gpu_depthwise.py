@@ -16,7 +16,9 @@ torch = pytest.importorskip("torch")
 
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import KernelConfig, LaunchConfig  # noqa: E402
-from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles, with_alignments  # noqa: E402
+from cutlass_byoc.depthwise import (  # noqa: E402
+    depthwise_candidates, min_blocks_variant, pixel_tiles, with_alignments,
+)
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
@@ -150,8 +152,22 @@ def rows_fprop_kernel(kind, dt, r, stride, steps, cols, epi):
                 and k.tile[2] // k.align_a in (4, 8, 16)), key=lambda k: (k.align_a, k.tile[2]))
 
 
+def capped_kernels():
+    """Register-capped twins (min_blocks) of one kernel of each schedule: pixel tiles through L1 and staged, strided
+    dgrad, the fprop and stride-1 dgrad "rows" kernels, and the wgrad "rows" and "taprows" kernels."""
+    base = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo)
+            for kind, dt, r, stride, vec, halo in KERNELS[:1] + KERNELS[1:2] + KERNELS[6:7]]
+    base += [rows_fprop_kernel(*k) for k in ROWS_FPROP_KERNELS[:1] + ROWS_FPROP_KERNELS[4:5]]
+    base += rows_kernels()[:1] + rows_kernels()[4:5]
+    base += [kernel(problem_of("wgrad", 96, 15, 13, 3, 1), 8, False)]
+    out = [min_blocks_variant(k) for k in base]
+    assert all(k is not None and k.min_blocks >= 2 for k in out)
+    return out
+
+
 def all_kernels():
     ks = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo) for kind, dt, r, stride, vec, halo in KERNELS]
+    ks += capped_kernels()
     ks += [exact_kernel(*k) for k in EXACT_KERNELS]
     for k in ROWS_FPROP_KERNELS:
         cfg = rows_fprop_kernel(*k)
@@ -242,6 +258,29 @@ def test_fprop_and_dgrad_rows_schedule(kind, dt, r, stride, steps, cols, epi):
         else:
             ref = reference(problem, x, w_, dy)
         run_checked(problem, cfg, 0, source=source, ref=ref, x=x, w=w_, dy=dy)
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_register_capped_kernels(index):
+    """min_blocks twins (__launch_bounds__ with a CTA count: registers capped, spills allowed) compute the same."""
+    cfg = capped_kernels()[index]
+    kind = cfg.kind.value
+    r, stride = cfg.filter_rs[0], cfg.conv_stride[0]
+    dt = (cfg.element_a.value, cfg.element_out.value)
+    epi = Epilogue(cfg.activation, SourceKind.BIAS) if kind == "fprop" and cfg.activation is not Activation.IDENTITY \
+        else Epilogue()
+    for c, h, w in SHAPES[:2]:
+        k = cfg if c % cfg.align_a == 0 else with_alignments(cfg, 4, 4, 4)
+        problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
+        if k.reject_reason(problem) is not None:
+            continue
+        source = torch.randn(c, device="cuda").to(TORCH[problem.element_out]) if epi.source is SourceKind.BIAS else None
+        x, w_, dy = operands(problem, seed=c + h + index)
+        ref = reference(problem, x, w_, dy)
+        if source is not None:
+            ref = ops._apply_activation(ref + source.double().view(1, -1, 1, 1), epi.activation)
+        splits = min(3, pixel_tiles(k, problem)) if kind == "wgrad" else 1
+        run_checked(problem, k, 0, splits=splits, source=source, ref=ref, x=x, w=w_, dy=dy)
 
 
 @pytest.mark.parametrize("kind, stride, halo", EXACT_KERNELS)
