@@ -87,10 +87,11 @@ def test_training_step_matches_eager(name, record_property):
     print(backend.report().summary())
     rep = backend.report()
     counts = conv_counts(base)
-    assert rep.count(Pass.FPROP) == rep.count(Pass.WGRAD) == counts["dense"]
-    assert rep.count(Pass.DGRAD) == counts["dense"] - 1
+    # every conv, depthwise included (untuned problems: no decision says cuDNN is faster); no dgrad of the stem
+    assert rep.count(Pass.FPROP) == rep.count(Pass.WGRAD) == counts["all"]
+    assert rep.count(Pass.DGRAD) == counts["all"] - 1
     assert not fallbacks, f"ops fell back to PyTorch at run time: {fallbacks}"
-    assert sum(kernel_calls.values()) >= 3 * counts["dense"] - 1
+    assert sum(kernel_calls.values()) >= 3 * counts["all"] - 1
 
 
 def test_nchw_model_runs_channels_last_inside():
