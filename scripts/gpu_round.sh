@@ -12,6 +12,7 @@
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
 # tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
 #           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50;
+#           MODEL_INFERENCE=1: the inference graph's problems instead of the training step's;
 #           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz)
 # import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT=1) or
 #           decisions.tar.gz (decisions alone, TUNE_EXPORT=decisions; their kernels from the carried .kcache.tar.xz or
@@ -133,7 +134,8 @@ for step in "${steps[@]}"; do
         --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
     tune-model)
       cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
-        --training --amp fp16 ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1
+        $([ -n "${MODEL_INFERENCE:-}" ] || echo --training) --amp fp16 ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 \
+        | tee -a "$OUT/offload-bench.log" || rc=1
       export_tuned "$CUTLASS_BYOC_CACHE_DIR" ;;
     import)
       for dir in "$CUTLASS_BYOC_CACHE_DIR" "$TUNE_CACHE"; do
