@@ -45,7 +45,7 @@ def _common(sub: bool = False) -> argparse.ArgumentParser:
     c.add_argument("--arch", type=int, default=d(90), choices=[90], help="target SM (kernels are built for sm_90a)")
     c.add_argument("--max-candidates", type=int, default=d(None),
                    help="kernels timed per problem, best-ranked by the model (default 8; depthwise problems: "
-                        "twice as many)")
+                        "three times as many, profiler.plan.DEPTHWISE_BUDGET_FACTOR)")
     c.add_argument("--cache-dir", default=d(None),
                    help="cache root (default: $CUTLASS_BYOC_CACHE_DIR or the user cache dir)")
     c.add_argument("--trust-cache-dir", action="store_true", default=d(False),

@@ -37,7 +37,8 @@ log = logging.getLogger("cutlass_byoc.profiler.plan")
 DEFAULT_MAX_CANDIDATES = 8  # kernels per problem
 #: A depthwise problem times this many times `max_candidates` kernels: they run in microseconds, and the model ranks
 #: their schedules (pixel tiles through L1 or shared memory, "rows", "taprows") and vector widths poorly against each
-#: other (on the H200 the budget of 8 left a 1.4x faster "taprows" kernel of a strided wgrad untimed).
+#: other (on the H200 the budget of 8 left a 1.4x faster "taprows" kernel of a strided wgrad untimed); and every
+#: config comes with its register-capped twin (depthwise.min_blocks_variant), timed right after it.
 DEPTHWISE_BUDGET_FACTOR = 3
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
