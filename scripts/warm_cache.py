@@ -16,7 +16,6 @@ tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fak
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import tarfile
 import time
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
-from cutlass_byoc.offload.bench import host_overhead  # noqa: E402
+from cutlass_byoc.offload.bench import host_overhead_problems  # noqa: E402
 
 #: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
@@ -108,20 +107,10 @@ def tune_model_kernels(models: list[str], batch: int, training: bool, max_candid
 
 
 def host_overhead_kernels() -> list[KernelConfig]:
-    """The heuristic launches of the offload benchmark's host-overhead problem (cutlass_byoc.offload.bench
-    .host_overhead's defaults), which every offload-bench step runs."""
-    from cutlass_byoc.offload.patterns import make_problem  # noqa: PLC0415
+    """The heuristic launches of the offload benchmark's host-overhead problems, which every offload-bench step runs."""
     from cutlass_byoc.select import choose  # noqa: PLC0415
-    from cutlass_byoc.types import ConvKind  # noqa: PLC0415
 
-    sig = inspect.signature(host_overhead)
-    n, c, hw, k, r = (sig.parameters[name].default for name in ("n", "c", "hw", "k", "r"))
-    out = []
-    for kind in ConvKind:
-        p = make_problem(kind, (n, c, hw, hw), (k, c, r, r), (1, 1), (r // 2, r // 2), (1, 1), 1, torch.half,
-                         torch.half)
-        out.append(choose(p, "heuristic").kernel)
-    return out
+    return [choose(p, "heuristic").kernel for p in host_overhead_problems().values()]
 
 
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:

@@ -411,25 +411,39 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
     return rows
 
 
-def host_overhead(calls: int = 3000, warmup: int = 200, n: int = 1, c: int = 16, hw: int = 8, k: int = 16,
-                  r: int = 3) -> list[dict]:
+#: The host-overhead micro-benchmark's problem, (n, c, hw, k, r): tiny, so the GPU idles and wall time is host time.
+HOST_OVERHEAD_SHAPE = (1, 16, 8, 16, 3)
+
+
+def host_overhead_problems(shape: tuple[int, int, int, int, int] = HOST_OVERHEAD_SHAPE) -> dict:
+    """The micro-benchmark's problem of each pass (ConvKind -> Conv2dProblem): fp16, stride 1, padding R // 2, as
+    the compile-time partitioner builds it (scripts/warm_cache.py compiles their heuristic kernels beforehand)."""
+    from .patterns import make_problem  # noqa: PLC0415
+    from ..types import ConvKind  # noqa: PLC0415
+
+    n, c, hw, k, r = shape
+    return {kind: make_problem(kind, (n, c, hw, hw), (k, c, r, r), (1, 1), (r // 2, r // 2), (1, 1), 1, torch.half,
+                               torch.half) for kind in ConvKind}
+
+
+def host_overhead(calls: int = 3000, warmup: int = 200,
+                  shape: tuple[int, int, int, int, int] = HOST_OVERHEAD_SHAPE) -> list[dict]:
     """Host microseconds per call on a tiny problem (the GPU finishes each kernel faster than the host issues the next,
     so wall time per call is host time): the call-site ops (what compiled graphs run), the general ops (every
     parameter an argument, all checks), and aten.convolution / aten.convolution_backward (cuDNN), fp16
     channels_last."""
     from . import library  # noqa: PLC0415
-    from .patterns import make_problem  # noqa: PLC0415
     from ..types import ConvKind  # noqa: PLC0415
 
+    n, c, hw, k, r = shape
     cl = torch.channels_last
     x = torch.randn(n, c, hw, hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
     w = torch.randn(k, c, r, r, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
     dy = torch.randn(n, k, hw, hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
     st, pd, dl = [1, 1], [r // 2, r // 2], [1, 1]
     xs, ws = (n, c, hw, hw), (k, c, r, r)
-    site = {kind: library.register_site(kind.value, make_problem(kind, xs, ws, (1, 1), tuple(pd), (1, 1), 1,
-                                                                 torch.half, torch.half), "heuristic")
-            for kind in ConvKind}
+    site = {kind: library.register_site(kind.value, p, "heuristic")
+            for kind, p in host_overhead_problems(shape).items()}
     aten = torch.ops.aten
     cases = {
         "fprop": (lambda s: library.FPROP(x, w, None, None, s) if s >= 0 else
