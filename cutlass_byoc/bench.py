@@ -174,10 +174,6 @@ class BenchReport:
         plt.close(fig)
 
 
-# cuDNN's version of a problem: shared with the profiler, which times it next to the candidates
-_cudnn_fn = cudnn_fn  # (the name scripts and profiler/splitk.py import)
-
-
 def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     import torch  # noqa: PLC0415
 
@@ -198,7 +194,7 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     if launch is None:
         launch, chosen_by = default_launch(p), "model"
     sets, ref = make_problem_sets(p, ws)
-    cudnn = time_gpu(_cudnn_fn(p, sets), len(sets), ws.timing)
+    cudnn = time_gpu(cudnn_fn(p, sets), len(sets), ws.timing)
     ours_us = err = None
     status = "ok"
     if launch is None:

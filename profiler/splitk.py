@@ -90,7 +90,7 @@ def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Opt
                   progress: bool = False) -> SplitKReport:
     import torch  # noqa: PLC0415
 
-    from .verify import cudnn_fn as _cudnn_fn  # noqa: PLC0415
+    from .verify import cudnn_fn  # noqa: PLC0415
     from ..build import build  # noqa: PLC0415
     from .timing import time_gpu  # noqa: PLC0415
     from .worker import WorkerSettings, evaluate_candidate, make_problem_sets  # noqa: PLC0415
@@ -105,7 +105,7 @@ def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Opt
         p = it.problem
         split, unsplit = plans[it]
         sets, ref = make_problem_sets(p, ws)
-        cudnn = time_gpu(_cudnn_fn(p, sets), len(sets), ws.timing).median_us
+        cudnn = time_gpu(cudnn_fn(p, sets), len(sets), ws.timing).median_us
         results = [evaluate_candidate(p, l, sets, ref, ws.timing) for l in split + unsplit]
         ok = [r for r in results if r.ok]
         best = lambda rs: min(rs, key=lambda r: r.median_us) if rs else None  # noqa: E731

@@ -35,10 +35,10 @@ def main(argv=None) -> int:
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    from cutlass_byoc.bench import _cudnn_fn  # noqa: PLC0415
     from cutlass_byoc.build import build  # noqa: PLC0415
     from cutlass_byoc.profiler.plan import enumerate_kernels, launches_for  # noqa: PLC0415
     from cutlass_byoc.ops import run_problem  # noqa: PLC0415
+    from cutlass_byoc.profiler.verify import cudnn_fn  # noqa: PLC0415
     from cutlass_byoc.profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
     from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                 launches.append(min(best, key=lambda t: t[0])[1])
         build([lc.kernel for lc in launches], progress=False)
         sets, _ = make_problem_sets(p, WorkerSettings())
-        runs = [("cudnn", _cudnn_fn(p, sets))]
+        runs = [("cudnn", cudnn_fn(p, sets))]
         for lc in launches:
             def fn(i, lc=lc):
                 s = sets[i]
