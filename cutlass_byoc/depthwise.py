@@ -463,15 +463,12 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
 
 
 def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
-    """`c` with its registers capped at MIN_BLOCKS_REGS[kind] (min_blocks = the CTAs of its threads that fit), or
-    None where that cap allows no more than 1 CTA per SM or no more CTAs than the CTA's threads allow anyway."""
+    """`c` with its registers capped at MIN_BLOCKS_REGS[kind]: min_blocks = the CTAs of its threads that fit under
+    that cap (at most the SM's threads allow). None where fewer than 2 fit, or `c` is capped already."""
     blocks = min(SM_REGISTERS // (MIN_BLOCKS_REGS[c.kind] * c.threads), MAX_SM_THREADS // c.threads)
     if blocks < 2 or c.min_blocks is not None:
         return None
-    try:
-        return dataclasses.replace(c, min_blocks=blocks)
-    except ValueError:
-        return None
+    return dataclasses.replace(c, min_blocks=blocks)  # 2 <= blocks <= 2048 / threads: always a valid config
 
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:
@@ -521,11 +518,12 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         extra += LAUNCH_US
     ctas = pixel_tiles(c, problem) * math.ceil(problem.c / ch) if c.kind is not ConvKind.WGRAD else \
         launch.split_k_slices * math.ceil(problem.c / ch)
-    per_sm = max(1, min(MAX_SM_THREADS // c.threads, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+    smem_fit = SMEM_LIMIT * 4 // max(1, smem_bytes(c))  # CTAs an SM's shared memory holds
+    per_sm = max(1, min(MAX_SM_THREADS // c.threads, smem_fit))
     if is_rows(c):
         per_sm = max(1, min(per_sm, SM_REGISTERS // ((rows_registers(c) + 24) * c.threads)))
     if c.min_blocks:  # the compiler fits at least this many
-        per_sm = max(per_sm, min(c.min_blocks, SMEM_LIMIT * 4 // max(1, smem_bytes(c))))
+        per_sm = max(per_sm, min(c.min_blocks, smem_fit))
     waves = ctas / (sms * per_sm)
     fill = waves / math.ceil(waves) if waves < 4 else 1.0
     eff = min(1.0, (c.align_a * c.element_a.nbytes / 16) ** 0.5) * max(0.25, fill)
