@@ -404,7 +404,6 @@ def cmd_cache(args) -> int:
         print(f"removed {nd} decisions and {nk} kernels from {cache.root}")
         return EXIT_OK
     if sub == "export":
-        keys, complete = (set(), True) if args.decisions_only else _decision_kernel_keys(store, cache)
         with tarfile.open(args.path, "w:gz") as tar:
             nd = 0
             for path, dec, _ in store.entries():
@@ -412,10 +411,12 @@ def cmd_cache(args) -> int:
                     tar.add(path, arcname=f"decisions/{path.parent.name}/{path.name}")
                     nd += 1
             nk = 0
-            for e in [] if args.decisions_only else cache.entries():
-                if e.state is EntryState.OK and (args.all_kernels or not complete or e.key in keys):
-                    tar.add(e.path, arcname=f"kernels/{e.key[:2]}/{e.key}")
-                    nk += 1
+            if not args.decisions_only:
+                keys, complete = _decision_kernel_keys(store, cache)
+                for e in cache.entries():
+                    if e.state is EntryState.OK and (args.all_kernels or not complete or e.key in keys):
+                        tar.add(e.path, arcname=f"kernels/{e.key[:2]}/{e.key}")
+                        nk += 1
         print(f"exported {nd} decisions and {nk} kernels to {args.path}")
         return EXIT_OK
     if sub == "import":
