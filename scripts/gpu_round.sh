@@ -134,8 +134,8 @@ for step in "${steps[@]}"; do
         --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
     tune-model)
       cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
-        $([ -n "${MODEL_INFERENCE:-}" ] && echo --inference || echo --training) --amp fp16 ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 \
-        | tee -a "$OUT/offload-bench.log" || rc=1
+        $([ -n "${MODEL_INFERENCE:-}" ] && echo --inference || echo --training) --amp fp16 \
+        ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1
       export_tuned "$CUTLASS_BYOC_CACHE_DIR" ;;
     import)
       for dir in "$CUTLASS_BYOC_CACHE_DIR" "$TUNE_CACHE"; do
