@@ -24,6 +24,12 @@ three schedules (``KernelConfig.schedule``):
   reduction over the SMs (stream-K), or, when the launch asks for ``split_k_slices > 1``, splits K into that many
   slices (its split-k decomposition). Partial sums stay fp32 in the workspace and the epilogue runs once, so a
   16-bit output, a bias or a residual are applied exactly as without splitting;
+* ``cooperative_streamk_nd``: the same kernel with the scheduler's nondeterministic reduction: the peers of a
+  split tile add their partials into the workspace with atomics as they finish, instead of one after another in
+  k order. The deterministic order serializes the fixups: a 64x64 wgrad output of one tile split over the 132 SMs
+  waited ~90 us for its chain on the H200 (benchmarks/h200/bench-splitk.json, l1_1x1_64_64: 96 us against
+  cuDNN's 16). The sum's rounding then depends on arrival order, as cuDNN's own atomics-based wgrad does; under
+  ``torch.use_deterministic_algorithms(True)`` the backend never launches these (``deterministic_twin``);
 * ``pingpong``: KernelTmaWarpSpecializedPingpong (two consumer warp groups alternate over whole tiles), persistent
   scheduler (CUTLASS's ping-pong kernel static_asserts against the stream-K scheduler).
 
@@ -38,6 +44,7 @@ the GEMM's M).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Iterator, Optional
 
@@ -52,12 +59,20 @@ SCHEDULES: dict[str, tuple[str, str, str]] = {
                     "cutlass::epilogue::TmaWarpSpecializedCooperative", "cutlass::gemm::PersistentScheduler"),
     "cooperative_streamk": ("cutlass::gemm::KernelTmaWarpSpecializedCooperative",
                             "cutlass::epilogue::TmaWarpSpecializedCooperative", "cutlass::gemm::StreamKScheduler"),
+    "cooperative_streamk_nd": ("cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+                               "cutlass::epilogue::TmaWarpSpecializedCooperative", "cutlass::gemm::StreamKScheduler"),
     "pingpong": ("cutlass::gemm::KernelTmaWarpSpecializedPingpong",
                  "cutlass::epilogue::TmaWarpSpecialized", "cutlass::gemm::PersistentScheduler"),
 }
 
+#: The stream-K schedules' reduction order (PersistentTileSchedulerSm90StreamKParams::ReductionMode), and each
+#: nondeterministic schedule's deterministic twin (the same kernel, the peers' partials added in k order).
+STREAMK_REDUCTION: dict[str, str] = {"cooperative_streamk": "Deterministic", "cooperative_streamk_nd": "Nondeterministic"}
+DETERMINISTIC_TWIN: dict[str, str] = {"cooperative_streamk_nd": "cooperative_streamk"}
+
 #: warps recorded in KernelConfig.warps: the consumer warp groups' warps (the producer warp group comes on top)
-WARPS: dict[str, Shape3] = {"cooperative": (8, 1, 1), "cooperative_streamk": (8, 1, 1), "pingpong": (4, 1, 1)}
+WARPS: dict[str, Shape3] = {"cooperative": (8, 1, 1), "cooperative_streamk": (8, 1, 1), "cooperative_streamk_nd": (8, 1, 1),
+                            "pingpong": (4, 1, 1)}
 
 #: cutlass::gemm::collective::detail::sm90_smem_capacity_bytes
 SMEM_CAPACITY = 232448
@@ -75,7 +90,29 @@ MAX_ACC_PER_THREAD = 128
 
 def scheduler_splits(cfg: KernelConfig) -> bool:
     """Whether this config splits K at launch (the stream-K scheduler's split-k decomposition)."""
-    return cfg.schedule == "cooperative_streamk"
+    return cfg.schedule in STREAMK_REDUCTION
+
+
+def is_deterministic(cfg: KernelConfig) -> bool:
+    """Whether repeated launches on the same operands give bitwise the same output (every schedule but the
+    stream-K one with the nondeterministic reduction)."""
+    return cfg.schedule not in DETERMINISTIC_TWIN
+
+
+def deterministic_required() -> bool:
+    """Whether PyTorch was asked for deterministic algorithms (``torch.use_deterministic_algorithms(True)``); False
+    without torch (the CLI's planning on a machine without it)."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - torch is a dependency of every launching path
+        return False
+    return bool(torch.are_deterministic_algorithms_enabled())
+
+
+def deterministic_twin(cfg: KernelConfig) -> KernelConfig:
+    """`cfg` itself if it is deterministic, else the same kernel with the deterministic reduction order."""
+    twin = DETERMINISTIC_TWIN.get(cfg.schedule)
+    return cfg if twin is None else dataclasses.replace(cfg, schedule=twin)
 
 
 def consumer_threads(schedule: str) -> int:
@@ -112,7 +149,7 @@ def static_error(c: KernelConfig) -> Optional[str]:
     if c.element_acc is not DType.F32:
         return f"element_acc: the GEMM 1x1 family accumulates in f32, got {c.element_acc.value}"
     if c.split_k_mode is not SplitKMode.SERIAL:
-        return "split_k_mode: the GEMM 1x1 family splits K through its tile scheduler (schedule cooperative_streamk)"
+        return "split_k_mode: the GEMM 1x1 family splits K through its tile scheduler (the stream-K schedules)"
     if c.stride_support is not StrideSupport.UNITY:
         return "stride_support: the GEMM 1x1 family computes stride-1 convs only"
     for name, align, elem in (("align_a", c.align_a, c.element_a), ("align_b", c.align_b, c.element_b),
@@ -203,14 +240,16 @@ def generator_configs() -> tuple[tuple[Shape3, Shape3, str], ...]:
 
 @functools.lru_cache(maxsize=None)
 def tile_schedules() -> tuple[tuple[Shape3, str], ...]:
-    """(tile, schedule) pairs proposed: the generator's, plus EXTRA_TILES in every schedule (invalid ones are
-    dropped by static_error when the config is built)."""
+    """(tile, schedule) pairs proposed: the generator's (each stream-K one also with the nondeterministic
+    reduction), plus EXTRA_TILES in every schedule (invalid ones are dropped by static_error when the config is
+    built)."""
     try:
         gen = generator_configs()
     except Exception:  # pragma: no cover - a cutlass_library without this generator
         gen = (((128, 128, 64), (1, 1, 1), "cooperative"), ((128, 128, 64), (1, 1, 1), "cooperative_streamk"),
                ((128, 128, 64), (1, 1, 1), "pingpong"))
     pairs = {(t, s) for t, _, s in gen if t[2] * 2 == 128}
+    pairs |= {(t, nd) for t, s in pairs for nd, twin in DETERMINISTIC_TWIN.items() if s == twin}
     pairs |= {(t, s) for t in EXTRA_TILES for s in SCHEDULES}
     return tuple(sorted(pairs))
 
@@ -240,11 +279,16 @@ def gemm1x1_candidates(
     clusters: tuple[Shape3, ...] = CLUSTERS,
 ) -> Iterator[KernelConfig]:
     """Every config of the family that can implement `problem` (before compiling): (tile, schedule) x clusters,
-    pruned by the config rules. Nothing for problems the family cannot take (see `applicable`)."""
+    pruned by the config rules. Nothing for problems the family cannot take (see `applicable`). Under
+    ``torch.use_deterministic_algorithms(True)`` the nondeterministic stream-K reduction is not offered, so the
+    profiler never times (and records) a kernel the launch would not run."""
     if applicable(problem) is not None:
         return
+    deterministic = deterministic_required()
     for tile, schedule in tile_schedules():
         if tile_filter and not tile_filter(tile):
+            continue
+        if deterministic and schedule in DETERMINISTIC_TWIN:
             continue
         for cluster in clusters:
             try:

@@ -61,6 +61,10 @@ def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_
 #: move 2.4-3.5 TB/s, dense fp16 wgmma runs ~600 TF/s in practice).
 GEMM_TFLOPS = 600.0
 GEMM_DRAM_GBS = 3000.0
+#: The deterministic stream-K reduction adds a split tile's partials one peer after another (each waits for its
+#: predecessor's flag): ~0.65 us a link on the H200 (l1_1x1_64_64 wgrad, one 128x64 tile: 96 us over 132 peers,
+#: 43 us over 16 slices; benchmarks/h200/bench-splitk.json). The nondeterministic one adds them concurrently.
+FIXUP_CHAIN_US = 0.65
 
 
 def _gemm1x1_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int) -> float:
@@ -75,13 +79,15 @@ def _gemm1x1_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int)
     k_iters = math.ceil(k / tk)
     extra_us = 0.0
     bytes_ = problem.bytes_moved
+    deterministic = c.schedule != "cooperative_streamk_nd"
     if slices > 1:
         iters = math.ceil(tiles * slices / sms) * math.ceil(k_iters / slices)
         bytes_ += 2 * slices * m * n * 4
-    elif c.schedule == "cooperative_streamk" and tiles < sms:
+        extra_us += slices * FIXUP_CHAIN_US if deterministic else 1.0
+    elif c.schedule.startswith("cooperative_streamk") and tiles < sms:
         iters = math.ceil(tiles * k_iters / sms)  # stream-K: the reduction is shared out over idle SMs
         bytes_ += 2 * sms * tm * tn * 4  # partial tiles through the workspace
-        extra_us += 1.0
+        extra_us += (sms / tiles) * FIXUP_CHAIN_US if deterministic else 1.0
     else:
         iters = math.ceil(tiles / sms) * k_iters
     intensity = (tm * tn) / (tm + tn) / (128 * 256 / 384)  # tile reuse relative to a 128x256 tile

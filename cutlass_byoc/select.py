@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from typing import Optional
@@ -9,9 +10,10 @@ from typing import Optional
 from .config import KernelConfig, LaunchConfig
 from .cache import cache_root_path
 from .decisions import generation, lookup_decision
+from .gemm1x1 import deterministic_required
 from .heuristics import default_launch
 from .problem import ALIGNMENTS, Conv2dProblem
-from .types import DType, SourceKind
+from .types import DType, KernelFamily, SourceKind
 
 log = logging.getLogger("cutlass_byoc.select")
 
@@ -31,10 +33,27 @@ def choose(problem: Conv2dProblem, mode: SelectMode | str = SelectMode.CACHED) -
     Remembered per (problem, mode, cache root) until a decision is written or cleared in this process: choosing
     ranks every candidate and hashes the decision key, far too slow for each call of a training step."""
     mode = SelectMode(mode)
-    key = (problem, mode, cache_root_path(), generation())
+    deterministic = deterministic_required()
+    key = (problem, mode, cache_root_path(), generation(), deterministic)
     if key not in _chosen:
-        _chosen[key] = _choose(problem, mode)
+        _chosen[key] = honour_determinism(_choose(problem, mode), deterministic)
     return _chosen[key]
+
+
+def honour_determinism(launch: Optional[LaunchConfig], deterministic: bool) -> Optional[LaunchConfig]:
+    """`launch`, or under ``torch.use_deterministic_algorithms(True)`` (`deterministic`) its deterministic twin where
+    its kernel adds partial sums in arrival order (the GEMM family's nondeterministic stream-K reduction; a decision
+    recorded without the flag may hold one): the same tile, cluster and slices, the partials added in k order."""
+    if launch is None or not deterministic or launch.kernel.family is not KernelFamily.SM90_GEMM_1X1:
+        return launch
+    from .gemm1x1 import deterministic_twin  # noqa: PLC0415
+
+    twin = deterministic_twin(launch.kernel)
+    if twin == launch.kernel:
+        return launch
+    log.info("deterministic algorithms requested: %s runs as %s (stream-K partials added in k order)",
+             launch.kernel.name, twin.name)
+    return dataclasses.replace(launch, kernel=twin)
 
 
 def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
@@ -131,7 +150,7 @@ def choose_for_alignments(problem: Conv2dProblem, caps: Caps, launch: Optional[L
     or fixed-channels iterator tied to its alignment, a strided dgrad under 4-byte accesses, a TMA kernel), so
     otherwise the model's best among the 2.x candidates generated within `caps`. Remembered per (problem, caps,
     launch) like :func:`choose`."""
-    key = (problem, caps, launch, explicit, cache_root_path(), generation())
+    key = (problem, caps, launch, explicit, cache_root_path(), generation(), deterministic_required())
     if key not in _rechosen:
         _rechosen[key] = _choose_for_alignments(problem, caps, launch, explicit)
     return _rechosen[key]
@@ -142,7 +161,7 @@ def _choose_for_alignments(problem: Conv2dProblem, caps: Caps, launch: Optional[
     from .candidates import sm80_candidates  # noqa: PLC0415
     from .heuristics import rank  # noqa: PLC0415
 
-    tuned = launch if explicit else lookup_decision(problem)
+    tuned = launch if explicit else honour_determinism(lookup_decision(problem), deterministic_required())
     if tuned is None and problem.is_depthwise:  # only the depthwise family takes it: narrow the model's pick
         from .heuristics import default_launch  # noqa: PLC0415
 

@@ -145,7 +145,9 @@ def enumerate_kernels(problem: Conv2dProblem, arch: int = 90) -> tuple[list[Kern
 
 
 def launches_for(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS) -> list[tuple[float, LaunchConfig]]:
-    """(estimate, launch) for each slice count worth trying with `kernel`, best first."""
+    """(estimate, launch) for each slice count worth trying with `kernel`, best first; for a stream-K kernel its
+    own decomposition (one slice: the scheduler balances the k tiles over the SMs) always first, since the model
+    cannot rank it against fixed splits (its partials mostly stay in L2)."""
     out = []
     for s in launch_slices(problem, kernel, sms):
         if s > 1 and kernel.split_k_mode is SplitKMode.NONE:
@@ -153,7 +155,8 @@ def launches_for(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_S
         launch = LaunchConfig(kernel, s)
         if launch.reject_reason(problem) is None:
             out.append((estimate_us(problem, launch, sms), launch))
-    out.sort(key=lambda t: order_key(problem, t[0], kernel, t[1].name))
+    streamk = kernel.family is KernelFamily.SM90_GEMM_1X1 and kernel.splits_at_launch
+    out.sort(key=lambda t: (not (streamk and t[1].split_k_slices == 1), order_key(problem, t[0], kernel, t[1].name)))
     return out
 
 

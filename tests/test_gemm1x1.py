@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from cutlass_byoc.config import KernelConfig, LaunchConfig
-from cutlass_byoc.gemm1x1 import (CLUSTERS, SCHEDULES, applicable, gemm1x1_candidates, gemm1x1_config, generator_configs,
+from cutlass_byoc.gemm1x1 import (CLUSTERS, DETERMINISTIC_TWIN, SCHEDULES, applicable, deterministic_twin,
+                                  gemm1x1_candidates, gemm1x1_config, generator_configs, is_deterministic,
                                   tile_schedules)
 from cutlass_byoc.heuristics import estimate_us, rank
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
@@ -27,7 +28,7 @@ def p1x1(kind="fprop", n=32, c=256, hw=56, k=64, **kw) -> Conv2dProblem:
 # ------------------------------------------------------------------------------------------- candidates
 def test_generator_supplies_tiles_clusters_and_all_three_schedules():
     gen = generator_configs()
-    assert {s for _, _, s in gen} == set(SCHEDULES)
+    assert {s for _, _, s in gen} == set(SCHEDULES) - set(DETERMINISTIC_TWIN)  # the nd reduction is ours to add
     assert ((128, 128, 64), (2, 1, 1), "cooperative_streamk") in gen
     assert {cl for _, cl, _ in gen} | {(1, 1, 1)} == set(CLUSTERS)  # the generator's clusters, and none
     pairs = tile_schedules()
@@ -185,6 +186,61 @@ def test_wgrad_ranks_stream_k_splits():
     assert {l.split_k_slices for _, l in rank(p, [gemm1x1_config(p, schedule="pingpong")])} == {1}
 
 
+def test_nondeterministic_stream_k_twins():
+    """Every stream-K (tile, schedule) pair is also proposed with the nondeterministic reduction: the same kernel,
+    the peers' partials added as they arrive. Its deterministic twin differs in the schedule alone."""
+    pairs = set(tile_schedules())
+    streamk = {t for t, s in pairs if s == "cooperative_streamk"}
+    assert streamk and streamk == {t for t, s in pairs if s == "cooperative_streamk_nd"}
+    p = p1x1("wgrad", c=64, k=64)
+    nd = gemm1x1_config(p, (128, 64, 64), "cooperative_streamk_nd", (2, 1, 1))
+    assert nd.splits_at_launch and not is_deterministic(nd) and nd.name.endswith("_c2x1x1_cooperative_streamk_nd_sm90")
+    twin = deterministic_twin(nd)
+    assert is_deterministic(twin) and twin == dataclasses.replace(nd, schedule="cooperative_streamk")
+    assert deterministic_twin(twin) is twin
+    for sched in ("cooperative", "pingpong"):
+        assert is_deterministic(gemm1x1_config(p, schedule=sched))
+    assert LaunchConfig(nd, 64).reject_reason(p) is None
+
+
+def test_deterministic_algorithms_leave_the_nd_reduction_out():
+    """Under torch.use_deterministic_algorithms(True) the planner never offers (so the profiler never times) the
+    nondeterministic reduction, and a decision holding one launches its deterministic twin."""
+    torch = pytest.importorskip("torch")
+    from cutlass_byoc.select import honour_determinism  # noqa: PLC0415
+
+    p = p1x1("wgrad", c=64, k=64)
+    assert any(not is_deterministic(c) for c in gemm1x1_candidates(p))
+    nd = LaunchConfig(gemm1x1_config(p, (128, 64, 64), "cooperative_streamk_nd"), 16)
+    assert honour_determinism(nd, False) is nd
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert all(is_deterministic(c) for c in gemm1x1_candidates(p))
+        assert all(is_deterministic(k) for k in plan_problem(p, 8).kernels if k.family is KernelFamily.SM90_GEMM_1X1)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    twin = honour_determinism(nd, True)
+    assert twin.split_k_slices == 16 and twin.kernel == deterministic_twin(nd.kernel)
+    other = LaunchConfig(gemm1x1_config(p, (128, 64, 64), "pingpong"))
+    assert honour_determinism(other, True) is other and honour_determinism(None, True) is None
+
+
+def test_stream_k_model_and_plan():
+    """The model charges the deterministic reduction its chain of fixups (one peer after another: ~0.65 us each),
+    so with many peers per tile the nd reduction ranks first; the planner times a stream-K kernel's own
+    decomposition (one slice) first among its slice counts."""
+    p = p1x1("wgrad", c=64, k=64)  # one 128x64 output tile, 1568 k tiles
+    det = gemm1x1_config(p, (128, 64, 64), "cooperative_streamk")
+    nd = dataclasses.replace(det, schedule="cooperative_streamk_nd")
+    for slices in (1, 16, 64):
+        assert estimate_us(p, LaunchConfig(det, slices)) > estimate_us(p, LaunchConfig(nd, slices)) + 0.5 * slices * 0.65
+    from cutlass_byoc.profiler.plan import launches_for  # noqa: PLC0415
+
+    assert launches_for(p, nd)[0][1].split_k_slices == 1
+    sm80 = next(l for l in plan_problem(p, 8).candidates if l.launch.kernel.family is KernelFamily.SM80_IMPLICIT_GEMM)
+    assert sm80.launch.split_k_slices > 1  # 2.x kernels keep the model's order (their one slice is hopeless here)
+
+
 # ------------------------------------------------------------------------------------------- model and planner
 def test_memory_bound_estimate():
     """A 1x1 layer of few channels is bytes / ~3 TB/s (plus the launch), not flops / ~600 TF/s."""
@@ -230,6 +286,8 @@ def test_render_header_and_api():
 @pytest.mark.parametrize("schedule, kernel, epilogue, scheduler", [
     ("cooperative", "KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "PersistentScheduler"),
     ("cooperative_streamk", "KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "StreamKScheduler"),
+    ("cooperative_streamk_nd", "KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative",
+     "StreamKScheduler"),
     ("pingpong", "KernelTmaWarpSpecializedPingpong", "TmaWarpSpecialized", "PersistentScheduler"),
 ])
 def test_render_schedules(schedule, kernel, epilogue, scheduler):
@@ -239,6 +297,8 @@ def test_render_schedules(schedule, kernel, epilogue, scheduler):
     assert f"using TileScheduler = cutlass::gemm::{scheduler};" in src
     streamk = scheduler == "StreamKScheduler"
     assert ("Decomposition::SplitK" in src) == streamk
+    assert ("Reduction::Deterministic;" in src) == (schedule == "cooperative_streamk")
+    assert ("Reduction::Nondeterministic;" in src) == (schedule == "cooperative_streamk_nd")
     assert ("the {} schedule does not split K".format(schedule) in src) == (not streamk)
 
 

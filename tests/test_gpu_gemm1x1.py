@@ -3,7 +3,7 @@ float64 PyTorch reference, with every activation, bias and residual sources, 16-
 split-k launches. Fresh random inputs per test; every output is filled with NaN first, so an element the kernel fails
 to write shows up as an error.
 
-The module compiles 8 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
+The module compiles 10 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
 own), plus one 2.x kernel on demand (the misaligned-view fallback): run with ``CUTLASS_BYOC_TEST_CACHE_DIR``
 pointing at a cache to reuse them.
 """
@@ -40,8 +40,9 @@ def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1)):
     return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster)
 
 
-#: The 8 kernels of this module: the compile tests' three (one per kind and schedule) and five fprop kernels, one per
-#: remaining activation, spread over the schedules, tiles, clusters and output types.
+#: The 10 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
+#: remaining activation, spread over the schedules, tiles, clusters and output types, and two wgrad kernels with the
+#: nondeterministic stream-K reduction.
 KERNELS = {
     "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
     "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
@@ -51,6 +52,9 @@ KERNELS = {
     "silu": cfg("fprop", "bf16", "bf16", Activation.SILU, (256, 64, 64), "cooperative"),
     "hardswish": cfg("fprop", "f16", "f32", Activation.HARDSWISH, (128, 128, 64), "pingpong"),
     "sigmoid": cfg("fprop", "f16", "f16", Activation.SIGMOID, (128, 128, 64), "cooperative_streamk", (2, 1, 1)),
+    # the nondeterministic stream-K reduction (peers add their partials with atomics), 16-bit and fp32 outputs
+    "wgrad_nd": cfg("wgrad", "f16", "f16", Activation.IDENTITY, (128, 64, 64), "cooperative_streamk_nd"),
+    "wgrad_nd_f32": cfg("wgrad", "bf16", "f32", Activation.IDENTITY, (128, 128, 64), "cooperative_streamk_nd", (2, 1, 1)),
 }
 
 
@@ -130,6 +134,24 @@ def test_stream_k_and_split_k(name, source):
         out = check(p, name, seed=slices, slices=slices)
         again, _ = run(p, name, seed=slices, slices=slices)
         assert torch.equal(out, again), f"{slices} slices: two runs differ (reduction not deterministic?)"
+
+
+@pytest.mark.parametrize("name", ["wgrad_nd", "wgrad_nd_f32"])
+@pytest.mark.parametrize("source", [SourceKind.NONE, SourceKind.RESIDUAL], ids=lambda s: s.value)
+def test_nondeterministic_stream_k(name, source):
+    """The nondeterministic reduction on wgrad shapes where many peers share one output tile: ResNet-50's first 1x1
+    layer (64x64 filter over N*H*W = 100352: one 128x64 tile, every SM a peer), a 256x64 one, and a short reduction,
+    over the stream-K heuristic and split-k slice counts. Every element written once, the epilogue applied once;
+    repeated runs may differ only by the fp32 summation order's rounding."""
+    for shape, slice_counts in ((dict(n=32, hw=(56, 56), c=64, k=64), (1, 16, 64, 256)),
+                                (dict(n=32, hw=(56, 56), c=256, k=64), (1, 32)),
+                                (dict(n=3, hw=(7, 9), c=64, k=136), (1, 2, 3))):
+        p = problem_for(name, source, **shape)
+        for slices in slice_counts:
+            out = check(p, name, seed=slices, slices=slices)
+            again, ref = run(p, name, seed=slices, slices=slices)
+            drift = rel_err(again, out.double())
+            assert drift < TOLERANCE[p.element_out], f"{slices} slices: two runs {drift:.3e} apart"
 
 
 def test_refusals_through_ops():

@@ -137,3 +137,38 @@ def test_sm90_split_k_back_to_back_on_one_workspace():
     torch.cuda.synchronize()
     for (p, _, ref), out in zip(ins, outs):
         assert rel_err(out, ref) < TOLERANCE[DType.F16]
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+@pytest.mark.parametrize("slices", [1, 4])
+def test_sm90_split_k_stages(out, slices):
+    """The split-k launch in its two stages, to tell which one loses a 16-bit output: the wgrad kernel's fp32
+    partials in a NaN-poisoned workspace (their sum over the slices must be the float64 reference to fp32 accuracy,
+    every element written), then the reduction's output (the partials' sum cast once)."""
+    from cutlass_byoc.runtime import load_kernel  # noqa: PLC0415
+
+    p = problem(LAYERS[0], 32, out)
+    launch = LaunchConfig(split_config(p), slices)
+    lib = load_kernel(launch.kernel)
+    x, w, dy = operands(p, seed=5)
+    a, b = kernel_operands(p, x, w, dy)
+    ref = reference(p, x, w, dy)  # (K, C, R, S)
+    nbytes = lib.workspace_size(p, slices)
+    per_slice = p.k * p.r * p.s * p.c
+    assert nbytes >= slices * per_slice * 4, f"workspace {nbytes} bytes for {slices} slices of {per_slice} floats"
+    ws = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
+    got = poisoned_output(p)
+    lib.run(p, a=a.data_ptr(), b=b.data_ptr(), d=got.data_ptr(), split_k_slices=slices, workspace=ws.data_ptr(),
+            workspace_bytes=nbytes, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    parts = ws[: slices * per_slice].view(slices, p.k, p.r, p.s, p.c)
+    unwritten = int(torch.isnan(parts).sum())
+    assert unwritten == 0, f"kernel stage: {unwritten} of {parts.numel()} partials unwritten (NaN) with {out} output"
+    summed = parts.double().sum(0).permute(0, 3, 1, 2)  # KRSC -> (K, C, R, S)
+    err = float((summed - ref).norm() / ref.norm())
+    assert err < 1e-5, f"kernel stage: partials' sum off the reference by {err:.3e} with {out} output"
+    nan_out = int(torch.isnan(got).sum())
+    assert nan_out == 0, (f"reduction stage: {nan_out} of {got.numel()} outputs NaN with {out} output (first at "
+                          f"{torch.nonzero(torch.isnan(got.permute(0, 2, 3, 1).reshape(-1)))[:4].flatten().tolist()})")
+    err = rel_err(got, summed)
+    assert err < TOLERANCE[p.element_out], f"reduction stage: output off the partials' sum by {err:.3e}"
