@@ -39,6 +39,27 @@ OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), 
 FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated")] + [("chain_pool", 8, 32)]
 
 
+#: each GPU test module's kernels, by the module's name without test_gpu_ (for --modules)
+MODULE_KERNELS = {
+    "conv": lambda m: m.all_configs(), "splitk": lambda m: m.used_configs(), "sm90": lambda m: m._used_configs(),
+    "sm90_splitk": lambda m: m.used_configs(), "padding": lambda m: m.used_configs(),
+    "epilogues": lambda m: m.all_configs(), "gemm1x1": lambda m: list(m.KERNELS.values()),
+    "depthwise": lambda m: m.all_kernels(),
+}
+
+
+def module_kernels(names: list[str]) -> list[KernelConfig]:
+    """The kernels of the named GPU test modules (tests/test_gpu_<name>.py, see MODULE_KERNELS)."""
+    import importlib  # noqa: PLC0415
+
+    out: list[KernelConfig] = []
+    for name in names:
+        if name not in MODULE_KERNELS:
+            raise SystemExit(f"--modules: expected names among {sorted(MODULE_KERNELS)}, got {name!r}")
+        out += MODULE_KERNELS[name](importlib.import_module(f"test_gpu_{name}"))
+    return out
+
+
 def test_kernels() -> list[KernelConfig]:
     import test_gpu_conv  # noqa: PLC0415
     import test_gpu_depthwise  # noqa: PLC0415
@@ -146,6 +167,9 @@ def main() -> int:
     ap.add_argument("--inference", action="store_true")
     ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
+    ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
+                    help=f"also (alone: only) the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
+                         "the archive of a round that runs a few test modules and tunes a model")
     a = ap.parse_args()
     runs = [] if a.tests_only else OFFLOAD_RUNS
     if a.tune_model:
@@ -156,8 +180,12 @@ def main() -> int:
                                   + host_overhead_kernels()))
     elif a.depthwise:
         cfgs = list(dict.fromkeys(depthwise_kernels()))
+    elif a.modules:
+        cfgs = []
     else:
         cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels(runs)))
+    if a.modules:
+        cfgs = list(dict.fromkeys(cfgs + module_kernels(a.modules)))
     print(f"{len(cfgs)} kernels", flush=True)
     if a.list:
         for c in cfgs:
