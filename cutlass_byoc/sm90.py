@@ -108,13 +108,12 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
     )
 
 
-#: Which output types the planner and the default launch offer the project's 3.x split-k wgrad kernels for. On the
-#: H200 (2026-11-30, tests/test_gpu_sm90_splitk.py) every fp32-output case passed (5 layers, 1..64 slices, batch 32
-#: and 64, accumulate-into), and every 16-bit-output case left NaN in the output, even with one slice: the 16-bit
-#: variants must never be chosen until that is found and fixed. A config built explicitly (sm90_config(...,
-#: split_k_mode=PARALLEL)) still compiles and runs, for those tests. fp32 is what training under autocast asks of
-#: wgrad (fp32 gradients for fp32 master weights).
-SPLIT_K_OUTPUTS = frozenset({DType.F32})
+#: Which output types the planner and the default launch offer the project's 3.x split-k wgrad kernels for: every
+#: output type. On the H200 (2026-11-30) the 16-bit variants first left their whole output untouched: nvcc had
+#: compiled their reduction kernel (cutlass::AlignedArray<half_t, 4> filled from NumericArrayConverter) to no loads
+#: and no stores; with a plain aligned output vector converted element by element they store (the template's
+#: cb_splitk_reduce; tests/test_gpu_sm90_splitk.py checks both stages and every output type).
+SPLIT_K_OUTPUTS = frozenset({DType.F16, DType.BF16, DType.F32})
 
 
 def sm90_split_k_modes(problem: Conv2dProblem) -> tuple[SplitKMode, ...]:

@@ -150,12 +150,7 @@ def test_padded_fprop_bias_and_residual_pad_k():
     check(pr, lr, seed=7, source=res, ref_extra=res.double())
 
 
-F16_SPLIT_BROKEN = pytest.mark.xfail(
-    strict=True, reason="3.x split-k with a 16-bit output left NaN on the H200 (2026-11-30); not offered by the planner "
-                        "(sm90.SPLIT_K_OUTPUTS) until fixed")
-
-
-@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=F16_SPLIT_BROKEN), pytest.param(3, marks=F16_SPLIT_BROKEN)],
+@pytest.mark.parametrize("case", [0, 1, 2, 3],
                          ids=["odd_fprop_sm90", "odd_dgrad_sm90", "stem_wgrad_sm90_splitk", "odd_wgrad_sm90_splitk"])
 def test_padded_launches_on_sm90(case):
     p, launch = sm90_launches()[case]

@@ -25,9 +25,6 @@ from gpu_util import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.gpu
-F16_SPLIT_BROKEN = pytest.mark.xfail(
-    strict=True, reason="3.x split-k with a 16-bit output left NaN on the H200 (2026-11-30); not offered by the planner "
-                        "(sm90.SPLIT_K_OUTPUTS) until fixed")
 
 TILE = (64, 128, 64)
 SLICES = (1, 2, 3, 4, 7, 8, 16, 32, 64, 256)  # 3 and 7 leave uneven slices of the k tiles; the planner offers up to 256
@@ -64,7 +61,7 @@ def run(p: Conv2dProblem, launch: LaunchConfig, a, b, source=None):
     return out
 
 
-@pytest.mark.parametrize("out", [pytest.param("f16", marks=F16_SPLIT_BROKEN), "f32"])
+@pytest.mark.parametrize("out", ["f16", "f32"])
 @pytest.mark.parametrize("layer", LAYERS, ids=lambda l: f"{l[0]}to{l[1]}_{l[2]}x{l[2]}_s{l[3]}_{l[4]}")
 def test_sm90_wgrad_split_k(layer, out):
     errors = {}
@@ -92,7 +89,6 @@ def test_sm90_wgrad_split_k(layer, out):
         assert err <= 2 * errors[(batch, 1)] + floor, f"error grows with slices: {errors}"
 
 
-@F16_SPLIT_BROKEN
 def test_sm90_split_k_matches_the_unsplit_kernel_and_cluster():
     """The same problem on the plain sm90 kernel, the split kernel and the split kernel with a 2x1x1 cluster (whose
     CTA pair shares multicast loads, so both must walk the same k range)."""
@@ -106,7 +102,7 @@ def test_sm90_split_k_matches_the_unsplit_kernel_and_cluster():
         assert err < TOLERANCE[DType.F16], f"{launch.name}: {err:.3e}"
 
 
-@pytest.mark.parametrize("out", [pytest.param("f16", marks=F16_SPLIT_BROKEN), "f32"])
+@pytest.mark.parametrize("out", ["f16", "f32"])
 def test_sm90_split_k_accumulates_into(out):
     """accumulate_into (the residual source): dw = sum of slices + the existing gradient, applied by the reduction."""
     p = problem(LAYERS[2], 32, out, Epilogue(source=SourceKind.RESIDUAL))
@@ -120,7 +116,6 @@ def test_sm90_split_k_accumulates_into(out):
     assert rel_err(got, ref) < TOLERANCE[p.element_out]
 
 
-@F16_SPLIT_BROKEN
 def test_sm90_split_k_back_to_back_on_one_workspace():
     """Two split launches of different problems queued on one stream share ops' workspace: the second must not
     overwrite partials the first's reduction has not read (stream order guarantees it; this checks the wiring)."""
@@ -142,9 +137,10 @@ def test_sm90_split_k_back_to_back_on_one_workspace():
 @pytest.mark.parametrize("out", ["f16", "f32"])
 @pytest.mark.parametrize("slices", [1, 4])
 def test_sm90_split_k_stages(out, slices):
-    """The split-k launch in its two stages, to tell which one loses a 16-bit output: the wgrad kernel's fp32
-    partials in a NaN-poisoned workspace (their sum over the slices must be the float64 reference to fp32 accuracy,
-    every element written), then the reduction's output (the partials' sum cast once)."""
+    """The split-k launch in its two stages: the wgrad kernel's fp32 partials in a NaN-poisoned workspace (their sum
+    over the slices must be the float64 reference to fp32 accuracy, every element written), then the reduction's
+    output (the partials' sum cast once), and the same launch through ops. The 16-bit reduction once compiled to no
+    stores at all (its output stayed NaN while the partials were right)."""
     from cutlass_byoc.runtime import load_kernel  # noqa: PLC0415
 
     p = problem(LAYERS[0], 32, out)
@@ -166,9 +162,15 @@ def test_sm90_split_k_stages(out, slices):
     assert unwritten == 0, f"kernel stage: {unwritten} of {parts.numel()} partials unwritten (NaN) with {out} output"
     summed = parts.double().sum(0).permute(0, 3, 1, 2)  # KRSC -> (K, C, R, S)
     err = float((summed - ref).norm() / ref.norm())
-    assert err < 1e-5, f"kernel stage: partials' sum off the reference by {err:.3e} with {out} output"
+    # fp32 accumulation of 100352 fp16 products in wgmma: ~1e-4 relative on the H200 (the same for every output type)
+    assert err < 1e-3, f"kernel stage: partials' sum off the reference by {err:.3e} with {out} output"
     nan_out = int(torch.isnan(got).sum())
     assert nan_out == 0, (f"reduction stage: {nan_out} of {got.numel()} outputs NaN with {out} output (first at "
                           f"{torch.nonzero(torch.isnan(got.permute(0, 2, 3, 1).reshape(-1)))[:4].flatten().tolist()})")
     err = rel_err(got, summed)
     assert err < TOLERANCE[p.element_out], f"reduction stage: output off the partials' sum by {err:.3e}"
+    # the same launch through ops (its own workspace from the caching allocator, the prepared argument block)
+    again = run(p, launch, a, b)
+    nan_ops = int(torch.isnan(again).sum())
+    assert nan_ops == 0, f"ops.run_problem: {nan_ops} of {again.numel()} outputs NaN with {out} output"
+    assert torch.equal(again, got), f"ops.run_problem: output differs from the direct launch by {rel_err(again, got):.3e}"

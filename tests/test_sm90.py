@@ -358,15 +358,11 @@ def test_compile_one_split_k_wgrad_kernel(shared_cache):
     assert lib.can_implement(p, 64) is None
 
 
-def test_split_k_is_offered_only_for_outputs_it_computed_right_on_the_gpu():
-    """The project's 3.x split-k passed every fp32-output case on the H200 and left NaN for 16-bit outputs
-    (2026-11-30): the planner and the default launch never pick the 16-bit variants."""
-    from cutlass_byoc.heuristics import default_launch  # noqa: PLC0415
-
-    assert sm90_mod.SPLIT_K_OUTPUTS == {DType.F32}
-    p16 = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
-    assert all(c.split_k_mode is not SplitKMode.PARALLEL for c in sm90_candidates(p16))
-    launch = default_launch(p16)
-    assert not (launch.kernel.family.value == "sm90_tma_wgmma" and launch.kernel.split_k_mode is SplitKMode.PARALLEL)
-    p32 = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype="f32")
-    assert any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(p32))
+def test_split_k_is_offered_for_every_output_type():
+    """The project's 3.x split-k wgrad is a candidate for 16-bit and fp32 outputs alike (the 16-bit reduction was
+    fixed after it stored nothing on the H200), and never for fprop or dgrad."""
+    assert sm90_mod.SPLIT_K_OUTPUTS == {DType.F16, DType.BF16, DType.F32}
+    for out in ("f16", "bf16", "f32"):
+        p = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype=out)
+        assert any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(p)), out
+    assert not any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(problem("fprop", n=32, h=56, w=56, c=64, k=64)))
