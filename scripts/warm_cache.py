@@ -10,7 +10,10 @@ depthwise), and the kernels the offload
 partitioner chooses (compile-time select: decision cache, else heuristic) for the models and batch sizes of
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
 ``--depthwise``: the depthwise tests' and `tune depthwise` plan's kernels; ``--tune-model resnet50 --batch 32
---max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there.
+--max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there;
+``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels. The selectors add up (``--offload-only
+--tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
+the offload's kernels.
 """
 
 from __future__ import annotations
@@ -153,14 +156,14 @@ def main() -> int:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / ".kcache")
     ap.add_argument("--archive", type=Path, default=ROOT / ".kcache.tar.xz")
     ap.add_argument("--list", action="store_true", help="print the kernels and stop")
-    ap.add_argument("--offload-only", action="store_true", help="only the offload tests' and benchmark's kernels")
+    ap.add_argument("--offload-only", action="store_true", help="the offload tests' and benchmark's kernels")
     ap.add_argument("--tests-only", action="store_true",
-                    help="only the GPU test modules' kernels and the model-family tests' (no ResNet/MobileNet runs)")
+                    help="the GPU test modules' kernels and the model-family tests' (no ResNet/MobileNet runs)")
     ap.add_argument("--depthwise", action="store_true",
-                    help="only the depthwise GPU tests' kernels and those `cutlass-byoc tune depthwise` plans (so the "
+                    help="the depthwise GPU tests' kernels and those `cutlass-byoc tune depthwise` plans (so the "
                          "round's tune-depthwise step compiles nothing)")
     ap.add_argument("--tune-model", nargs="+", default=None, metavar="MODEL",
-                    help="only the kernels `cutlass-byoc tune --model MODEL` plans (resnet18, resnet50, mobilenet_v2 "
+                    help="the kernels `cutlass-byoc tune --model MODEL` plans (resnet18, resnet50, mobilenet_v2 "
                          "or pkg.module:factory), at --batch, training unless --inference, with --max-candidates, "
                          "and those of the offload benchmark's host-overhead problem")
     ap.add_argument("--batch", type=int, default=32)
@@ -168,24 +171,27 @@ def main() -> int:
     ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
-                    help=f"also (alone: only) the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
+                    help=f"the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
                          "the archive of a round that runs a few test modules and tunes a model")
     a = ap.parse_args()
-    runs = [] if a.tests_only else OFFLOAD_RUNS
+    # The selectors add up (one archive for a round's several steps); none of them: the tests' and the offload's.
+    cfgs: list[KernelConfig] = []
     if a.tune_model:
         from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
 
         mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
-        cfgs = list(dict.fromkeys(tune_model_kernels(a.tune_model, a.batch, not a.inference, mc)
-                                  + host_overhead_kernels()))
-    elif a.depthwise:
-        cfgs = list(dict.fromkeys(depthwise_kernels()))
-    elif a.modules:
-        cfgs = []
-    else:
-        cfgs = list(dict.fromkeys((test_kernels() if not a.offload_only else []) + offload_kernels(runs)))
+        cfgs += tune_model_kernels(a.tune_model, a.batch, not a.inference, mc) + host_overhead_kernels()
+    if a.depthwise:
+        cfgs += depthwise_kernels()
     if a.modules:
-        cfgs = list(dict.fromkeys(cfgs + module_kernels(a.modules)))
+        cfgs += module_kernels(a.modules)
+    if a.tests_only:
+        cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
+    if a.offload_only:
+        cfgs += offload_kernels(OFFLOAD_RUNS)
+    if not (a.tune_model or a.depthwise or a.modules or a.tests_only or a.offload_only):
+        cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
+    cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)
     if a.list:
         for c in cfgs:
