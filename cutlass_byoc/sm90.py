@@ -109,10 +109,12 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
 
 
 #: Which output types the planner and the default launch offer the project's 3.x split-k wgrad kernels for: every
-#: output type. On the H200 (2026-11-30) the 16-bit variants first left their whole output untouched: nvcc had
-#: compiled their reduction kernel (cutlass::AlignedArray<half_t, 4> filled from NumericArrayConverter) to no loads
-#: and no stores; with a plain aligned output vector converted element by element they store (the template's
-#: cb_splitk_reduce; tests/test_gpu_sm90_splitk.py checks both stages and every output type).
+#: output type. On the H200 (2026-11-30) the 16-bit variants first left their whole output untouched: nvcc 13.0 -O3
+#: had compiled their reduction kernel to no loads and no stores. The pattern was `auto o =
+#: NumericArrayConverter<half_t, float, 4>()(f);` then `out[j] = o[j]` into a cutlass::AlignedArray<half_t, 4>; a
+#: standalone kernel reproduces it, while converting element by element, or assigning the converter's result whole
+#: (as the depthwise template does), keeps them. The template's cb_splitk_reduce now converts element by element into
+#: a plain aligned struct; tests/test_gpu_sm90_splitk.py checks both stages and every output type on the GPU.
 SPLIT_K_OUTPUTS = frozenset({DType.F16, DType.BF16, DType.F32})
 
 
