@@ -79,12 +79,14 @@ def _gemm1x1_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int)
     k_iters = math.ceil(k / tk)
     extra_us = 0.0
     bytes_ = problem.bytes_moved
-    deterministic = c.schedule != "cooperative_streamk_nd"
+    from .gemm1x1 import is_deterministic, scheduler_splits  # noqa: PLC0415 - the family's rules live in its module
+
+    deterministic = is_deterministic(c)
     if slices > 1:
         iters = math.ceil(tiles * slices / sms) * math.ceil(k_iters / slices)
         bytes_ += 2 * slices * m * n * 4
         extra_us += slices * FIXUP_CHAIN_US if deterministic else 1.0
-    elif c.schedule.startswith("cooperative_streamk") and tiles < sms:
+    elif scheduler_splits(c) and tiles < sms:
         iters = math.ceil(tiles * k_iters / sms)  # stream-K: the reduction is shared out over idle SMs
         bytes_ += 2 * sms * tm * tn * 4  # partial tiles through the workspace
         extra_us += (sms / tiles) * FIXUP_CHAIN_US if deterministic else 1.0

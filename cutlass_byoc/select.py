@@ -30,8 +30,10 @@ _chosen: dict[tuple, Optional[LaunchConfig]] = {}
 def choose(problem: Conv2dProblem, mode: SelectMode | str = SelectMode.CACHED) -> Optional[LaunchConfig]:
     """The launch to use for `problem`, or None when no kernel of this project can compute it.
 
-    Remembered per (problem, mode, cache root) until a decision is written or cleared in this process: choosing
-    ranks every candidate and hashes the decision key, far too slow for each call of a training step."""
+    Remembered per (problem, mode, cache root, whether deterministic algorithms are requested) until a decision is
+    written or cleared in this process: choosing ranks every candidate and hashes the decision key, far too slow
+    for each call of a training step. The offload's call sites bind their launch at their first call: setting the
+    flag later does not change a site that has run."""
     mode = SelectMode(mode)
     deterministic = deterministic_required()
     key = (problem, mode, cache_root_path(), generation(), deterministic)
