@@ -11,7 +11,9 @@ partitioner chooses (compile-time select: decision cache, else heuristic) for th
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
 ``--depthwise``: the depthwise tests' and `tune depthwise` plan's kernels; ``--tune-model resnet50 --batch 32
 --max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there;
-``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels. The selectors add up (``--offload-only
+``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--workload default --archive
+.tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune step then times
+only, and says it was not a cold tune). The selectors add up (``--offload-only
 --tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
 the offload's kernels.
 """
@@ -94,6 +96,18 @@ def depthwise_kernels() -> list[KernelConfig]:
     return test_gpu_depthwise.all_kernels() + list(plan_workload(problems).kernels)
 
 
+def workload_kernels(name: str, max_candidates: int) -> list[KernelConfig]:
+    """The kernels `cutlass-byoc tune NAME --max-candidates K` plans for a named workload (its defaults: batch 32,
+    fp16, every kind): carried to the GPU round as .tune-cache.tar.xz, its tune step then only times."""
+    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
+    from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
+
+    problems = [getattr(item, "problem", item) for item in named_workload(name)]
+    kernels = list(plan_workload(problems, max_candidates=max_candidates).kernels)
+    print(f"tune {name}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
+    return kernels
+
+
 def _launch_kernels(model, batch: int, image: int, channels_last: bool, training: bool, what: str) -> list:
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
     from cutlass_byoc.select import choose  # noqa: PLC0415
@@ -166,6 +180,9 @@ def main() -> int:
                     help="the kernels `cutlass-byoc tune --model MODEL` plans (resnet18, resnet50, mobilenet_v2 "
                          "or pkg.module:factory), at --batch, training unless --inference, with --max-candidates, "
                          "and those of the offload benchmark's host-overhead problem")
+    ap.add_argument("--workload", nargs="+", default=None, metavar="NAME",
+                    help="the kernels `cutlass-byoc tune NAME` plans for these named workloads (default, depthwise, "
+                         "all) with --max-candidates; archive them as .tune-cache.tar.xz for the round's tune step")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--inference", action="store_true")
     ap.add_argument("--max-candidates", type=int, default=None)
@@ -175,12 +192,14 @@ def main() -> int:
                          "the archive of a round that runs a few test modules and tunes a model")
     a = ap.parse_args()
     # The selectors add up (one archive for a round's several steps); none of them: the tests' and the offload's.
+    from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
+
+    mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
     cfgs: list[KernelConfig] = []
     if a.tune_model:
-        from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
-
-        mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
         cfgs += tune_model_kernels(a.tune_model, a.batch, not a.inference, mc) + host_overhead_kernels()
+    for name in a.workload or []:
+        cfgs += workload_kernels(name, mc)
     if a.depthwise:
         cfgs += depthwise_kernels()
     if a.modules:
@@ -189,7 +208,7 @@ def main() -> int:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
         cfgs += offload_kernels(OFFLOAD_RUNS)
-    if not (a.tune_model or a.depthwise or a.modules or a.tests_only or a.offload_only):
+    if not (a.tune_model or a.workload or a.depthwise or a.modules or a.tests_only or a.offload_only):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)
