@@ -1,0 +1,58 @@
+"""scripts/warm_cache.py, the GPU round's kernel pre-compiler, in its listing mode (no compiling): each selector
+names the kernels of what it stands for, and selectors given together add up into one list without repeats."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="warm_cache traces models and imports the GPU test modules with PyTorch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def listed(*args: str) -> list[str]:
+    """The kernel names `warm_cache.py ARGS --list` prints (its `  cb_...` lines), in order."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "warm_cache.py"), *args, "--list"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = [line.strip() for line in out.stdout.splitlines() if line.startswith("  cb_")]
+    assert f"{len(names)} kernels" in out.stdout
+    return names
+
+
+def test_modules_name_their_test_kernels():
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import test_gpu_gemm1x1  # noqa: PLC0415
+        import test_gpu_sm90_splitk  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    gemm = listed("--modules", "gemm1x1")
+    assert gemm == [c.name for c in test_gpu_gemm1x1.KERNELS.values()]
+    split = listed("--modules", "sm90_splitk")
+    assert split == [c.name for c in test_gpu_sm90_splitk.used_configs()]
+    both = listed("--modules", "gemm1x1", "sm90_splitk")
+    assert both == list(dict.fromkeys(gemm + split))
+
+
+def test_workload_and_modules_add_up():
+    """`--workload default` is what `cutlass-byoc tune` plans (its default budget); with `--modules` the union."""
+    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
+    from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
+
+    problems = [item.problem for item in named_workload("default")]
+    planned = [k.name for k in plan_workload(problems).kernels]
+    work = listed("--workload", "default")
+    assert work == list(dict.fromkeys(planned)) and len(work) > 100
+    union = listed("--workload", "default", "--modules", "gemm1x1")
+    assert set(union) == set(work) | set(listed("--modules", "gemm1x1")) and len(union) == len(set(union))
+
+
+def test_unknown_module_is_named():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "warm_cache.py"), "--modules", "nope", "--list"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0 and "--modules" in (out.stderr + out.stdout) and "nope" in (out.stderr + out.stdout)
