@@ -44,13 +44,19 @@ OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), 
 FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated")] + [("chain_pool", 8, 32)]
 
 
-#: each GPU test module's kernels, by the module's name without test_gpu_ (for --modules)
+#: each GPU test module's kernels, by the module's name without test_gpu_ (--modules; all of them: --tests-only)
 MODULE_KERNELS = {
     "conv": lambda m: m.all_configs(), "splitk": lambda m: m.used_configs(), "sm90": lambda m: m._used_configs(),
     "sm90_splitk": lambda m: m.used_configs(), "padding": lambda m: m.used_configs(),
     "epilogues": lambda m: m.all_configs(), "gemm1x1": lambda m: list(m.KERNELS.values()),
-    "depthwise": lambda m: m.all_kernels(),
+    "tune": lambda m: list(_plan_kernels(m.PROBLEMS, 2)), "depthwise": lambda m: m.all_kernels(),
 }
+
+
+def _plan_kernels(problems, max_candidates: int):
+    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
+
+    return plan_workload(problems, max_candidates=max_candidates).kernels
 
 
 def module_kernels(names: list[str]) -> list[KernelConfig]:
@@ -66,44 +72,25 @@ def module_kernels(names: list[str]) -> list[KernelConfig]:
 
 
 def test_kernels() -> list[KernelConfig]:
-    import test_gpu_conv  # noqa: PLC0415
-    import test_gpu_depthwise  # noqa: PLC0415
-    import test_gpu_epilogues  # noqa: PLC0415
-    import test_gpu_gemm1x1  # noqa: PLC0415
-    import test_gpu_padding  # noqa: PLC0415
-    import test_gpu_sm90  # noqa: PLC0415
-    import test_gpu_sm90_splitk  # noqa: PLC0415
-    import test_gpu_splitk  # noqa: PLC0415
-    import test_gpu_tune  # noqa: PLC0415
-    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
-
-    cfgs = test_gpu_conv.all_configs() + test_gpu_splitk.used_configs() + test_gpu_sm90._used_configs()
-    cfgs += test_gpu_sm90_splitk.used_configs() + test_gpu_padding.used_configs()
-    cfgs += test_gpu_epilogues.all_configs() + list(test_gpu_gemm1x1.KERNELS.values())
-    cfgs += plan_workload(test_gpu_tune.PROBLEMS, max_candidates=2).kernels
-    cfgs += test_gpu_depthwise.all_kernels()
-    return cfgs
+    """Every GPU test module's kernels."""
+    return module_kernels(list(MODULE_KERNELS))
 
 
 def depthwise_kernels() -> list[KernelConfig]:
     """test_gpu_depthwise.py's kernels and the tune plan of the named workload `depthwise` (its defaults: batch 32,
     fp16, every kind, the default candidate budget), as `cutlass-byoc tune depthwise` makes it."""
-    import test_gpu_depthwise  # noqa: PLC0415
-    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
-    from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
 
-    problems = [getattr(item, "problem", item) for item in named_workload("depthwise")]
-    return test_gpu_depthwise.all_kernels() + list(plan_workload(problems).kernels)
+    return module_kernels(["depthwise"]) + workload_kernels("depthwise", DEFAULT_MAX_CANDIDATES)
 
 
 def workload_kernels(name: str, max_candidates: int) -> list[KernelConfig]:
     """The kernels `cutlass-byoc tune NAME --max-candidates K` plans for a named workload (its defaults: batch 32,
     fp16, every kind): carried to the GPU round as .tune-cache.tar.xz, its tune step then only times."""
-    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
     from cutlass_byoc.workloads import named_workload  # noqa: PLC0415
 
     problems = [getattr(item, "problem", item) for item in named_workload(name)]
-    kernels = list(plan_workload(problems, max_candidates=max_candidates).kernels)
+    kernels = list(_plan_kernels(problems, max_candidates))
     print(f"tune {name}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
     return kernels
 
@@ -131,14 +118,13 @@ def tune_model_kernels(models: list[str], batch: int, training: bool, max_candid
     from models import MODELS  # noqa: PLC0415
 
     from cutlass_byoc.offload.trace import load_model, model_problems  # noqa: PLC0415
-    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
 
     out: list[KernelConfig] = []
     for spec in models:
         torch.manual_seed(0)
         model = MODELS[spec]() if spec in MODELS else load_model(spec)
         problems, _ = model_problems(model, batch, training=training)
-        kernels = list(plan_workload(problems, max_candidates=max_candidates).kernels)
+        kernels = list(_plan_kernels(problems, max_candidates))
         print(f"tune --model {spec} --batch {batch}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
         out += kernels
     return out
