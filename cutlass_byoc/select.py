@@ -152,18 +152,19 @@ def choose_for_alignments(problem: Conv2dProblem, caps: Caps, launch: Optional[L
     or fixed-channels iterator tied to its alignment, a strided dgrad under 4-byte accesses, a TMA kernel), so
     otherwise the model's best among the 2.x candidates generated within `caps`. Remembered per (problem, caps,
     launch) like :func:`choose`."""
-    key = (problem, caps, launch, explicit, cache_root_path(), generation(), deterministic_required())
+    deterministic = deterministic_required()
+    key = (problem, caps, launch, explicit, cache_root_path(), generation(), deterministic)
     if key not in _rechosen:
-        _rechosen[key] = _choose_for_alignments(problem, caps, launch, explicit)
+        _rechosen[key] = _choose_for_alignments(problem, caps, launch, explicit, deterministic)
     return _rechosen[key]
 
 
 def _choose_for_alignments(problem: Conv2dProblem, caps: Caps, launch: Optional[LaunchConfig],
-                           explicit: bool) -> Optional[LaunchConfig]:
+                           explicit: bool, deterministic: bool) -> Optional[LaunchConfig]:
     from .candidates import sm80_candidates  # noqa: PLC0415
     from .heuristics import rank  # noqa: PLC0415
 
-    tuned = launch if explicit else honour_determinism(lookup_decision(problem), deterministic_required())
+    tuned = launch if explicit else honour_determinism(lookup_decision(problem), deterministic)
     if tuned is None and problem.is_depthwise:  # only the depthwise family takes it: narrow the model's pick
         from .heuristics import default_launch  # noqa: PLC0415
 
