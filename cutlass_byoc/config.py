@@ -71,6 +71,12 @@ class KernelConfig:
     # for source_kind 1) and an optional residual as C: D = act(alpha * acc + beta * residual + bias), all in fp32,
     # one rounding at the store. Serves SourceKind.BIAS_RESIDUAL and BIAS with a bias typed unlike the output.
     element_bias: Optional[DType] = None
+    # The GEMM family's lowering of a conv that is not a 1x1 GEMM (family SM90_GEMM_1X1 only; None elsewhere and then
+    # left out of to_dict, so every other kernel's source and cache key is unchanged). "im2col": a conv of few input
+    # channels (the RGB stem) as one GEMM over an explicit im2col matrix in the workspace (fprop, wgrad), or as a GEMM
+    # into fp32 columns that a col2im kernel sums into dx (dgrad); see gemm1x1.py. Filter size, stride, padding and
+    # dilation stay launch arguments.
+    lowering: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.element_bias is not None and not isinstance(self.element_bias, DType):
@@ -137,6 +143,8 @@ class KernelConfig:
             parts.append("c" + "x".join(map(str, self.cluster)) + (f"_{self.schedule}" if self.schedule else ""))
         if self.filter_rs:
             parts.append(f"f{self.filter_rs[0]}x{self.filter_rs[1]}")
+        if self.lowering:
+            parts.append(self.lowering)
         parts.append(f"sm{self.arch}")
         return "_".join(parts)
 
@@ -145,8 +153,9 @@ class KernelConfig:
         for f in _DEPTHWISE_ONLY:
             if d[f] is None:
                 del d[f]
-        if d["element_bias"] is None:  # omitted when unset: the JSON (and so the source) of other kernels is unchanged
-            del d["element_bias"]
+        for f in ("element_bias", "lowering"):  # omitted when unset: the JSON (and so the source) of other kernels is unchanged
+            if d[f] is None:
+                del d[f]
         return {k: (v.value if hasattr(v, "value") else (list(v) if isinstance(v, tuple) else v)) for k, v in d.items()}
 
     @classmethod
@@ -271,6 +280,8 @@ class KernelConfig:
             epi = min(64, m) * min(32, n) * 6 * self.element_kernel_out.nbytes + 1024  # TMA epilogue: <= 4 C + 2 D stages
             if self.stages * (self.smem_bytes // self.stages + 16) + epi > 232448:
                 return f"stages {self.stages}: mainloop + epilogue exceed the 227 KiB of shared memory of an sm90 CTA"
+        if self.lowering is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
+            return f"lowering: only the GEMM 1x1 family lowers convs (im2col), not {self.family.value}"
         if self.family is KernelFamily.SM90_GEMM_1X1:
             from .gemm1x1 import static_error  # noqa: PLC0415 - the family's rules live in its module
             return static_error(self)
@@ -428,7 +439,8 @@ class LaunchConfig:
             return None
         if self.split_k_slices > 1:
             k = self.kernel
-            if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+            if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1) and not k.lowering:
+                # (the im2col-lowered dgrad's GEMM is a plain one, whatever the conv's stride: its scheduler splits it)
                 return "split_k_slices: strided dgrad has no split-k"
             if k.split_k_mode is SplitKMode.SERIAL and k.family is not KernelFamily.SM90_GEMM_1X1:
                 # (The GEMM family's split-k is the stream-K scheduler's: fp32 partials in the workspace, reduced

@@ -40,6 +40,28 @@ registers (at most 128 per thread), plus narrow tiles for the memory-bound 1x1 l
 accumulation, f16/bf16/f32 output). Epilogue: act(alpha * acc + beta * C), C a residual or a per-output-channel
 bias read through a zero stride along M (as the sm90 conv family does); wgrad takes no bias (its output channel is
 the GEMM's M).
+
+**The im2col lowering** (``KernelConfig.lowering == "im2col"``) takes convs of few input channels (C not a multiple
+of 4: the RGB stem, 7x7 stride 2 over C=3), which the implicit-GEMM families can only run on narrow accesses or
+zero-padded to C=8 (a 392-long reduction for 147 real taps at the stem). With RSC = R*S*C taps per output pixel
+(c fastest) and Wp = w as [K, RSC] in rows padded to Kp (RSC rounded up to 8: 16-byte rows):
+
+=======  ============================================================  =========  =====  ========
+kind     what runs                                                     M          N      K (red.)
+=======  ============================================================  =========  =====  ========
+fprop    AT = im2col(x)^T [RSC, N*P*Q]; y = AT^T . Wp^T (full epilogue)  N*P*Q      K      RSC
+dgrad    TT = (dy . Wp)^T [RSC, N*P*Q] in fp32; dx = col2im(TT)          N*P*Q      RSC    K
+wgrad    dWp = dy^T . AT^T in fp32; dw = dWp[:, :RSC] cast               K          RSC    N*P*Q
+=======  ============================================================  =========  =====  ========
+
+The im2col and column matrices are transposed (one row per tap, the output pixels contiguous): the im2col kernel then
+writes, and col2im reads, consecutive pixels across a warp, and the GEMM takes them M-major (fprop), K-major (wgrad)
+or writes them M-major (dgrad), so their extent RSC needs no padding. The images are taken in chunks whose buffer,
+in the workspace, stays in L2 between the kernel that writes it and the one that reads it; wgrad accumulates the
+chunks' products in fp32 (beta = 1 after the first). The lowered configs' alignments are those of the conv's own
+operands: x and w are read element by element (the im2col, filter-padding and col2im kernels), dy and y move through
+TMA (16 bytes); its stride support is "strided" (any stride, padding and dilation). dgrad and wgrad take no
+epilogue source (their fp32 GEMM output is not the conv's output), dgrad no activation.
 """
 
 from __future__ import annotations
@@ -51,7 +73,7 @@ from typing import Callable, Iterator, Optional
 from .config import KernelConfig, Shape3
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem
-from .types import ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
+from .types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
 #: schedule -> (CUTLASS kernel schedule, epilogue schedule, tile scheduler)
 SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -86,6 +108,46 @@ CLUSTERS: tuple[Shape3, ...] = ((1, 1, 1), (2, 1, 1), (1, 2, 1))
 
 #: fp32 accumulator elements per consumer thread that fit without spilling
 MAX_ACC_PER_THREAD = 128
+
+
+#: The im2col lowering: the longest row R*S*C it takes (its im2col kernel assembles rows in shared memory), and
+#: the input channel counts it is for (those the implicit-GEMM kernels cannot read in 8-byte accesses or more).
+IM2COL = "im2col"
+IM2COL_MAX_RSC = 768
+
+
+def lowered_alignments(kind: ConvKind, element_out: DType) -> tuple[int, int, int]:
+    """(align_a, align_b, align_c) of an im2col-lowered config: TMA's 16 bytes for dy (A of dgrad and wgrad) and for
+    y (fprop's output, and its epilogue source); one element for what the lowering's own kernels read or write."""
+    if kind is ConvKind.FPROP:
+        return 1, 1, 16 // element_out.nbytes
+    return 8, 1, 1
+
+
+def im2col_row(problem: Conv2dProblem) -> int:
+    """Kp: R*S*C rounded up to 8 elements, the row pitch of the padded filter Wp (16-byte rows for TMA)."""
+    return -(-problem.r * problem.s * problem.c // 8) * 8
+
+
+def lowered_gemm_mnk(problem: Conv2dProblem) -> tuple[int, int, int]:
+    """The im2col-lowered GEMM's M, N and K (see the module docstring's second table)."""
+    p = problem
+    rows, rsc = p.n * p.p * p.q, p.r * p.s * p.c
+    return {ConvKind.FPROP: (rows, p.k, rsc), ConvKind.DGRAD: (rows, rsc, p.k), ConvKind.WGRAD: (p.k, rsc, rows)}[p.kind]
+
+
+def lowered_extra_bytes(problem: Conv2dProblem) -> int:
+    """Bytes the lowering moves on top of the conv's own: its im2col matrix (16-bit) or T (fp32) written and read
+    once (mostly in L2, chunked)."""
+    p = problem
+    elem = 4 if p.kind is ConvKind.DGRAD else p.element_a.nbytes
+    return 2 * p.n * p.p * p.q * p.r * p.s * p.c * elem
+
+
+def gemm_output(cfg: KernelConfig) -> DType:
+    """What the config's GEMM stores: the conv's output type, or fp32 for the lowered dgrad (columns for col2im)
+    and wgrad (the chunks' sum)."""
+    return DType.F32 if cfg.lowering is not None and cfg.kind is not ConvKind.FPROP else cfg.element_out
 
 
 def scheduler_splits(cfg: KernelConfig) -> bool:
@@ -150,12 +212,24 @@ def static_error(c: KernelConfig) -> Optional[str]:
         return f"element_acc: the GEMM 1x1 family accumulates in f32, got {c.element_acc.value}"
     if c.split_k_mode is not SplitKMode.SERIAL:
         return "split_k_mode: the GEMM 1x1 family splits K through its tile scheduler (the stream-K schedules)"
-    if c.stride_support is not StrideSupport.UNITY:
+    if c.lowering is not None:
+        if c.lowering != IM2COL:
+            return f"lowering: the GEMM 1x1 family lowers with {IM2COL!r}, got {c.lowering!r}"
+        if c.stride_support is not StrideSupport.STRIDED:
+            return "stride_support: an im2col-lowered kernel takes any stride (strided)"
+        if (c.align_a, c.align_b, c.align_c) != lowered_alignments(c.kind, c.element_out):
+            return (f"align: an im2col-lowered {c.kind.value} kernel has alignments "
+                    f"{lowered_alignments(c.kind, c.element_out)} (TMA rows of dy / y, element-wise x and w), "
+                    f"got {(c.align_a, c.align_b, c.align_c)}")
+        if c.kind is ConvKind.DGRAD and c.activation is not Activation.IDENTITY:
+            return "activation: the im2col-lowered dgrad sums fp32 columns after its GEMM; it applies no activation"
+    elif c.stride_support is not StrideSupport.UNITY:
         return "stride_support: the GEMM 1x1 family computes stride-1 convs only"
-    for name, align, elem in (("align_a", c.align_a, c.element_a), ("align_b", c.align_b, c.element_b),
-                              ("align_c", c.align_c, c.element_out)):
-        if align * elem.nbytes != 16:
-            return f"{name}: TMA moves 16-byte rows, got {align} x {elem.value}"
+    else:
+        for name, align, elem in (("align_a", c.align_a, c.element_a), ("align_b", c.align_b, c.element_b),
+                                  ("align_c", c.align_c, c.element_out)):
+            if align * elem.nbytes != 16:
+                return f"{name}: TMA moves 16-byte rows, got {align} x {elem.value}"
     m, n, k = c.tile
     coop = c.schedule.startswith("cooperative")
     if m % (128 if coop else 64) or not 64 <= m <= 256:
@@ -169,7 +243,7 @@ def static_error(c: KernelConfig) -> Optional[str]:
     if len(c.cluster) != 3 or c.cluster[2] != 1 or any(x not in (1, 2, 4) for x in c.cluster) \
             or c.cluster[0] * c.cluster[1] > 4:
         return f"cluster {c.cluster}: expected (1|2|4, 1|2|4, 1) with at most 4 CTAs"
-    smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(c.tile, c.element_out, c.schedule)
+    smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(c.tile, gemm_output(c), c.schedule)
     if smem > SMEM_CAPACITY:
         return f"stages {c.stages}: mainloop + epilogue need {smem} bytes of shared memory, past the {SMEM_CAPACITY} of an sm90 CTA"
     return None
@@ -178,6 +252,8 @@ def static_error(c: KernelConfig) -> Optional[str]:
 def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     """Why `c` cannot compute `p` beyond the rules every family shares (kind, types, groups, alignment); called
     from KernelConfig.reject_reason."""
+    if c.lowering is not None:
+        return im2col_reject_reason(p)
     if (p.r, p.s) != (1, 1):
         return f"filter: the GEMM 1x1 kernels need a 1x1 filter, got {p.r}x{p.s}"
     if p.stride_h != 1 or p.stride_w != 1:
@@ -190,21 +266,49 @@ def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     return None
 
 
+def _gemm_types_error(p: Conv2dProblem, who: str) -> Optional[str]:
+    """What the family's GEMMs take of every problem: 16-bit inputs, fp32 accumulation, no groups."""
+    if p.element_a.bits != 16:
+        return f"element_a: {who} is built for f16/bf16 inputs, got {p.element_a.value}"
+    if p.element_acc is not DType.F32:
+        return f"element_acc: {who} accumulates in f32, got {p.element_acc.value}"
+    if p.groups != 1:
+        return f"groups: {who} needs groups == 1, got {p.groups}"
+    return None
+
+
 def applicable(problem: Conv2dProblem) -> Optional[str]:
     """Why no config of the family can compute `problem` (checked before enumerating), or None."""
     p = problem
-    if p.element_a.bits != 16:
-        return f"element_a: the GEMM 1x1 family is built for f16/bf16 inputs, got {p.element_a.value}"
-    if p.element_acc is not DType.F32:
-        return f"element_acc: the GEMM 1x1 family accumulates in f32, got {p.element_acc.value}"
-    if p.groups != 1:
-        return f"groups: the GEMM 1x1 family needs groups == 1, got {p.groups}"
+    why = _gemm_types_error(p, "the GEMM 1x1 family")
+    if why:
+        return why
     if (p.r, p.s) != (1, 1) or p.stride_h != 1 or p.stride_w != 1 or p.pad_h or p.pad_w:
         return (f"not a 1x1 stride-1 unpadded conv (filter {p.r}x{p.s}, stride {p.stride_h}x{p.stride_w}, "
                 f"padding {p.pad_h}x{p.pad_w})")
     for name, extent, dt in zip(("A", "B", "output"), p.channel_dims, (p.element_a, p.element_b, p.element_out)):
         if (extent * dt.nbytes) % 16:
             return f"alignment: {name}'s channel extent {extent} ({dt.value}) is not a multiple of 16 bytes (TMA)"
+    return None
+
+
+def im2col_reject_reason(problem: Conv2dProblem) -> Optional[str]:
+    """Why the im2col lowering cannot (or is not meant to) compute `problem`, or None."""
+    p = problem
+    why = _gemm_types_error(p, "the im2col lowering")
+    if why:
+        return why
+    if (p.c * p.element_a.nbytes) % 8 == 0:
+        return (f"channels: the im2col lowering is for few input channels (C={p.c} reads in 8-byte accesses "
+                "or wider: the implicit-GEMM kernels take it directly)")
+    if p.r * p.s * p.c > IM2COL_MAX_RSC:
+        return f"filter: R*S*C = {p.r * p.s * p.c} is past the im2col lowering's {IM2COL_MAX_RSC}"
+    if (p.k * p.element_a.nbytes) % 16 or (p.kind is ConvKind.FPROP and (p.k * p.element_out.nbytes) % 16):
+        return f"alignment: the im2col lowering moves {'y' if p.kind is ConvKind.FPROP else 'dy'} by TMA: K={p.k} rows must be 16-byte multiples"
+    if p.kind is not ConvKind.FPROP and p.epilogue.source is not SourceKind.NONE:
+        return f"source: the im2col-lowered {p.kind.value} takes no epilogue source (its GEMM writes fp32 columns)"
+    if max(p.n * p.p * p.q, p.n * p.h * p.w) > 2**31 - 1:
+        return "size: N*P*Q or N*H*W past the im2col lowering's int32 pixel indices"
     return None
 
 
@@ -270,6 +374,43 @@ def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedu
         split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
         cluster=cluster, schedule=schedule,
     )
+
+
+def im2col_config(problem: Conv2dProblem, tile: Shape3 = (128, 64, 64), schedule: str = "cooperative",
+                  cluster: Shape3 = (1, 1, 1), swizzle: int = 1) -> KernelConfig:
+    """The im2col-lowered config of `problem` with this GEMM tile, schedule and cluster (raises ValueError if the
+    combination is invalid). The GEMM of dgrad and wgrad stores fp32, which sets its epilogue's shared memory."""
+    p = problem
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {sorted(SCHEDULES)}, got {schedule!r}")
+    gemm_out = p.element_out if p.kind is ConvKind.FPROP else DType.F32  # gemm_output() of the config
+    align_a, align_b, align_c = lowered_alignments(p.kind, p.element_out)
+    return KernelConfig(
+        family=KernelFamily.SM90_GEMM_1X1, kind=p.kind,
+        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
+        tile=tile, warps=WARPS[schedule], stages=stage_count(tile, p.element_a, gemm_out, schedule),
+        stride_support=StrideSupport.STRIDED, align_a=align_a, align_b=align_b, align_c=align_c,
+        split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
+        cluster=cluster, schedule=schedule, lowering=IM2COL,
+    )
+
+
+def im2col_candidates(problem: Conv2dProblem, clusters: tuple[Shape3, ...] = ((1, 1, 1),)) -> Iterator[KernelConfig]:
+    """Every im2col-lowered config for `problem` (nothing where the lowering does not apply): the family's (tile,
+    schedule) pairs, unclustered by default (the GEMMs are memory-bound: the im2col or T matrix streams once)."""
+    if im2col_reject_reason(problem) is not None:
+        return
+    deterministic = deterministic_required()
+    for tile, schedule in tile_schedules():
+        if deterministic and schedule in DETERMINISTIC_TWIN:
+            continue
+        for cluster in clusters:
+            try:
+                cfg = im2col_config(problem, tile, schedule, cluster)
+            except ValueError:
+                continue
+            if cfg.reject_reason(problem) is None:
+                yield cfg
 
 
 def gemm1x1_candidates(

@@ -73,13 +73,15 @@ def _gemm1x1_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int)
     GEMM must move at DRAM speed (plus fp32 partials through the workspace when the reduction is split)."""
     c = launch.kernel
     slices = launch.split_k_slices
-    m, n, k = problem.gemm_mnk
+    from .gemm1x1 import (is_deterministic, lowered_extra_bytes, lowered_gemm_mnk,  # noqa: PLC0415 - the family's
+                          scheduler_splits)  # rules live in its module
+
+    m, n, k = lowered_gemm_mnk(problem) if c.lowering else problem.gemm_mnk
     tm, tn, tk = c.tile
     tiles = math.ceil(m / tm) * math.ceil(n / tn)
     k_iters = math.ceil(k / tk)
     extra_us = 0.0
-    bytes_ = problem.bytes_moved
-    from .gemm1x1 import is_deterministic, scheduler_splits  # noqa: PLC0415 - the family's rules live in its module
+    bytes_ = problem.bytes_moved + (lowered_extra_bytes(problem) if c.lowering else 0)
 
     deterministic = is_deterministic(c)
     if slices > 1:

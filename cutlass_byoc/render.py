@@ -59,11 +59,11 @@ def render(config: KernelConfig, compile_command: str) -> str:
     items = [(k, v) for k, v in config.to_dict().items() if v is not None]
     extra = {}
     if config.family is KernelFamily.SM90_GEMM_1X1:
-        from .gemm1x1 import SCHEDULES, STREAMK_REDUCTION  # noqa: PLC0415
+        from .gemm1x1 import IM2COL_MAX_RSC, SCHEDULES, STREAMK_REDUCTION  # noqa: PLC0415
 
         kernel_schedule, epilogue_schedule, tile_scheduler = SCHEDULES[config.schedule]
         extra = dict(kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule, tile_scheduler=tile_scheduler,
-                     reduction_mode=STREAMK_REDUCTION.get(config.schedule))
+                     reduction_mode=STREAMK_REDUCTION.get(config.schedule), max_rsc=IM2COL_MAX_RSC)
     return tmpl.render(
         c=config,
         version=__version__,

@@ -200,8 +200,34 @@ def plan_problem(
                     l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k)
                     us += padding_cost_us(problem, l)
                 cands.append(Candidate(l, us))
+    lowered, n_lowered = _im2col_candidates(problem, max(2, max_candidates // 2), arch, sms, slices_per_kernel)
+    cands += lowered
+    n_valid += n_lowered
     cands.sort(key=lambda c: (c.estimate_us, c.name))
     return ProblemPlan(problem, tuple(cands), n_valid, tuple(pruned))
+
+
+def _im2col_candidates(problem: Conv2dProblem, budget: int, arch: int, sms: int,
+                       slices_per_kernel: int) -> tuple[list[Candidate], int]:
+    """The im2col-lowered GEMM kernels of a conv of few input channels (`gemm1x1.im2col_candidates`; none for other
+    problems), with a budget of their own on top of the problem's: like a channel-padded launch, the lowering is a
+    different computation of the same conv, which the model cannot rank against the implicit-GEMM kernels, so the
+    profiler always times its best few against them. Returns the candidates and the number of valid kernels."""
+    try:
+        from ..gemm1x1 import im2col_candidates  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - the GEMM family is optional, like sm90
+        return [], 0
+    ranked = []
+    for kc in im2col_candidates(problem):
+        if kc.arch != arch:
+            kc = dataclasses.replace(kc, arch=arch)
+        launches = launches_for(problem, kc, sms)
+        if launches:
+            ranked.append((launches[0][0], kc, launches))
+    ranked.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
+    out = [Candidate(l, us) for _, _, launches in _spread_over_tiles(ranked)[:budget]
+           for us, l in launches[:slices_per_kernel]]
+    return out, len(ranked)
 
 
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:

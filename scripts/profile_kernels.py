@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.gemm1x1 import im2col_candidates  # noqa: PLC0415
     from cutlass_byoc.profiler.plan import enumerate_kernels, launches_for  # noqa: PLC0415
     from cutlass_byoc.ops import run_problem  # noqa: PLC0415
     from cutlass_byoc.profiler.verify import cudnn_fn  # noqa: PLC0415
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     for item in items:
         p = item.problem
         valid, _ = enumerate_kernels(p, 90)
+        valid += list(im2col_candidates(p))  # the GEMM family's im2col lowering (planned on a budget of its own)
         launches = []
         if a.decided:
             from cutlass_byoc.select import choose  # noqa: PLC0415

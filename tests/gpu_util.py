@@ -99,3 +99,27 @@ def rel_err(out, ref) -> float:
     if torch.isnan(out).any():
         return float("nan")
     return float((out - ref).norm() / ref.norm())
+
+
+def epilogue_case(problem: Conv2dProblem, seed: int, source_scale: float = 1.0):
+    """(A, B, source, float64 reference) of `problem` with its epilogue: fresh operands, a random bias (one value per
+    output channel) or residual (output-shaped, channels_last) in the output type as the problem's source asks,
+    added to the reference, and the activation applied to it."""
+    from cutlass_byoc.ops import _apply_activation  # noqa: PLC0415
+    from cutlass_byoc.types import SourceKind  # noqa: PLC0415
+
+    x, w, dy = operands(problem, seed)
+    a, b = kernel_operands(problem, x, w, dy)
+    ref = reference(problem, x, w, dy)
+    source = None
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    out_t = TORCH[problem.element_out]
+    if problem.epilogue.source is SourceKind.BIAS:
+        source = (torch.randn(ref.shape[1], device="cuda", generator=gen) * source_scale).to(out_t)
+        ref = ref + source.double().view(1, -1, 1, 1)
+    elif problem.epilogue.source is SourceKind.RESIDUAL:
+        source = (torch.randn(ref.shape, device="cuda", generator=gen) * source_scale).to(out_t).contiguous(
+            memory_format=torch.channels_last)
+        ref = ref + source.double()
+    return a, b, source, _apply_activation(ref, problem.epilogue.activation)
+

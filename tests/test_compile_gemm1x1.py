@@ -32,11 +32,17 @@ def built(shared_cache):
     return build([cfg for _, cfg in KERNELS.values()], cache=shared_cache)
 
 
-def _raw_can_implement(lib: KernelLibrary, problem: Conv2dProblem, slices: int = 1, source_kind=None) -> str:
-    """The C side's own answer (KernelLibrary.can_implement asks the Python rules first)."""
-    args = make_args(problem, slices, 0x10000, 0x20000, 0x30000, 0x40000 if problem.epilogue.source.value != "none" else 0)
+def _raw_can_implement(lib: KernelLibrary, problem: Conv2dProblem, slices: int = 1, source_kind=None, fields=None,
+                       **ptrs) -> str:
+    """The C side's own answer (KernelLibrary.can_implement asks the Python rules first); `fields` overrides
+    arguments of the struct, `ptrs` the addresses (a, b, d, source). Shared with tests/test_compile_im2col.py."""
+    p = dict(a=0x10000, b=0x20000, d=0x30000, source=0x40000 if problem.epilogue.source.value != "none" else 0)
+    p.update(ptrs)
+    args = make_args(problem, slices, p["a"], p["b"], p["d"], p["source"])
     if source_kind is not None:
         args.source_kind = source_kind
+    for name, value in (fields or {}).items():
+        setattr(args, name, value)
     msg = ctypes.create_string_buffer(512)
     rc = lib._lib.cb_can_implement(ctypes.byref(args), msg, len(msg))
     return "" if rc == 0 else msg.value.decode()

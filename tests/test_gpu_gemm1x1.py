@@ -23,7 +23,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, TORCH, kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
+    TOLERANCE, epilogue_case, module_kernels, operands, poisoned_output, reference, rel_err,
 )
 from test_compile_gemm1x1 import KERNELS as COMPILE_KERNELS  # noqa: E402
 
@@ -71,20 +71,7 @@ def problem_for(name, source=SourceKind.NONE, **kw) -> Conv2dProblem:
 
 def run(p: Conv2dProblem, name: str, seed: int, slices: int = 1, source_scale: float = 1.0):
     """(out, float64 reference) of `p` on kernel `name`, epilogue included."""
-    x, w, dy = operands(p, seed)
-    a, b = kernel_operands(p, x, w, dy)
-    ref = reference(p, x, w, dy)
-    source = None
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    out_t = TORCH[p.element_out]
-    if p.epilogue.source is SourceKind.BIAS:
-        source = (torch.randn(ref.shape[1], device="cuda", generator=gen) * source_scale).to(out_t)
-        ref = ref + source.double().view(1, -1, 1, 1)
-    elif p.epilogue.source is SourceKind.RESIDUAL:
-        source = (torch.randn(ref.shape, device="cuda", generator=gen) * source_scale).to(out_t).contiguous(
-            memory_format=torch.channels_last)
-        ref = ref + source.double()
-    ref = ops._apply_activation(ref, p.epilogue.activation)
+    a, b, source, ref = epilogue_case(p, seed, source_scale)
     out = poisoned_output(p)
     ops.run_problem(p, a, b, out, source, config=LaunchConfig(KERNELS[name], slices))
     torch.cuda.synchronize()

@@ -23,7 +23,9 @@ def test_default_workload_plan_fits_budget(workload_plan):
     assert len(workload_plan.plans) == 48
     for pp in workload_plan.plans:
         assert pp.candidates, pp.problem.name
-        assert len(pp.kernels) <= 8
+        lowered = [k for k in pp.kernels if k.lowering]  # the stem's im2col lowering: a budget of its own (4 of 8)
+        assert len(pp.kernels) - len(lowered) <= 8 and len(lowered) <= 4
+        assert not lowered or (pp.problem.c, pp.problem.r) == (3, 7)
         for c in pp.candidates:  # everything planned can implement its problem
             assert c.launch.reject_reason(pp.problem) is None, (pp.problem.name, c.name)
     # kernels are keyed by config and shared across problems: far fewer than 48 x 8
@@ -134,9 +136,12 @@ def test_narrow_strided_dgrad_is_planned_as_padded_launches_of_the_users_problem
     p = Conv2dProblem.make("dgrad", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
     pp = plan_problem(p, 4)
     assert pp.problem == p and pp.candidates
-    # no strided-dgrad kernel reads C=3 (2-byte accesses): every launch pads C, to 4 or to 8
-    assert {c.launch.pad_c for c in pp.candidates} == {4, 8}
+    # no strided-dgrad kernel reads C=3 (2-byte accesses): every implicit-GEMM launch pads C, to 4 or to 8; the
+    # im2col lowering (its own budget) reads the user's C=3 itself
+    implicit = [c for c in pp.candidates if not c.launch.kernel.lowering]
+    assert {c.launch.pad_c for c in implicit} == {4, 8}
     assert all(c.launch.pad_k == 1 and c.launch.reject_reason(p) is None for c in pp.candidates)
+    assert all(not c.launch.padded for c in pp.candidates if c.launch.kernel.lowering)
 
 
 def test_memory_bound_ties_spread_over_tile_shapes():
