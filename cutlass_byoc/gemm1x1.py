@@ -56,8 +56,8 @@ wgrad    dWp = dy^T . AT^T in fp32; dw = dWp[:, :RSC] cast               K      
 
 The im2col and column matrices are transposed (one row per tap, the output pixels contiguous): the im2col kernel then
 writes, and col2im reads, consecutive pixels across a warp, and the GEMM takes them M-major (fprop), K-major (wgrad)
-or writes them M-major (dgrad), so their extent RSC needs no padding. The images are taken in chunks whose buffer,
-in the workspace, stays in L2 between the kernel that writes it and the one that reads it; wgrad accumulates the
+or writes them M-major (dgrad), so their extent RSC needs no padding. The images are taken in chunks of at most 64 MiB of
+that matrix (the workspace's bound; smaller chunks, kept in L2, ran slower on the H200); wgrad accumulates the
 chunks' products in fp32 (beta = 1 after the first). The lowered configs' alignments are those of the conv's own
 operands: x and w are read element by element (the im2col, filter-padding and col2im kernels), dy and y move through
 TMA (16 bytes); its stride support is "strided" (any stride, padding and dilation). dgrad and wgrad take no

@@ -106,10 +106,9 @@ def test_shapes(name, shape):
 
 @pytest.mark.parametrize("name", ["fprop", "dgrad", "wgrad", "wgrad_nd_f32"])
 def test_batches_of_several_chunks(name):
-    """The stem at batch 13, 224x224: fprop and wgrad take 6 images per 24 MiB chunk of im2col rows (3 chunks, the
-    last of one image), dgrad 3 per chunk of fp32 columns (5 chunks, the last of one); wgrad adds the chunks' sums in
-    fp32."""
-    check(problem_for(name, n=13, hw=(224, 224)), name, seed=hash(("chunks", name)) % 2**31)
+    """The stem at batch 40, 224x224: fprop and wgrad take 17 images per 64 MiB chunk of im2col rows (3 chunks, the
+    last of 6 images), dgrad 8 per chunk of fp32 columns (5 chunks); wgrad adds the chunks' sums in fp32."""
+    check(problem_for(name, n=40, hw=(224, 224)), name, seed=hash(("chunks", name)) % 2**31)
 
 
 @pytest.mark.parametrize("name,slices", [("wgrad", 4), ("wgrad_nd_f32", 16), ("dgrad_bf16", 3)])
