@@ -27,8 +27,9 @@ def instruction_shape_for(math: MathOp) -> Shape3:
     return (16, 8, 8) if math is MathOp.TF32 else (16, 8, 16)
 
 
-#: Fields only the depthwise family sets; left out of to_dict when None (the other families' JSON predates them).
-_DEPTHWISE_ONLY = ("conv_stride", "halo_smem", "min_blocks")
+#: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
+#: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
+_OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "element_bias", "lowering")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +151,7 @@ class KernelConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for f in _DEPTHWISE_ONLY:
-            if d[f] is None:
-                del d[f]
-        for f in ("element_bias", "lowering"):  # omitted when unset: the JSON (and so the source) of other kernels is unchanged
+        for f in _OMITTED_WHEN_NONE:
             if d[f] is None:
                 del d[f]
         return {k: (v.value if hasattr(v, "value") else (list(v) if isinstance(v, tuple) else v)) for k, v in d.items()}
@@ -439,8 +437,9 @@ class LaunchConfig:
             return None
         if self.split_k_slices > 1:
             k = self.kernel
-            if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1) and not k.lowering:
-                # (the im2col-lowered dgrad's GEMM is a plain one, whatever the conv's stride: its scheduler splits it)
+            if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1) \
+                    and k.family is KernelFamily.SM80_IMPLICIT_GEMM:
+                # CUTLASS 2.x's strided dgrad; the GEMM family's lowered dgrad splits its plain GEMM whatever the stride
                 return "split_k_slices: strided dgrad has no split-k"
             if k.split_k_mode is SplitKMode.SERIAL and k.family is not KernelFamily.SM90_GEMM_1X1:
                 # (The GEMM family's split-k is the stream-K scheduler's: fp32 partials in the workspace, reduced

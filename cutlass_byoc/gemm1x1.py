@@ -110,8 +110,8 @@ CLUSTERS: tuple[Shape3, ...] = ((1, 1, 1), (2, 1, 1), (1, 2, 1))
 MAX_ACC_PER_THREAD = 128
 
 
-#: The im2col lowering: the longest row R*S*C it takes (its im2col kernel assembles rows in shared memory), and
-#: the input channel counts it is for (those the implicit-GEMM kernels cannot read in 8-byte accesses or more).
+#: The im2col lowering, and the most taps R*S*C per output pixel it takes (its im2col matrix is R*S*C/(u*v) times
+#: the input: the lowering is for small filters over few channels; the bound is also the kernels' own, cb_can_implement).
 IM2COL = "im2col"
 IM2COL_MAX_RSC = 768
 
@@ -122,11 +122,6 @@ def lowered_alignments(kind: ConvKind, element_out: DType) -> tuple[int, int, in
     if kind is ConvKind.FPROP:
         return 1, 1, 16 // element_out.nbytes
     return 8, 1, 1
-
-
-def im2col_row(problem: Conv2dProblem) -> int:
-    """Kp: R*S*C rounded up to 8 elements, the row pitch of the padded filter Wp (16-byte rows for TMA)."""
-    return -(-problem.r * problem.s * problem.c // 8) * 8
 
 
 def lowered_gemm_mnk(problem: Conv2dProblem) -> tuple[int, int, int]:
@@ -144,10 +139,15 @@ def lowered_extra_bytes(problem: Conv2dProblem) -> int:
     return 2 * p.n * p.p * p.q * p.r * p.s * p.c * elem
 
 
-def gemm_output(cfg: KernelConfig) -> DType:
-    """What the config's GEMM stores: the conv's output type, or fp32 for the lowered dgrad (columns for col2im)
+def _gemm_store_type(kind: ConvKind, element_out: DType, lowering: Optional[str]) -> DType:
+    """What a config's GEMM stores: the conv's output type, or fp32 for the lowered dgrad (columns for col2im)
     and wgrad (the chunks' sum)."""
-    return DType.F32 if cfg.lowering is not None and cfg.kind is not ConvKind.FPROP else cfg.element_out
+    return DType.F32 if lowering is not None and kind is not ConvKind.FPROP else element_out
+
+
+def gemm_output(cfg: KernelConfig) -> DType:
+    """What the config's GEMM stores (see _gemm_store_type)."""
+    return _gemm_store_type(cfg.kind, cfg.element_out, cfg.lowering)
 
 
 def scheduler_splits(cfg: KernelConfig) -> bool:
@@ -307,8 +307,8 @@ def im2col_reject_reason(problem: Conv2dProblem) -> Optional[str]:
         return f"alignment: the im2col lowering moves {'y' if p.kind is ConvKind.FPROP else 'dy'} by TMA: K={p.k} rows must be 16-byte multiples"
     if p.kind is not ConvKind.FPROP and p.epilogue.source is not SourceKind.NONE:
         return f"source: the im2col-lowered {p.kind.value} takes no epilogue source (its GEMM writes fp32 columns)"
-    if max(p.n * p.p * p.q, p.n * p.h * p.w) > 2**31 - 1:
-        return "size: N*P*Q or N*H*W past the im2col lowering's int32 pixel indices"
+    if max(p.n * p.p * p.q, p.n * p.h * p.w) > (2**31 - 1) // 2:  # the kernels' cb_can_implement bound
+        return "size: N*P*Q or N*H*W past the im2col lowering's int32 pixel indices (at most 2^30 - 1)"
     return None
 
 
@@ -358,41 +358,61 @@ def tile_schedules() -> tuple[tuple[Shape3, str], ...]:
     return tuple(sorted(pairs))
 
 
+def _config(problem: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3, swizzle: int,
+            lowering: Optional[str]) -> KernelConfig:
+    """The family's config of `problem` (plain, or lowered with `lowering`); raises ValueError if invalid."""
+    p = problem
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if lowering is None:
+        aligns = (16 // p.element_a.nbytes, 16 // p.element_b.nbytes, 16 // p.element_out.nbytes)
+        stride_support = StrideSupport.UNITY
+    else:
+        aligns = lowered_alignments(p.kind, p.element_out)
+        stride_support = StrideSupport.STRIDED
+    stages = stage_count(tile, p.element_a, _gemm_store_type(p.kind, p.element_out, lowering), schedule)
+    return KernelConfig(
+        family=KernelFamily.SM90_GEMM_1X1, kind=p.kind,
+        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
+        tile=tile, warps=WARPS[schedule], stages=stages, stride_support=stride_support,
+        align_a=aligns[0], align_b=aligns[1], align_c=aligns[2],
+        split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
+        cluster=cluster, schedule=schedule, lowering=lowering,
+    )
+
+
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",
                    cluster: Shape3 = (1, 1, 1), swizzle: int = 1) -> KernelConfig:
     """The config of `problem` with this tile, schedule and cluster (16-byte alignments; raises ValueError if
     the combination is invalid). `swizzle` is the tile scheduler's max_swizzle_size."""
-    p = problem
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {sorted(SCHEDULES)}, got {schedule!r}")
-    return KernelConfig(
-        family=KernelFamily.SM90_GEMM_1X1, kind=p.kind,
-        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
-        tile=tile, warps=WARPS[schedule], stages=stage_count(tile, p.element_a, p.element_out, schedule),
-        stride_support=StrideSupport.UNITY,
-        align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // p.element_out.nbytes,
-        split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
-        cluster=cluster, schedule=schedule,
-    )
+    return _config(problem, tile, schedule, cluster, swizzle, None)
 
 
 def im2col_config(problem: Conv2dProblem, tile: Shape3 = (128, 64, 64), schedule: str = "cooperative",
                   cluster: Shape3 = (1, 1, 1), swizzle: int = 1) -> KernelConfig:
     """The im2col-lowered config of `problem` with this GEMM tile, schedule and cluster (raises ValueError if the
     combination is invalid). The GEMM of dgrad and wgrad stores fp32, which sets its epilogue's shared memory."""
-    p = problem
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {sorted(SCHEDULES)}, got {schedule!r}")
-    gemm_out = p.element_out if p.kind is ConvKind.FPROP else DType.F32  # gemm_output() of the config
-    align_a, align_b, align_c = lowered_alignments(p.kind, p.element_out)
-    return KernelConfig(
-        family=KernelFamily.SM90_GEMM_1X1, kind=p.kind,
-        element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
-        tile=tile, warps=WARPS[schedule], stages=stage_count(tile, p.element_a, gemm_out, schedule),
-        stride_support=StrideSupport.STRIDED, align_a=align_a, align_b=align_b, align_c=align_c,
-        split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
-        cluster=cluster, schedule=schedule, lowering=IM2COL,
-    )
+    return _config(problem, tile, schedule, cluster, swizzle, IM2COL)
+
+
+def _candidates(problem: Conv2dProblem, make: Callable[..., KernelConfig], clusters: tuple[Shape3, ...],
+                tile_filter: Optional[Callable[[Shape3], bool]] = None) -> Iterator[KernelConfig]:
+    """The configs `make` builds for each (tile, schedule) pair and cluster that pass the config rules; under
+    ``torch.use_deterministic_algorithms(True)`` without the nondeterministic stream-K reduction, so the profiler
+    never times (and records) a kernel the launch would not run."""
+    deterministic = deterministic_required()
+    for tile, schedule in tile_schedules():
+        if tile_filter and not tile_filter(tile):
+            continue
+        if deterministic and schedule in DETERMINISTIC_TWIN:
+            continue
+        for cluster in clusters:
+            try:
+                cfg = make(problem, tile, schedule, cluster)
+            except ValueError:
+                continue
+            if cfg.reject_reason(problem) is None:
+                yield cfg
 
 
 def im2col_candidates(problem: Conv2dProblem, clusters: tuple[Shape3, ...] = ((1, 1, 1),)) -> Iterator[KernelConfig]:
@@ -400,17 +420,7 @@ def im2col_candidates(problem: Conv2dProblem, clusters: tuple[Shape3, ...] = ((1
     schedule) pairs, unclustered by default (the GEMMs are memory-bound: the im2col or T matrix streams once)."""
     if im2col_reject_reason(problem) is not None:
         return
-    deterministic = deterministic_required()
-    for tile, schedule in tile_schedules():
-        if deterministic and schedule in DETERMINISTIC_TWIN:
-            continue
-        for cluster in clusters:
-            try:
-                cfg = im2col_config(problem, tile, schedule, cluster)
-            except ValueError:
-                continue
-            if cfg.reject_reason(problem) is None:
-                yield cfg
+    yield from _candidates(problem, im2col_config, clusters)
 
 
 def gemm1x1_candidates(
@@ -425,16 +435,4 @@ def gemm1x1_candidates(
     profiler never times (and records) a kernel the launch would not run."""
     if applicable(problem) is not None:
         return
-    deterministic = deterministic_required()
-    for tile, schedule in tile_schedules():
-        if tile_filter and not tile_filter(tile):
-            continue
-        if deterministic and schedule in DETERMINISTIC_TWIN:
-            continue
-        for cluster in clusters:
-            try:
-                cfg = gemm1x1_config(problem, tile, schedule, cluster)
-            except ValueError:
-                continue
-            if cfg.reject_reason(problem) is None:
-                yield cfg
+    yield from _candidates(problem, gemm1x1_config, clusters, tile_filter)

@@ -217,32 +217,37 @@ def _im2col_candidates(problem: Conv2dProblem, budget: int, arch: int, sms: int,
         from ..gemm1x1 import im2col_candidates  # noqa: PLC0415
     except ImportError:  # pragma: no cover - the GEMM family is optional, like sm90
         return [], 0
-    ranked = []
-    for kc in im2col_candidates(problem):
-        if kc.arch != arch:
-            kc = dataclasses.replace(kc, arch=arch)
-        launches = launches_for(problem, kc, sms)
-        if launches:
-            ranked.append((launches[0][0], kc, launches))
-    ranked.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
+    kernels = [kc if kc.arch == arch else dataclasses.replace(kc, arch=arch) for kc in im2col_candidates(problem)]
+    ranked, _ = _ranked(problem, kernels, sms)
     out = [Candidate(l, us) for _, _, launches in _spread_over_tiles(ranked)[:budget]
            for us, l in launches[:slices_per_kernel]]
     return out, len(ranked)
+
+
+def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -> tuple[list, list[KernelConfig]]:
+    """(estimate, kernel, launches) of each of `kernels` that has a launch for `problem`, best first by the model
+    (order_key), and the kernels that have none."""
+    ranked, unlaunchable = [], []
+    for kc in kernels:
+        launches = launches_for(problem, kc, sms)
+        if launches:
+            ranked.append((launches[0][0], kc, launches))
+        else:
+            unlaunchable.append(kc)
+    ranked.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
+    return ranked, unlaunchable
 
 
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:
     """The kernels of each family for `problem` with their launches, ranked by the model, hopeless families
     dropped; and the number of valid kernels and the pruned ones."""
     valid, pruned = enumerate_kernels(problem, arch)
+    ranked, unlaunchable = _ranked(problem, valid, sms)
+    pruned += [Pruned(kc.name, "no split-k count fits the problem") for kc in unlaunchable]
     by_family: dict[KernelFamily, list[tuple[float, KernelConfig, list[tuple[float, LaunchConfig]]]]] = {}
-    for kc in valid:
-        launches = launches_for(problem, kc, sms)
-        if not launches:
-            pruned.append(Pruned(kc.name, "no split-k count fits the problem"))
-            continue
-        by_family.setdefault(kc.family, []).append((launches[0][0], kc, launches))
+    for t in ranked:  # (each family's order is the overall one)
+        by_family.setdefault(t[1].family, []).append(t)
     for fam, lst in by_family.items():
-        lst.sort(key=lambda t: order_key(problem, t[0], t[1], t[1].name))
         by_family[fam] = _alternate_schedules(_spread_over_tiles(lst))
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
