@@ -4,6 +4,7 @@ references."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable, Iterable
 
@@ -122,4 +123,25 @@ def epilogue_case(problem: Conv2dProblem, seed: int, source_scale: float = 1.0):
             memory_format=torch.channels_last)
         ref = ref + source.double()
     return a, b, source, _apply_activation(ref, problem.epilogue.activation)
+
+
+def run_launch(problem: Conv2dProblem, launch, seed: int, source_scale: float = 1.0):
+    """(out, float64 reference) of `problem` run through ops with `launch` on fresh operands (epilogue_case), the
+    output filled with NaN first."""
+    from cutlass_byoc import ops  # noqa: PLC0415
+
+    a, b, source, ref = epilogue_case(problem, seed, source_scale)
+    out = poisoned_output(problem)
+    ops.run_problem(problem, a, b, out, source, config=launch)
+    torch.cuda.synchronize()
+    return out, ref
+
+
+def check_launch(problem: Conv2dProblem, launch, seed: int):
+    """run_launch, asserting every element was written and the result is within the output type's tolerance."""
+    out, ref = run_launch(problem, launch, seed)
+    err = rel_err(out, ref)
+    assert not math.isnan(err), f"{launch.name}: NaN in the output (unwritten?) for {problem.name}"
+    assert err < TOLERANCE[problem.element_out], f"{launch.name} on {problem.name}: {err:.3e}"
+    return out
 

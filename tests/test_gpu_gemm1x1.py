@@ -10,7 +10,6 @@ pointing at a cache to reuse them.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -23,7 +22,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, epilogue_case, module_kernels, operands, poisoned_output, reference, rel_err,
+    TOLERANCE, check_launch, module_kernels, operands, poisoned_output, reference, rel_err, run_launch,
 )
 from test_compile_gemm1x1 import KERNELS as COMPILE_KERNELS  # noqa: E402
 
@@ -71,19 +70,11 @@ def problem_for(name, source=SourceKind.NONE, **kw) -> Conv2dProblem:
 
 def run(p: Conv2dProblem, name: str, seed: int, slices: int = 1, source_scale: float = 1.0):
     """(out, float64 reference) of `p` on kernel `name`, epilogue included."""
-    a, b, source, ref = epilogue_case(p, seed, source_scale)
-    out = poisoned_output(p)
-    ops.run_problem(p, a, b, out, source, config=LaunchConfig(KERNELS[name], slices))
-    torch.cuda.synchronize()
-    return out, ref
+    return run_launch(p, LaunchConfig(KERNELS[name], slices), seed, source_scale)
 
 
 def check(p: Conv2dProblem, name: str, seed: int, slices: int = 1):
-    out, ref = run(p, name, seed, slices)
-    err = rel_err(out, ref)
-    assert not math.isnan(err), f"{KERNELS[name].name}: NaN in the output (unwritten?) for {p.name}, {slices} slices"
-    assert err < TOLERANCE[p.element_out], f"{KERNELS[name].name} on {p.name}, {slices} slices: {err:.3e}"
-    return out
+    return check_launch(p, LaunchConfig(KERNELS[name], slices), seed)
 
 
 SOURCES = [SourceKind.NONE, SourceKind.BIAS, SourceKind.RESIDUAL]

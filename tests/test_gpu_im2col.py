@@ -9,7 +9,6 @@ The module compiles 7 GEMM kernels (~60-90 s each, in parallel; 3 of them are th
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -21,7 +20,7 @@ from cutlass_byoc.gemm1x1 import im2col_config  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from gpu_util import TOLERANCE, epilogue_case, module_kernels, operands, poisoned_output, rel_err  # noqa: E402
+from gpu_util import check_launch, module_kernels, operands, poisoned_output  # noqa: E402
 from test_compile_im2col import KERNELS as COMPILE_KERNELS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -64,15 +63,9 @@ def problem_for(name, source=SourceKind.NONE, **kw) -> Conv2dProblem:
 
 def check(p: Conv2dProblem, name: str, seed: int, slices: int = 1):
     """Runs `p` on kernel `name` (epilogue included) and compares with the float64 reference."""
-    a, b, source, ref = epilogue_case(p, seed)
     launch = LaunchConfig(KERNELS[name], slices)
     assert launch.reject_reason(p) is None
-    out = poisoned_output(p)
-    ops.run_problem(p, a, b, out, source, config=launch)
-    torch.cuda.synchronize()
-    err = rel_err(out, ref)
-    assert not math.isnan(err), f"{KERNELS[name].name}: NaN in the output (unwritten?) for {p.name}, {slices} slices"
-    assert err < TOLERANCE[p.element_out], f"{KERNELS[name].name} on {p.name}, {slices} slices: {err:.3e}"
+    check_launch(p, launch, seed)
 
 
 SOURCES = [SourceKind.NONE, SourceKind.BIAS, SourceKind.RESIDUAL]
