@@ -13,7 +13,8 @@ align_a        channels per thread, the vector width (8/4/2/1 elements, at most 
 warps          (warps, 1, 1): the CTA's threads / 32. Each thread computes `strip` consecutive output columns
                of one row: strip = rows * cols * (channels / vector) / threads
 halo_smem      True: the CTA first stages its input halo (the input rows and columns its output tile reads) in
-               shared memory; False: every thread reads the input through L1
+               shared memory, every copy issued at once (cp.async, zero-filled outside the image; 2-byte accesses
+               through registers); False: every thread reads the input through L1
 filter_rs      R x S, compile-time (the tap loops unroll)
 conv_stride    the stride, compile-time (the sliding window along a thread's strip unrolls)
 split_k_mode   PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel tiles into fp32 partials in the
@@ -105,6 +106,11 @@ def strip(c: KernelConfig) -> int:
     """Consecutive output columns per thread (the pixel-tile schedules)."""
     rows, cols, _ = c.tile
     return rows * cols * lanes(c) // c.threads
+
+
+def is_wide_strip(c: KernelConfig) -> bool:
+    """Whether a pixel-tile config's threads compute strips of at least WIDE_STRIP columns."""
+    return not is_rows(c) and strip(c) >= WIDE_STRIP
 
 
 def is_rows(c: KernelConfig) -> bool:
@@ -331,7 +337,15 @@ SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (4, 8, 16, 8),   # 32 pixels x 16 vectors, 256 threads: strips of 2
     (8, 16, 4, 4),   # 128 pixels x 4 vectors, 128 threads: strips of 4
     (1, 8, 16, 4),   # 8 pixels x 16 vectors, 128 threads: strips of 1 (7x7 images of many channels)
+    (8, 16, 8, 4),   # 128 pixels x 8 vectors, 128 threads: strips of 8 (WIDE_STRIP)
+    (8, 8, 16, 4),   # 64 pixels x 16 vectors, 128 threads: strips of 8
 )
+#: Strips of at least this many columns: each loaded input vector feeds that many outputs, so a thread converts
+#: fewer inputs to fp32 per multiply-add. On the H200 a 5x5 stride-1 fprop with strips of 4 issued about 60
+#: instructions per output element (25 of them multiply-adds, 10 conversions) at 25% occupancy: its SMs, not
+#: DRAM, were the limit (ncu: 8% of DRAM bandwidth, 50% of SM throughput). The model ranks by memory traffic, in which
+#: the strip does not appear, so the planner gives these their own share of the budget (profiler.plan).
+WIDE_STRIP = 8
 
 #: The "rows" wgrad schedule's CTA shapes: (segment threads, segment columns, channel vectors per CTA, warps), with
 #: segment threads x channel vectors = the CTA's threads; and the columns per step tried with each.
@@ -453,6 +467,8 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                         cfg = _config(problem, shape, vec, halo, schedule, stages)
                     except ValueError:
                         continue  # e.g. a "rows" step needing too many registers for this filter and vector
+                    if is_wide_strip(cfg) and not (cfg.kind is ConvKind.FPROP or is_flipped(cfg)):
+                        continue  # wide strips save window loads, which wgrad and strided dgrad do not repeat
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ..candidates import channel_pad_options, sm80_candidates
 from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
-from ..depthwise import depthwise_candidates
+from ..depthwise import depthwise_candidates, is_wide_strip
 from ..generators import generator_module
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
@@ -40,6 +40,10 @@ DEFAULT_MAX_CANDIDATES = 8  # kernels per problem
 #: other (on the H200 the budget of 8 left a 1.4x faster "taprows" kernel of a strided wgrad untimed); and every
 #: config comes with its register-capped twin (depthwise.min_blocks_variant), timed right after it.
 DEPTHWISE_BUDGET_FACTOR = 3
+#: Depthwise pixel-tile kernels with strips of depthwise.WIDE_STRIP columns or more (fprop and stride-1 dgrad) are
+#: timed on a budget of their own, this many of the model's best, on top of the others: the memory model cannot tell
+#: them apart from the narrower strips, which they beat where the SMs' instruction issue is the limit (5x5 filters).
+WIDE_STRIP_BUDGET = 6
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
@@ -186,15 +190,16 @@ def plan_problem(
             continue
         kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
+        wide = by_family.pop(_WIDE, [])[:WIDE_STRIP_BUDGET]
         tag = "" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})"
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
         n_valid += valid
         if by_family:
-            options.append((pad_c, pad_k, by_family))
+            options.append((pad_c, pad_k, by_family, wide))
     cands: list[Candidate] = []
-    for i, (pad_c, pad_k, by_family) in enumerate(options):
+    for i, (pad_c, pad_k, by_family, wide) in enumerate(options):
         budget = max(1, max_candidates // len(options) + (1 if i < max_candidates % len(options) else 0))
-        for _, _, launches in _take_budget(by_family, budget):
+        for _, _, launches in _take_budget(by_family, budget) + wide:
             for us, l in launches[:slices_per_kernel]:
                 if (pad_c, pad_k) != (1, 1):
                     l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k)
@@ -238,17 +243,24 @@ def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -
     return ranked, unlaunchable
 
 
+#: The key under which _rank_families lists the depthwise wide-strip kernels (WIDE_STRIP_BUDGET), apart from the
+#: family's others.
+_WIDE = "depthwise wide strips"
+
+
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:
     """The kernels of each family for `problem` with their launches, ranked by the model, hopeless families
-    dropped; and the number of valid kernels and the pruned ones."""
+    dropped (the depthwise wide-strip kernels apart, under _WIDE); and the number of valid kernels and the pruned
+    ones."""
     valid, pruned = enumerate_kernels(problem, arch)
     ranked, unlaunchable = _ranked(problem, valid, sms)
     pruned += [Pruned(kc.name, "no split-k count fits the problem") for kc in unlaunchable]
-    by_family: dict[KernelFamily, list[tuple[float, KernelConfig, list[tuple[float, LaunchConfig]]]]] = {}
+    by_family: dict = {}  # KernelFamily (or _WIDE) -> [(estimate, kernel, launches)]
     for t in ranked:  # (each family's order is the overall one)
-        by_family.setdefault(t[1].family, []).append(t)
+        wide = t[1].family is KernelFamily.DEPTHWISE_DIRECT and is_wide_strip(t[1])
+        by_family.setdefault(_WIDE if wide else t[1].family, []).append(t)
     for fam, lst in by_family.items():
-        by_family[fam] = _alternate_schedules(_spread_over_tiles(lst))
+        by_family[fam] = _alternate_schedules(lst if fam is _WIDE else _spread_over_tiles(lst))
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
         best_2x = sm80[0][0]

@@ -12,15 +12,18 @@ from cutlass_byoc import depthwise as dwmod
 from cutlass_byoc.candidates import sm80_candidates, unsupported_reason
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.depthwise import (
+    WIDE_STRIP,
     default_depthwise_launch,
     depthwise_candidates,
+    is_wide_strip,
     pixel_tiles,
     split_candidates,
+    strip,
     with_alignments,
 )
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
-from cutlass_byoc.profiler.plan import DEPTHWISE_BUDGET_FACTOR, has_kernels, plan_problem
+from cutlass_byoc.profiler.plan import DEPTHWISE_BUDGET_FACTOR, WIDE_STRIP_BUDGET, has_kernels, plan_problem
 from cutlass_byoc.render import render
 from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode
 from cutlass_byoc.workloads import DEPTHWISE_LAYERS, default_workload, depthwise_workload, named_workload
@@ -228,7 +231,11 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         p = dw(kind.value, n=32, c=144, hw=56)
         plan = plan_problem(p, max_candidates=4)
         assert plan.candidates and all(c.launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT for c in plan.candidates)
-        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR  # depthwise kernels time in microseconds
+        # depthwise kernels time in microseconds; fprop and stride-1 dgrad add their wide-strip kernels
+        wide = [k for k in plan.kernels if is_wide_strip(k)]
+        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide)
+        assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
+        assert all(strip(k) >= WIDE_STRIP for k in wide)
         assert len({(k.schedule, k.halo_smem) for k in plan.kernels}) >= 2  # schedules alternate
         if kind is ConvKind.WGRAD:
             assert len({c.launch.split_k_slices for c in plan.candidates}) > 1

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import KernelConfig, LaunchConfig  # noqa: E402
 from cutlass_byoc.depthwise import (  # noqa: E402
-    depthwise_candidates, min_blocks_variant, pixel_tiles, with_alignments,
+    depthwise_candidates, is_wide_strip, min_blocks_variant, pixel_tiles, strip, with_alignments,
 )
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
@@ -66,6 +66,9 @@ KERNELS = [
     ("wgrad", ("f16", "f16"), 5, 2, 4, False),
     ("wgrad", ("f16", "f32"), 7, 1, 2, True),
     ("wgrad", ("bf16", "f32"), 3, 1, 4, False),
+    ("fprop", ("f16", "f16"), 3, 1, 1, True),   # 2-byte halo accesses: loaded through registers, not cp.async
+    ("wgrad", ("f16", "f16"), 3, 1, 1, True),
+    ("fprop", ("f32", "f32"), 5, 1, 1, True),   # 4-byte cp.async of the halo
 ]
 # (C, H, W): odd sizes, C a multiple of 8 and not, a tile-sized and a one-pixel-wide image
 SHAPES = [(96, 15, 13), (36, 17, 9), (20, 6, 31), (64, 1, 11)]
@@ -133,6 +136,25 @@ def exact_kernel(kind, stride, halo):
     return next(c for c in depthwise_candidates(p) if c.tile[2] == 48 and c.align_a == 8 and c.halo_smem == halo)
 
 
+# Wide strips (8 columns per thread, the CTA 8x16 pixels x 8 vectors): (kind, dtypes, R, stride, vector, halo in
+# smem, epilogue), each run on every shape of SHAPES its vector divides C of (images narrower than a strip included).
+WIDE_KERNELS = [
+    ("fprop", ("f16", "f16"), 5, 1, 4, False, Epilogue(Activation.RELU, SourceKind.BIAS)),
+    ("fprop", ("f16", "f16"), 5, 1, 4, True, Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    ("fprop", ("bf16", "f32"), 3, 2, 4, True, Epilogue(Activation.SILU)),
+    ("fprop", ("f16", "f16"), 7, 1, 8, False, Epilogue()),
+    ("dgrad", ("f16", "f16"), 5, 1, 8, True, Epilogue()),
+    ("dgrad", ("f16", "f32"), 3, 1, 4, False, Epilogue()),
+]
+
+
+def wide_kernel(kind, dt, r, stride, vec, halo, epi):
+    p = problem_of(kind, 96, 15, 13, r, stride, dt, epilogue=epi)
+    cfg = next(c for c in depthwise_candidates(p) if is_wide_strip(c) and c.tile[:2] == (8, 16) and
+               c.tile[2] // c.align_a == 8 and c.halo_smem == halo and c.align_a >= vec and not c.min_blocks)
+    return cfg if cfg.align_a == vec else with_alignments(cfg, vec, vec, vec)
+
+
 # The "rows" schedule of fprop and stride-1 dgrad (one output row segment per thread, kStep columns per step):
 # (kind, dtypes, R, stride, columns per step, segment columns, epilogue), the widest vector that fits (C=96 twin),
 # narrowed to 4 where C needs it.
@@ -172,6 +194,7 @@ def all_kernels():
     for k in ROWS_FPROP_KERNELS:
         cfg = rows_fprop_kernel(*k)
         ks += [cfg] + ([with_alignments(cfg, 4, 4, 4)] if cfg.align_a > 4 else [])
+    ks += [wide_kernel(*k) for k in WIDE_KERNELS]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
@@ -243,21 +266,26 @@ def test_fprop_and_dgrad_rows_schedule(kind, dt, r, stride, steps, cols, epi):
         cfg = wide if c % wide.align_a == 0 else with_alignments(wide, 4, 4, 4)
         problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
         assert cfg.reject_reason(problem) is None, cfg.name
-        x, w_, dy = operands(problem, seed=c + h + r)
-        out_t = TORCH[problem.element_out]
-        source = None
-        if kind == "fprop":
-            ref = torch.nn.functional.conv2d(x.double(), w_.double(), None, stride, r // 2, 1, c)
-            if epi.source is SourceKind.BIAS:
-                source = torch.randn(c, device="cuda").to(out_t)
-                ref = ref + source.double().view(1, -1, 1, 1)
-            elif epi.source is SourceKind.RESIDUAL:
-                source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
-                ref = ref + source.double()
-            ref = ops._apply_activation(ref, epi.activation)
-        else:
-            ref = reference(problem, x, w_, dy)
-        run_checked(problem, cfg, 0, source=source, ref=ref, x=x, w=w_, dy=dy)
+        run_with_epilogue(problem, cfg, seed=c + h + r)
+
+
+def run_with_epilogue(problem, cfg, seed):
+    """run_checked with a fresh bias or residual where the problem's epilogue takes one (fprop), against the float64
+    conv plus source, activated."""
+    x, w, dy = operands(problem, seed=seed)
+    source, epi = None, problem.epilogue
+    if problem.kind.value != "fprop":
+        return run_checked(problem, cfg, 0, ref=reference(problem, x, w, dy), x=x, w=w, dy=dy)
+    out_t = TORCH[problem.element_out]
+    ref = torch.nn.functional.conv2d(x.double(), w.double(), None, problem.stride_h, problem.pad_h, 1, problem.c)
+    if epi.source is SourceKind.BIAS:
+        source = torch.randn(problem.c, device="cuda").to(out_t)
+        ref = ref + source.double().view(1, -1, 1, 1)
+    elif epi.source is SourceKind.RESIDUAL:
+        source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
+        ref = ref + source.double()
+    ref = ops._apply_activation(ref, epi.activation)
+    return run_checked(problem, cfg, 0, source=source, ref=ref, x=x, w=w, dy=dy)
 
 
 @pytest.mark.parametrize("index", range(8))
@@ -290,6 +318,20 @@ def test_exact_channel_tiles(kind, stride, halo):
     for c in (48, 96, 144):
         problem = problem_of(kind, c, 17, 11, 3, stride)
         run_checked(problem, cfg, seed=c + stride)
+
+
+@pytest.mark.parametrize("kind, dt, r, stride, vec, halo, epi", WIDE_KERNELS,
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-{'smem' if hl else 'l1'}-{e.tag}"
+                              for k, d, r, s, v, hl, e in WIDE_KERNELS])
+def test_wide_strips(kind, dt, r, stride, vec, halo, epi):
+    cfg = wide_kernel(kind, dt, r, stride, vec, halo, epi)
+    assert strip(cfg) == 8 and cfg.align_a == vec
+    for c, h, w in SHAPES:
+        if c % vec:
+            continue
+        problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        run_with_epilogue(problem, cfg, seed=c * 7 + h)
 
 
 @pytest.mark.parametrize("pad", [0, 2, 3])
