@@ -23,6 +23,10 @@ split_k_mode   PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel t
 align_b        fprop/dgrad: 1 (the filter, [C][R][S], is read per channel into shared memory once per CTA);
                wgrad: x's alignment
 align_c        fprop/dgrad: the output's store width; wgrad: 1 (the reduction writes dw [C][R][S] per element)
+stages         pixel tiles: 1, or 2 for fprop and stride-1 dgrad with halo_smem ("pipelined", name `smem2`): the
+               CTAs stay resident (as many as the GPU holds) and walk the pixel tiles, the next tile's halo
+               streaming into a second shared-memory buffer while the current one is computed. "rows"/"taprows":
+               the columns per step
 min_blocks     None, or the CTAs per SM the compiler must fit (`__launch_bounds__(threads, min_blocks)`): a
                register cap of 65536 / (min_blocks * threads) per thread, for more warps in flight at the price
                of possible spills. Candidates come in pairs, without and with the cap of MIN_BLOCKS_REGS.
@@ -160,13 +164,18 @@ def halo_shape(c: KernelConfig) -> tuple[int, int]:
     return (rows - 1) * sh + r, (cols - 1) * sw + s
 
 
+def is_pipelined(c: KernelConfig) -> bool:
+    """Whether a pixel-tile config keeps its CTAs resident with a double-buffered halo (stages 2)."""
+    return not is_rows(c) and c.stages > 1
+
+
 def smem_bytes(c: KernelConfig) -> int:
     r, s = c.filter_rs
     filt = r * s * c.tile[2] * 4  # fprop/dgrad: the filter in fp32; wgrad: the CTA's fp32 reduction buffer
     halo = 0
     if c.halo_smem and not is_rows(c):
         hh, ww = halo_shape(c)
-        halo = hh * ww * c.tile[2] * c.element_a.nbytes
+        halo = hh * ww * c.tile[2] * c.element_a.nbytes * c.stages  # one buffer per stage
     return filt + halo
 
 
@@ -176,7 +185,8 @@ def depthwise_name(c: KernelConfig) -> str:
         "cb_dw", c.kind.value,
         f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
         f"t{rows}x{cols}x{ch}_v{c.align_a}_w{c.warps[0]}",
-        f"{c.schedule}{c.stages}" if is_rows(c) else ("smem" if c.halo_smem else "l1"),
+        f"{c.schedule}{c.stages}" if is_rows(c) else
+        ("l1" if not c.halo_smem else "smem" if c.stages == 1 else f"smem{c.stages}"),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
     if c.split_k_mode is SplitKMode.PARALLEL:
@@ -213,8 +223,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
             return f"halo_smem: the {c.schedule!r} schedule reads its input windows through L1 (halo_smem False)"
         if c.stages not in (1, 2, 4, 8):
             return f"stages: a {c.schedule!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
-    elif c.stages != 1:
-        return f"stages: depthwise pixel-tile kernels have no pipeline, expected 1, got {c.stages}"
+    elif c.stages != 1 and not (c.stages == 2 and c.halo_smem and (c.kind is ConvKind.FPROP or is_flipped(c))):
+        return (f"stages: depthwise pixel-tile kernels take 1, or 2 (a pipelined halo) for fprop and stride-1 dgrad "
+                f"with halo_smem, got {c.stages}")
     if c.min_blocks is not None and not (2 <= c.min_blocks and c.min_blocks * c.threads <= MAX_SM_THREADS):
         return (f"min_blocks: None or 2 .. {MAX_SM_THREADS // c.threads} CTAs of {c.threads} threads per SM, "
                 f"got {c.min_blocks}")
@@ -434,11 +445,13 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None) -> list[int
 
 def _schedule_variants(problem: Conv2dProblem):
     """(CTA shapes, (halo_smem, schedule, stages) choices) of each schedule the problem's kind has: the pixel tiles
-    with and without halo staging; for wgrad also the "rows" and "taprows" schedules at each of their columns per
-    step. Shapes are (rows, cols, channel vectors, warps)."""
-    yield SHAPES, [(halo, None, 1) for halo in (False, True)]
-    if problem.kind is ConvKind.FPROP or (problem.kind is ConvKind.DGRAD and
-                                          (problem.stride_h, problem.stride_w) == (1, 1)):
+    with and without halo staging (fprop and stride-1 dgrad also pipelined, and their "rows" schedule); for wgrad
+    the "rows" and "taprows" schedules at each of their columns per step. Shapes are (rows, cols, channel vectors,
+    warps)."""
+    window_loop = problem.kind is ConvKind.FPROP or (problem.kind is ConvKind.DGRAD and
+                                                     (problem.stride_h, problem.stride_w) == (1, 1))
+    yield SHAPES, [(halo, None, 1) for halo in (False, True)] + ([(True, None, 2)] if window_loop else [])
+    if window_loop:
         yield FPROP_ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
     if problem.kind is ConvKind.WGRAD:
         yield ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
@@ -541,7 +554,7 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     if c.min_blocks:  # the compiler fits at least this many
         per_sm = max(per_sm, min(c.min_blocks, smem_fit))
     waves = ctas / (sms * per_sm)
-    fill = waves / math.ceil(waves) if waves < 4 else 1.0
+    fill = waves / math.ceil(waves) if waves < 4 and not is_pipelined(c) else min(1.0, waves)  # resident CTAs: no tail
     eff = min(1.0, (c.align_a * c.element_a.nbytes / 16) ** 0.5) * max(0.25, fill)
     penalty = MIN_BLOCKS_PENALTY if c.min_blocks else 1.0
     return (bytes_ / (DRAM_GBS * 1e9 * eff) * 1e6 + LAUNCH_US + extra) * penalty

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ..candidates import channel_pad_options, sm80_candidates
 from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
-from ..depthwise import depthwise_candidates, is_wide_strip
+from ..depthwise import depthwise_candidates, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
@@ -44,6 +44,9 @@ DEPTHWISE_BUDGET_FACTOR = 3
 #: timed on a budget of their own, this many of the model's best, on top of the others: the memory model cannot tell
 #: them apart from the narrower strips, which they beat where the SMs' instruction issue is the limit (5x5 filters).
 WIDE_STRIP_BUDGET = 6
+#: Likewise the pipelined depthwise kernels (resident CTAs, double-buffered halo; depthwise.is_pipelined), whose
+#: overlap of loads and arithmetic the model does not see either.
+PIPELINED_BUDGET = 6
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
@@ -190,7 +193,7 @@ def plan_problem(
             continue
         kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
-        wide = by_family.pop(_WIDE, [])[:WIDE_STRIP_BUDGET]
+        wide = by_family.pop(_WIDE, [])[:WIDE_STRIP_BUDGET] + by_family.pop(_PIPELINED, [])[:PIPELINED_BUDGET]
         tag = "" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})"
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
         n_valid += valid
@@ -243,24 +246,29 @@ def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -
     return ranked, unlaunchable
 
 
-#: The key under which _rank_families lists the depthwise wide-strip kernels (WIDE_STRIP_BUDGET), apart from the
-#: family's others.
+#: The keys under which _rank_families lists the depthwise pipelined kernels (PIPELINED_BUDGET) and the other
+#: wide-strip kernels (WIDE_STRIP_BUDGET), apart from the family's others.
 _WIDE = "depthwise wide strips"
+_PIPELINED = "depthwise pipelined"
 
 
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:
     """The kernels of each family for `problem` with their launches, ranked by the model, hopeless families
-    dropped (the depthwise wide-strip kernels apart, under _WIDE); and the number of valid kernels and the pruned
-    ones."""
+    dropped (the depthwise pipelined and wide-strip kernels apart, under _PIPELINED and _WIDE); and the number of
+    valid kernels and the pruned ones."""
     valid, pruned = enumerate_kernels(problem, arch)
     ranked, unlaunchable = _ranked(problem, valid, sms)
     pruned += [Pruned(kc.name, "no split-k count fits the problem") for kc in unlaunchable]
     by_family: dict = {}  # KernelFamily (or _WIDE) -> [(estimate, kernel, launches)]
     for t in ranked:  # (each family's order is the overall one)
-        wide = t[1].family is KernelFamily.DEPTHWISE_DIRECT and is_wide_strip(t[1])
-        by_family.setdefault(_WIDE if wide else t[1].family, []).append(t)
+        key = t[1].family
+        if key is KernelFamily.DEPTHWISE_DIRECT and is_pipelined(t[1]):
+            key = _PIPELINED
+        elif key is KernelFamily.DEPTHWISE_DIRECT and is_wide_strip(t[1]):
+            key = _WIDE
+        by_family.setdefault(key, []).append(t)
     for fam, lst in by_family.items():
-        by_family[fam] = _alternate_schedules(lst if fam is _WIDE else _spread_over_tiles(lst))
+        by_family[fam] = _alternate_schedules(lst if fam in (_WIDE, _PIPELINED) else _spread_over_tiles(lst))
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
         best_2x = sm80[0][0]

@@ -1,5 +1,6 @@
-"""Compile-only tests of the depthwise family: one kernel per kind rendered, built with nvcc for sm_90a (no hidden
-warnings), loaded, and asked its host-side API (can_implement, workspace size; no GPU needed)."""
+"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined one) rendered, built with nvcc
+for sm_90a (no hidden warnings), loaded, and asked its host-side API (can_implement, workspace size; no GPU
+needed)."""
 
 import ctypes
 
@@ -17,6 +18,7 @@ FPROP = Conv2dProblem.make("fprop", 32, 96, 112, 112, 96, 3, stride=2, padding=1
                            epilogue=Epilogue(Activation.SILU, SourceKind.BIAS))
 STRIDED_DGRAD = Conv2dProblem.make("dgrad", 32, 144, 56, 56, 144, 5, stride=2, padding=2, groups=144)
 WGRAD = Conv2dProblem.make("wgrad", 32, 576, 14, 14, 576, 3, padding=1, groups=576, dtype="bf16", out_dtype="f32")
+FLIPPED_DGRAD = Conv2dProblem.make("dgrad", 32, 240, 28, 28, 240, 5, padding=2, groups=240)
 
 
 def pick(problem, **want):
@@ -27,6 +29,7 @@ KERNELS = {
     "fprop": (FPROP, pick(FPROP, halo_smem=True, align_a=8)),
     "strided_dgrad": (STRIDED_DGRAD, pick(STRIDED_DGRAD, align_a=8)),
     "wgrad": (WGRAD, pick(WGRAD, halo_smem=False, align_a=8)),
+    "pipelined_dgrad": (FLIPPED_DGRAD, pick(FLIPPED_DGRAD, stages=2, align_a=4, min_blocks=None)),
 }
 
 

@@ -15,15 +15,20 @@ from cutlass_byoc.depthwise import (
     WIDE_STRIP,
     default_depthwise_launch,
     depthwise_candidates,
+    is_pipelined,
     is_wide_strip,
+    halo_shape,
     pixel_tiles,
+    smem_bytes,
     split_candidates,
     strip,
     with_alignments,
 )
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
-from cutlass_byoc.profiler.plan import DEPTHWISE_BUDGET_FACTOR, WIDE_STRIP_BUDGET, has_kernels, plan_problem
+from cutlass_byoc.profiler.plan import (
+    DEPTHWISE_BUDGET_FACTOR, PIPELINED_BUDGET, WIDE_STRIP_BUDGET, has_kernels, plan_problem,
+)
 from cutlass_byoc.render import render
 from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode
 from cutlass_byoc.workloads import DEPTHWISE_LAYERS, default_workload, depthwise_workload, named_workload
@@ -151,6 +156,31 @@ def test_static_errors_of_wgrad_and_dgrad():
         dataclasses.replace(big, tile=(32, 32, 64), warps=(32, 1, 1))
 
 
+def test_pipelined_halo_kernels():
+    """stages 2 (pipelined): fprop and stride-1 dgrad with a staged halo only, one halo buffer per stage, resident CTAs
+    sized on the device; the one-stage kernels render without any of it."""
+    c = first(dw(), halo_smem=True, align_a=8, stages=1, min_blocks=None)
+    piped = dataclasses.replace(c, stages=2)
+    assert is_pipelined(piped) and not is_pipelined(c) and piped.name == c.name.replace("_smem_", "_smem2_")
+    hh, ww = halo_shape(c)
+    assert smem_bytes(piped) - smem_bytes(c) == hh * ww * c.tile[2] * 2
+    src, plain = render(piped, "nvcc"), render(c, "nvcc")
+    for text in ("cp_async_wait<kStages - 1>()", "resident_ctas()", "halo[kStages][kHaloRows]", "#include <atomic>",
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor"):
+        assert text in src and text not in plain, text
+    with pytest.raises(ValueError, match="stages"):
+        dataclasses.replace(piped, stages=3)
+    with pytest.raises(ValueError, match="stages"):
+        dataclasses.replace(piped, halo_smem=False)
+    for kind, stride, has in (("fprop", 1, True), ("fprop", 2, True), ("dgrad", 1, True), ("dgrad", 2, False),
+                              ("wgrad", 1, False)):
+        cands = [k for k in depthwise_candidates(dw(kind, stride=stride)) if k.schedule is None]
+        assert any(is_pipelined(k) for k in cands) == has, (kind, stride)
+    w = first(dw("wgrad"), halo_smem=True, align_a=8)
+    with pytest.raises(ValueError, match="stages"):
+        dataclasses.replace(w, stages=2)
+
+
 def test_reject_reason_names_what_does_not_fit():
     c = first(dw(), align_a=8)
     assert c.reject_reason(dw(r=5)).startswith("filter")
@@ -231,11 +261,14 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         p = dw(kind.value, n=32, c=144, hw=56)
         plan = plan_problem(p, max_candidates=4)
         assert plan.candidates and all(c.launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT for c in plan.candidates)
-        # depthwise kernels time in microseconds; fprop and stride-1 dgrad add their wide-strip kernels
-        wide = [k for k in plan.kernels if is_wide_strip(k)]
-        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide)
+        # depthwise kernels time in microseconds; fprop and stride-1 dgrad add their pipelined and (other)
+        # wide-strip kernels on budgets of their own
+        piped = [k for k in plan.kernels if is_pipelined(k)]
+        wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
+        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped)
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
-        assert all(strip(k) >= WIDE_STRIP for k in wide)
+        assert len(piped) == (0 if kind is ConvKind.WGRAD else PIPELINED_BUDGET)
+        assert all(strip(k) >= WIDE_STRIP for k in wide) and all(k.stages == 2 and k.halo_smem for k in piped)
         assert len({(k.schedule, k.halo_smem) for k in plan.kernels}) >= 2  # schedules alternate
         if kind is ConvKind.WGRAD:
             assert len({c.launch.split_k_slices for c in plan.candidates}) > 1

@@ -155,6 +155,25 @@ def wide_kernel(kind, dt, r, stride, vec, halo, epi):
     return cfg if cfg.align_a == vec else with_alignments(cfg, vec, vec, vec)
 
 
+# Pipelined kernels (resident CTAs walking the pixel tiles, double-buffered halo; CTA 4x8 pixels x 8 vectors):
+# (kind, dtypes, R, stride, vector, epilogue), each run on every shape of SHAPES its vector divides C of, and on one
+# problem of many more tiles than the GPU holds CTAs (each CTA then takes several, in both halo buffers).
+PIPELINED_KERNELS = [
+    ("fprop", ("f16", "f16"), 3, 1, 8, Epilogue(Activation.RELU, SourceKind.BIAS)),
+    ("fprop", ("f16", "f16"), 5, 2, 4, Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    ("fprop", ("bf16", "bf16"), 7, 1, 4, Epilogue(Activation.HARDSWISH)),
+    ("dgrad", ("f16", "f16"), 3, 1, 8, Epilogue()),
+    ("dgrad", ("f16", "f32"), 5, 1, 4, Epilogue()),
+]
+
+
+def pipelined_kernel(kind, dt, r, stride, vec, epi):
+    p = problem_of(kind, 96, 15, 13, r, stride, dt, epilogue=epi)
+    cfg = next(c for c in depthwise_candidates(p) if c.stages == 2 and c.tile[:2] == (4, 8) and
+               c.tile[2] // c.align_a == 8 and c.align_a >= vec and not c.min_blocks)
+    return cfg if cfg.align_a == vec else with_alignments(cfg, vec, vec, vec)
+
+
 # The "rows" schedule of fprop and stride-1 dgrad (one output row segment per thread, kStep columns per step):
 # (kind, dtypes, R, stride, columns per step, segment columns, epilogue), the widest vector that fits (C=96 twin),
 # narrowed to 4 where C needs it.
@@ -194,7 +213,7 @@ def all_kernels():
     for k in ROWS_FPROP_KERNELS:
         cfg = rows_fprop_kernel(*k)
         ks += [cfg] + ([with_alignments(cfg, 4, 4, 4)] if cfg.align_a > 4 else [])
-    ks += [wide_kernel(*k) for k in WIDE_KERNELS]
+    ks += [wide_kernel(*k) for k in WIDE_KERNELS] + [pipelined_kernel(*k) for k in PIPELINED_KERNELS]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
@@ -332,6 +351,21 @@ def test_wide_strips(kind, dt, r, stride, vec, halo, epi):
         problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
         assert cfg.reject_reason(problem) is None
         run_with_epilogue(problem, cfg, seed=c * 7 + h)
+
+
+@pytest.mark.parametrize("kind, dt, r, stride, vec, epi", PIPELINED_KERNELS,
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-{e.tag}" for k, d, r, s, v, e in PIPELINED_KERNELS])
+def test_pipelined(kind, dt, r, stride, vec, epi):
+    cfg = pipelined_kernel(kind, dt, r, stride, vec, epi)
+    assert cfg.stages == 2 and cfg.halo_smem and "_smem2_" in cfg.name
+    # (C, H, W, N): SHAPES, then C=72 (2 or 3 channel blocks, the last part-idle) over 32 images of 64x64: 1,024
+    # (stride 2) or 4,096 tiles per channel block, several per resident CTA
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(72, 64, 64, 32)]:
+        if c % vec:
+            continue
+        problem = problem_of(kind, c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        run_with_epilogue(problem, cfg, seed=c * 3 + h + n)
 
 
 @pytest.mark.parametrize("pad", [0, 2, 3])
