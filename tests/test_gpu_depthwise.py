@@ -23,7 +23,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, TORCH, depthwise_rows_config, kernel_operands, module_kernels, operands, poisoned_output, reference,
+    TOLERANCE, check_launch, depthwise_rows_config, kernel_operands, module_kernels, operands, poisoned_output, reference,
     rel_err,
 )
 
@@ -286,26 +286,7 @@ def test_fprop_and_dgrad_rows_schedule(kind, dt, r, stride, steps, cols, epi):
         cfg = wide if c % wide.align_a == 0 else with_alignments(wide, 4, 4, 4)
         problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
         assert cfg.reject_reason(problem) is None, cfg.name
-        run_with_epilogue(problem, cfg, seed=c + h + r)
-
-
-def run_with_epilogue(problem, cfg, seed):
-    """run_checked with a fresh bias or residual where the problem's epilogue takes one (fprop), against the float64
-    conv plus source, activated."""
-    x, w, dy = operands(problem, seed=seed)
-    source, epi = None, problem.epilogue
-    if problem.kind.value != "fprop":
-        return run_checked(problem, cfg, 0, ref=reference(problem, x, w, dy), x=x, w=w, dy=dy)
-    out_t = TORCH[problem.element_out]
-    ref = torch.nn.functional.conv2d(x.double(), w.double(), None, problem.stride_h, problem.pad_h, 1, problem.c)
-    if epi.source is SourceKind.BIAS:
-        source = torch.randn(problem.c, device="cuda").to(out_t)
-        ref = ref + source.double().view(1, -1, 1, 1)
-    elif epi.source is SourceKind.RESIDUAL:
-        source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
-        ref = ref + source.double()
-    ref = ops._apply_activation(ref, epi.activation)
-    return run_checked(problem, cfg, 0, source=source, ref=ref, x=x, w=w, dy=dy)
+        check_launch(problem, LaunchConfig(cfg, 1), seed=c + h + r)
 
 
 @pytest.mark.parametrize("index", range(8))
@@ -322,13 +303,8 @@ def test_register_capped_kernels(index):
         problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
         if k.reject_reason(problem) is not None:
             continue
-        source = torch.randn(c, device="cuda").to(TORCH[problem.element_out]) if epi.source is SourceKind.BIAS else None
-        x, w_, dy = operands(problem, seed=c + h + index)
-        ref = reference(problem, x, w_, dy)
-        if source is not None:
-            ref = ops._apply_activation(ref + source.double().view(1, -1, 1, 1), epi.activation)
         splits = min(3, pixel_tiles(k, problem)) if kind == "wgrad" else 1
-        run_checked(problem, k, 0, splits=splits, source=source, ref=ref, x=x, w=w_, dy=dy)
+        check_launch(problem, LaunchConfig(k, splits), seed=c + h + index)
 
 
 @pytest.mark.parametrize("kind, stride, halo", EXACT_KERNELS)
@@ -351,11 +327,12 @@ def test_wide_strips(kind, dt, r, stride, vec, halo, epi):
             continue
         problem = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
         assert cfg.reject_reason(problem) is None
-        run_with_epilogue(problem, cfg, seed=c * 7 + h)
+        check_launch(problem, LaunchConfig(cfg, 1), seed=c * 7 + h)
 
 
 @pytest.mark.parametrize("kind, dt, r, stride, vec, epi", PIPELINED_KERNELS,
-                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-{e.tag}" for k, d, r, s, v, e in PIPELINED_KERNELS])
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-{e.tag}"
+                              for k, d, r, s, v, e in PIPELINED_KERNELS])
 def test_pipelined(kind, dt, r, stride, vec, epi):
     cfg = pipelined_kernel(kind, dt, r, stride, vec, epi)
     assert cfg.stages == 2 and cfg.halo_smem and "_smem2_" in cfg.name
@@ -366,7 +343,7 @@ def test_pipelined(kind, dt, r, stride, vec, epi):
             continue
         problem = problem_of(kind, c, h, w, r, stride, dt, n=n, epilogue=epi)
         assert cfg.reject_reason(problem) is None
-        run_with_epilogue(problem, cfg, seed=c * 3 + h + n)
+        check_launch(problem, LaunchConfig(cfg, 1), seed=c * 3 + h + n)
 
 
 def graph_kernel():
@@ -427,20 +404,7 @@ def test_wgrad_accumulates_into_a_residual():
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
 def test_fused_epilogues(epilogue):
     for problem in epilogue_problems(epilogue):
-        cfg = epilogue_kernel(problem)
-        stride = problem.stride_h
-        x, w, _ = operands(problem, seed=7)
-        out_t = TORCH[problem.element_out]
-        ref = torch.nn.functional.conv2d(x.double(), w.double(), None, stride, 1, 1, problem.c)
-        source = None
-        if epilogue.source is SourceKind.BIAS:
-            source = torch.randn(problem.k, device="cuda").to(out_t)
-            ref = ref + source.double().view(1, -1, 1, 1)
-        elif epilogue.source is SourceKind.RESIDUAL:
-            source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
-            ref = ref + source.double()
-        ref = ops._apply_activation(ref, epilogue.activation)
-        run_checked(problem, cfg, 7, source=source, ref=ref, x=x, w=w)
+        check_launch(problem, LaunchConfig(epilogue_kernel(problem), 1), seed=7)
 
 
 def test_public_ops_run_depthwise_on_the_depthwise_kernels():
