@@ -9,6 +9,9 @@ every number comes from those files.
                                               # go to benchmarks/h200/multigpu/ (ddp.jsonl lines and fleet.log text
                                               # of several calls concatenated in the given order); then the README
                                               # tables are re-rendered
+    python scripts/publish_results.py --merge-offload DIR...  # the same, but offload.json keeps the published
+                                              # rows (and host overheads) of the cases the given folders do not
+                                              # re-measure: a rerun of one model or mode replaces only its own rows
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
 A file that no given folder holds is left as it is in benchmarks/h200/.
@@ -264,9 +267,31 @@ def splice_readme(text: str, readme: Path = ROOT / "README.md") -> None:
     readme.write_text(body)
 
 
-def publish(dirs: list[Path], results: Path = RESULTS) -> None:
+def offload_key(row: dict) -> tuple:
+    """What an offload.json row measures: the case and the mode."""
+    return row["model"], row["batch"], row["training"], row["mode"]
+
+
+def merge_offload(published: dict, new: dict) -> dict:
+    """`new` (the given folders' offload.json) with the rows of `published` that it does not re-measure put first,
+    in their order, and the published host-overhead rows kept (runs numbered on after them)."""
+    measured = {offload_key(r) for r in new["rows"]}
+    kept = [r for r in published.get("rows", []) if offload_key(r) not in measured]
+    runs = published.get("runs", 1)
+    for h in new.get("host_overhead", []):
+        h["run"] = h.get("run", 1) + runs
+    merged = dict(new, rows=kept + new["rows"], runs=runs + new.get("runs", 1),
+                  host_overhead=published.get("host_overhead", []) + new.get("host_overhead", []))
+    if kept and published.get("steps") != new.get("steps"):
+        seen = str(published.get("steps")).split(" / ")
+        merged["steps"] = " / ".join(dict.fromkeys(seen + str(new.get("steps")).split(" / ")))
+    return merged
+
+
+def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False) -> None:
     """Copy the given device folders' result files into `results` (see the module's docstring); a file no folder
-    holds is left as it is there."""
+    holds is left as it is there. `merge_offload_rows`: offload.json keeps the published rows the folders do not
+    re-measure (merge_offload)."""
     results.mkdir(parents=True, exist_ok=True)
     offload = None
     texts: dict[str, list[str]] = {}
@@ -306,6 +331,8 @@ def publish(dirs: list[Path], results: Path = RESULTS) -> None:
                         json.loads(line)  # only whole, valid records are published
             texts.setdefault(f, []).append(text if not text or text.endswith("\n") else text + "\n")
     if offload is not None:
+        if merge_offload_rows and (results / "offload.json").exists():
+            offload = merge_offload(json.loads((results / "offload.json").read_text()), offload)
         (results / "offload.json").write_text(json.dumps(offload, indent=1) + "\n")
         print(f"wrote {results / 'offload.json'} ({len(offload['rows'])} rows)")
     for f, parts in texts.items():  # several calls' text, in the given order
@@ -318,9 +345,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="the GPU round's output folders (one per device call)")
     ap.add_argument("--print", action="store_true", help="print the tables rendered from benchmarks/h200/")
+    ap.add_argument("--merge-offload", action="store_true",
+                    help="offload.json keeps the published rows of the cases and modes the folders do not re-measure")
     a = ap.parse_args(argv)
     if a.dirs:
-        publish(a.dirs)
+        publish(a.dirs, merge_offload_rows=a.merge_offload)
     text = render()
     if a.print or not a.dirs:
         print(text)

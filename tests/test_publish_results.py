@@ -101,3 +101,41 @@ def test_multigpu_tables_from_device_folders(pr, tmp_path):
     (results / "bench.json").unlink()
     assert "Tuning on several GPUs" in pr.render(results)
     assert pr.render(tmp_path / "a").strip() == ""
+
+
+def offload_row(model, batch, training, mode, step_ms):
+    return {"model": model, "batch": batch, "training": training, "mode": mode, "step_ms": step_ms,
+            "speedup_vs_inductor_same_mode": 1.0}
+
+
+def offload_file(rows, host, steps=20):
+    return {"device": "GPU X", "torch": "2.x", "cudnn": 1, "image": 224, "steps": steps, "rounds": 3, "dtype": "fp16",
+            "rows": rows, "host_overhead": host}
+
+
+def test_merge_offload_replaces_only_the_rerun_cases(pr, tmp_path):
+    """--merge-offload: a rerun of one model's modes replaces those rows; the other model's rows and the published
+    host overheads stay, the new run's host overheads numbered after them."""
+    results = tmp_path / "h200"
+    old = [offload_row("resnet50", 32, True, "inductor", 9.8), offload_row("resnet50", 32, True, "cutlass_byoc", 9.7),
+           offload_row("mobilenet_v2", 32, True, "inductor", 7.4),
+           offload_row("mobilenet_v2", 32, True, "cutlass_byoc", 6.8)]
+    first = tmp_path / "call1"
+    first.mkdir()
+    (first / "offload.json").write_text(json.dumps(offload_file(old, [{"pass": "fprop", "us_per_call": 20.0}])))
+    pr.publish([first], results)
+    rerun = tmp_path / "call2"
+    rerun.mkdir()
+    new = [offload_row("mobilenet_v2", 32, True, "inductor", 7.5), offload_row("mobilenet_v2", 32, True,
+                                                                               "cutlass_byoc", 6.1)]
+    (rerun / "offload.json").write_text(json.dumps(offload_file(new, [{"pass": "fprop", "us_per_call": 18.0}])))
+    pr.publish([rerun], results, merge_offload_rows=True)
+    merged = json.loads((results / "offload.json").read_text())
+    assert [(r["model"], r["mode"], r["step_ms"]) for r in merged["rows"]] == [
+        ("resnet50", "inductor", 9.8), ("resnet50", "cutlass_byoc", 9.7),
+        ("mobilenet_v2", "inductor", 7.5), ("mobilenet_v2", "cutlass_byoc", 6.1)]
+    assert [(h["us_per_call"], h["run"]) for h in merged["host_overhead"]] == [(20.0, 1), (18.0, 2)]
+    assert merged["runs"] == 2
+    # without the flag the given folders' rows alone are published, as before
+    pr.publish([rerun], results)
+    assert len(json.loads((results / "offload.json").read_text())["rows"]) == 2
