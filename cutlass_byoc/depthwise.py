@@ -155,6 +155,12 @@ def is_flipped(c: KernelConfig) -> bool:
     return c.kind is ConvKind.DGRAD and c.conv_stride == (1, 1)
 
 
+def runs_window_loop(c: KernelConfig) -> bool:
+    """Whether the kernel walks input windows into output strips: fprop and stride-1 dgrad (not wgrad, and not the
+    strided dgrad, which gathers its valid taps)."""
+    return c.kind is ConvKind.FPROP or is_flipped(c)
+
+
 def halo_shape(c: KernelConfig) -> tuple[int, int]:
     """Input rows x columns a CTA's output tile reads (its halo)."""
     rows, cols, _ = c.tile
@@ -216,14 +222,14 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r} or {TAPROWS!r} (wgrad only), "
                 f"got {c.schedule!r}")
     if is_rows(c):
-        if c.kind is not ConvKind.WGRAD and not (c.schedule == ROWS and (c.kind is ConvKind.FPROP or is_flipped(c))):
+        if c.kind is not ConvKind.WGRAD and not (c.schedule == ROWS and runs_window_loop(c)):
             return (f"schedule {c.schedule!r}: wgrad, and for {ROWS!r} also fprop and stride-1 dgrad (strided dgrad "
                     f"gathers its taps)")
         if c.halo_smem:
             return f"halo_smem: the {c.schedule!r} schedule reads its input windows through L1 (halo_smem False)"
         if c.stages not in (1, 2, 4, 8):
             return f"stages: a {c.schedule!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
-    elif c.stages != 1 and not (c.stages == 2 and c.halo_smem and (c.kind is ConvKind.FPROP or is_flipped(c))):
+    elif c.stages != 1 and not (c.stages == 2 and c.halo_smem and runs_window_loop(c)):
         return (f"stages: depthwise pixel-tile kernels take 1, or 2 (a pipelined halo) for fprop and stride-1 dgrad "
                 f"with halo_smem, got {c.stages}")
     if c.min_blocks is not None and not (2 <= c.min_blocks and c.min_blocks * c.threads <= MAX_SM_THREADS):
@@ -480,7 +486,7 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                         cfg = _config(problem, shape, vec, halo, schedule, stages)
                     except ValueError:
                         continue  # e.g. a "rows" step needing too many registers for this filter and vector
-                    if is_wide_strip(cfg) and not (cfg.kind is ConvKind.FPROP or is_flipped(cfg)):
+                    if is_wide_strip(cfg) and not runs_window_loop(cfg):
                         continue  # wide strips save window loads, which wgrad and strided dgrad do not repeat
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)

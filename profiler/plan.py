@@ -193,16 +193,16 @@ def plan_problem(
             continue
         kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
-        wide = by_family.pop(_WIDE, [])[:WIDE_STRIP_BUDGET] + by_family.pop(_PIPELINED, [])[:PIPELINED_BUDGET]
+        side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
         tag = "" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})"
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
         n_valid += valid
         if by_family:
-            options.append((pad_c, pad_k, by_family, wide))
+            options.append((pad_c, pad_k, by_family, side))
     cands: list[Candidate] = []
-    for i, (pad_c, pad_k, by_family, wide) in enumerate(options):
+    for i, (pad_c, pad_k, by_family, side) in enumerate(options):
         budget = max(1, max_candidates // len(options) + (1 if i < max_candidates % len(options) else 0))
-        for _, _, launches in _take_budget(by_family, budget) + wide:
+        for _, _, launches in _take_budget(by_family, budget) + side:
             for us, l in launches[:slices_per_kernel]:
                 if (pad_c, pad_k) != (1, 1):
                     l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k)
@@ -246,10 +246,21 @@ def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -
     return ranked, unlaunchable
 
 
-#: The keys under which _rank_families lists the depthwise pipelined kernels (PIPELINED_BUDGET) and the other
-#: wide-strip kernels (WIDE_STRIP_BUDGET), apart from the family's others.
+#: The keys under which _rank_families lists the depthwise pipelined kernels and the other wide-strip kernels, apart
+#: from the family's others, and the budget of each (timed on top of the problem's own budget).
 _WIDE = "depthwise wide strips"
 _PIPELINED = "depthwise pipelined"
+_SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET}
+
+
+def _family_key(kernel: KernelConfig):
+    """The list _rank_families puts `kernel` in: its family, or a depthwise side budget's key."""
+    if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
+        if is_pipelined(kernel):
+            return _PIPELINED
+        if is_wide_strip(kernel):
+            return _WIDE
+    return kernel.family
 
 
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:
@@ -259,16 +270,11 @@ def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, i
     valid, pruned = enumerate_kernels(problem, arch)
     ranked, unlaunchable = _ranked(problem, valid, sms)
     pruned += [Pruned(kc.name, "no split-k count fits the problem") for kc in unlaunchable]
-    by_family: dict = {}  # KernelFamily (or _WIDE) -> [(estimate, kernel, launches)]
+    by_family: dict = {}  # _family_key -> [(estimate, kernel, launches)]
     for t in ranked:  # (each family's order is the overall one)
-        key = t[1].family
-        if key is KernelFamily.DEPTHWISE_DIRECT and is_pipelined(t[1]):
-            key = _PIPELINED
-        elif key is KernelFamily.DEPTHWISE_DIRECT and is_wide_strip(t[1]):
-            key = _WIDE
-        by_family.setdefault(key, []).append(t)
+        by_family.setdefault(_family_key(t[1]), []).append(t)
     for fam, lst in by_family.items():
-        by_family[fam] = _alternate_schedules(lst if fam in (_WIDE, _PIPELINED) else _spread_over_tiles(lst))
+        by_family[fam] = _alternate_schedules(lst if fam in _SIDE_BUDGETS else _spread_over_tiles(lst))
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
         best_2x = sm80[0][0]
