@@ -9,6 +9,8 @@ from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.runtime import KernelLibrary
 from cutlass_byoc.types import IteratorAlgorithm, SplitKMode
 
+from compile_util import loaded_kernel  # noqa: E402
+
 pytestmark = pytest.mark.compile
 
 STEM = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
@@ -37,12 +39,7 @@ def built(shared_cache):
 def test_kernel_compiles_and_exports_the_api(built, which):
     problem, cfg = KERNELS[which]
     result = built[cfg]
-    assert result.ok, result.error_report()
-    src = result.entry.source.read_text()
-    assert src.startswith(f"// {cfg.name}\n")
-    assert "// Compile: nvcc " in src and "-gencode=arch=compute_90a,code=sm_90a" in src
-    lib = KernelLibrary(cfg, result.library)  # checks ABI and that the library holds exactly this config
-    assert lib.can_implement(problem) is None
+    loaded_kernel(result, cfg, problem)
     assert result.entry.meta["compile_seconds"] > 0
 
 

@@ -2,15 +2,15 @@
 for sm_90a (no hidden warnings), loaded, and asked its host-side API (can_implement, workspace size; no GPU
 needed)."""
 
-import ctypes
-
 import pytest
 
 from cutlass_byoc.build import build
 from cutlass_byoc.depthwise import depthwise_candidates
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
-from cutlass_byoc.runtime import KernelLibrary, make_args
+from cutlass_byoc.runtime import KernelLibrary
 from cutlass_byoc.types import Activation, SourceKind
+
+from compile_util import loaded_kernel, raw_can_implement  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -42,20 +42,9 @@ def built(shared_cache):
 def test_kernel_compiles_without_warnings_and_exports_the_api(built, which):
     problem, cfg = KERNELS[which]
     result = built[cfg]
-    assert result.ok, result.error_report()
-    src = result.entry.source.read_text()
-    assert src.startswith(f"// {cfg.name}\n") and "-gencode=arch=compute_90a,code=sm_90a" in src
+    _, lib = loaded_kernel(result, cfg, problem)
     assert "warning" not in result.entry.log.lower(), result.entry.log
-    lib = KernelLibrary(cfg, result.library)  # checks ABI and that the library holds exactly this config
-    assert lib.can_implement(problem) is None
     assert lib.can_implement(problem.replace(n=1, h=17, w=9)) is None  # odd sizes: one kernel serves them all
-
-
-def raw_can_implement(lib, problem, splits=1):
-    """The compiled kernel's own cb_can_implement (below the Python rules), its message or None."""
-    buf = ctypes.create_string_buffer(512)
-    rc = lib._lib.cb_can_implement(ctypes.byref(make_args(problem, splits)), buf, len(buf))
-    return buf.value.decode() if rc else None
 
 
 def test_host_api_refuses_what_the_kernel_cannot_do(built):
@@ -71,10 +60,7 @@ def test_host_api_refuses_what_the_kernel_cannot_do(built):
     assert lib.workspace_size(problem) == 0
     dgrad, dcfg = KERNELS["strided_dgrad"]
     dlib = KernelLibrary(dcfg, built[dcfg].library)
-    args = make_args(dgrad)
-    args.source_kind = 1  # a bias, which only fprop takes
-    buf = ctypes.create_string_buffer(512)
-    assert dlib._lib.cb_can_implement(ctypes.byref(args), buf, len(buf)) and b"bias" in buf.value
+    assert "bias" in raw_can_implement(dlib, dgrad, source_kind=1)  # a bias, which only fprop takes
 
 
 def test_wgrad_workspace_holds_fp32_partials_per_split(built):

@@ -2,16 +2,16 @@
 config checked), and their host API takes a bias with a residual (source_kind 3) and a bias alone (1), and refuses
 what they do not do."""
 
-import ctypes
-
 import pytest
 
 from cutlass_byoc.build import build
 from cutlass_byoc.candidates import sm80_candidates
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
-from cutlass_byoc.runtime import KernelLibrary, make_args
+from cutlass_byoc.runtime import KernelLibrary
 from cutlass_byoc.sm90 import sm90_candidates
 from cutlass_byoc.types import Activation, SourceKind
+
+from compile_util import raw_can_implement  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -29,13 +29,6 @@ def built(shared_cache):
     return build([cfg for _, cfg in KERNELS.values()], cache=shared_cache)
 
 
-def host_can_implement(lib, problem, split_k_slices=1):
-    """The compiled kernel's own cb_can_implement (no Python-side rules in front)."""
-    buf = ctypes.create_string_buffer(512)
-    rc = lib._lib.cb_can_implement(ctypes.byref(make_args(problem, split_k_slices)), buf, len(buf))
-    return buf.value.decode() if rc else None
-
-
 @pytest.mark.parametrize("which", list(KERNELS))
 def test_bias_vector_kernel_builds_and_takes_bias_with_residual(built, which):
     problem, cfg = KERNELS[which]
@@ -44,10 +37,10 @@ def test_bias_vector_kernel_builds_and_takes_bias_with_residual(built, which):
     lib = KernelLibrary(cfg, result.library)
     assert lib.can_implement(problem) is None
     bias_only = problem.replace(epilogue=Epilogue(problem.epilogue.activation, SourceKind.BIAS, "f32"))
-    assert lib.can_implement(bias_only) is None and host_can_implement(lib, bias_only) is None
+    assert lib.can_implement(bias_only) is None and raw_can_implement(lib, bias_only) is None
     residual_only = problem.replace(epilogue=Epilogue(problem.epilogue.activation, SourceKind.RESIDUAL))
-    assert "source_kind must be 1 (bias) or 3" in host_can_implement(lib, residual_only)
+    assert "source_kind must be 1 (bias) or 3" in raw_can_implement(lib, residual_only)
     assert "element_bias" in lib.can_implement(residual_only)
     assert lib.workspace_size(problem) >= 0
     if which == "sm80":
-        assert "runs unsplit" in host_can_implement(lib, problem, 2)
+        assert "runs unsplit" in raw_can_implement(lib, problem, 2)
