@@ -23,10 +23,11 @@ split_k_mode   PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel t
 align_b        fprop/dgrad: 1 (the filter, [C][R][S], is read per channel into shared memory once per CTA);
                wgrad: x's alignment
 align_c        fprop/dgrad: the output's store width; wgrad: 1 (the reduction writes dw [C][R][S] per element)
-stages         pixel tiles: 1, or 2 for fprop and stride-1 dgrad with halo_smem ("pipelined", name `smem2`): the
-               CTAs stay resident (as many as the GPU holds) and walk the pixel tiles, the next tile's halo
-               streaming into a second shared-memory buffer while the current one is computed. "rows"/"taprows":
-               the columns per step
+stages         pixel tiles: 1, or 2 with halo_smem ("pipelined", name `smem2`): fprop and stride-1 dgrad keep
+               their CTAs resident (as many as the GPU holds) and walk the pixel tiles, the next tile's halo
+               streaming into a second shared-memory buffer while the current one is computed; wgrad walks its
+               split's tiles the same way, the dy tile staged beside the halo. "rows"/"taprows": the columns per
+               step
 min_blocks     None, or the CTAs per SM the compiler must fit (`__launch_bounds__(threads, min_blocks)`): a
                register cap of 65536 / (min_blocks * threads) per thread, for more warps in flight at the price
                of possible spills. Candidates come in pairs, without and with the cap of MIN_BLOCKS_REGS.
@@ -57,6 +58,13 @@ Kernels:
   5x5 and 7x7 filters, whose R*S*vector sums leave a "rows" thread few registers for loads in flight or force a
   narrow vector. The CTA is R x `tile[0]` x (channel vectors) threads; `tile[0]` x (channel vectors) is a multiple
   of 32, so the threads of a warp share their filter row.
+- wgrad, pipelined (pixel tiles, halo_smem, stages 2; name `smem2`): the filter rows split over R groups of threads
+  as in "taprows", but each split's CTA walks its pixel tiles with the tile's input halo and its dy both copied
+  into shared memory (cp.async, zero-filled outside the images), the next tile's copies in flight while the
+  current tile is computed. No thread waits on a load it issued in the same step (on the H200 the "taprows"
+  kernels issued an instruction every ~5 cycles per scheduler at 10-15 warps per SM: load latency, not bandwidth or
+  arithmetic, bounded them). The CTA is R x (rows x cols / strip) x (channel vectors) threads, each thread a strip
+  of `strip` dy columns of one tile row for one filter row (S * vector fp32 sums); `PIPELINED_WGRAD_SHAPES`.
 """
 
 from __future__ import annotations
@@ -107,9 +115,10 @@ def lanes(c: KernelConfig) -> int:
 
 
 def strip(c: KernelConfig) -> int:
-    """Consecutive output columns per thread (the pixel-tile schedules)."""
+    """Consecutive output columns per thread (the pixel-tile schedules; pipelined wgrad: dy columns per thread and
+    filter row)."""
     rows, cols, _ = c.tile
-    return rows * cols * lanes(c) // c.threads
+    return rows * cols * lanes(c) * row_groups(c) // c.threads
 
 
 def is_wide_strip(c: KernelConfig) -> bool:
@@ -123,8 +132,8 @@ def is_rows(c: KernelConfig) -> bool:
 
 
 def row_groups(c: KernelConfig) -> int:
-    """Thread groups splitting the filter rows: R for "taprows" (one row per thread), else 1."""
-    return c.filter_rs[0] if c.schedule == TAPROWS else 1
+    """Thread groups splitting the filter rows: R for "taprows" and the pipelined wgrad (one row per thread), else 1."""
+    return c.filter_rs[0] if c.schedule == TAPROWS or is_pipelined_wgrad(c) else 1
 
 
 def thread_taps(c: KernelConfig) -> int:
@@ -171,8 +180,14 @@ def halo_shape(c: KernelConfig) -> tuple[int, int]:
 
 
 def is_pipelined(c: KernelConfig) -> bool:
-    """Whether a pixel-tile config keeps its CTAs resident with a double-buffered halo (stages 2)."""
+    """Whether a pixel-tile config walks its tiles with a double-buffered halo (stages 2): fprop and stride-1 dgrad
+    with resident CTAs, wgrad one CTA per split and channel block."""
     return not is_rows(c) and c.stages > 1
+
+
+def is_pipelined_wgrad(c: KernelConfig) -> bool:
+    """Whether the config is a pipelined wgrad (halo and dy tiles double-buffered, filter rows split over threads)."""
+    return c.kind is ConvKind.WGRAD and is_pipelined(c)
 
 
 def smem_bytes(c: KernelConfig) -> int:
@@ -181,6 +196,8 @@ def smem_bytes(c: KernelConfig) -> int:
     halo = 0
     if c.halo_smem and not is_rows(c):
         hh, ww = halo_shape(c)
+        if is_pipelined_wgrad(c):  # the dy tile beside the halo
+            hh, ww = hh * ww + c.tile[0] * c.tile[1], 1
         halo = hh * ww * c.tile[2] * c.element_a.nbytes * c.stages  # one buffer per stage
     return filt + halo
 
@@ -229,9 +246,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
             return f"halo_smem: the {c.schedule!r} schedule reads its input windows through L1 (halo_smem False)"
         if c.stages not in (1, 2, 4, 8):
             return f"stages: a {c.schedule!r} step takes 1, 2, 4 or 8 columns, got {c.stages}"
-    elif c.stages != 1 and not (c.stages == 2 and c.halo_smem and runs_window_loop(c)):
-        return (f"stages: depthwise pixel-tile kernels take 1, or 2 (a pipelined halo) for fprop and stride-1 dgrad "
-                f"with halo_smem, got {c.stages}")
+    elif c.stages != 1 and not (c.stages == 2 and c.halo_smem and (runs_window_loop(c) or c.kind is ConvKind.WGRAD)):
+        return (f"stages: depthwise pixel-tile kernels take 1, or 2 (a pipelined halo) for fprop, stride-1 dgrad and "
+                f"wgrad with halo_smem, got {c.stages}")
     if c.min_blocks is not None and not (2 <= c.min_blocks and c.min_blocks * c.threads <= MAX_SM_THREADS):
         return (f"min_blocks: None or 2 .. {MAX_SM_THREADS // c.threads} CTAs of {c.threads} threads per SM, "
                 f"got {c.min_blocks}")
@@ -286,8 +303,13 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         if smem_bytes(c) > SMEM_LIMIT:
             return f"{smem_bytes(c)} bytes of shared memory, past the {SMEM_LIMIT} of static shared memory"
         return None
-    if (rows * cols * lanes(c)) % c.threads:
-        return f"tile {c.tile}: {rows * cols} pixels x {lanes(c)} channel vectors do not divide over {c.threads} threads"
+    groups = row_groups(c)
+    if (rows * cols * lanes(c) * groups) % c.threads:
+        return (f"tile {c.tile}: {rows * cols} pixels x {lanes(c)} channel vectors"
+                f"{f' x {groups} filter rows' if groups > 1 else ''} do not divide over {c.threads} threads")
+    if groups > 1 and (c.threads // groups) % 32:
+        return (f"warps {c.warps}: each of the {groups} filter-row groups must be whole warps (the threads of a warp "
+                f"share their filter row)")
     if c.threads % lanes(c) or cols % strip(c):
         return f"tile {c.tile}: a thread's strip of {strip(c)} columns must divide the {cols} columns"
     if strip(c) > 8:
@@ -391,6 +413,29 @@ TAPROWS_SHAPES: tuple[tuple[int, int, int], ...] = (
     (8, 16, 8),    # 64 threads per filter row
 )
 
+#: The pipelined wgrad's tiles: (rows, cols, channel vectors, strip) of dy per CTA step, each thread a strip of
+#: `strip` columns of one tile row for one filter row; the CTA is R x rows x cols / strip x vectors threads (warps
+#: derived, `_pipelined_wgrad_shapes`), each filter-row group one to four warps.
+PIPELINED_WGRAD_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (8, 16, 4, 4),   # 128 threads per filter row
+    (4, 16, 4, 4),   # 64
+    (4, 16, 8, 4),   # 128, more channels
+    (2, 16, 8, 4),   # 64, small images
+    (4, 8, 8, 4),    # 64, 14x14 and smaller images
+    (2, 8, 16, 4),   # 64, many channels, 7x7 images
+    (4, 16, 4, 2),   # 128, strips of 2
+)
+
+
+def _pipelined_wgrad_shapes(problem: Conv2dProblem) -> tuple[tuple[int, int, int, int], ...]:
+    """PIPELINED_WGRAD_SHAPES as (rows, cols, channel vectors, warps) for the problem's R filter-row groups."""
+    out = []
+    for rows, cols, nvec, strip_cols in PIPELINED_WGRAD_SHAPES:
+        threads = problem.r * rows * (cols // strip_cols) * nvec
+        if threads <= 1024 and threads % 32 == 0:
+            out.append((rows, cols, nvec, threads // 32))
+    return tuple(out)
+
 
 def _exact_channel_shapes(problem: Conv2dProblem, vec: int) -> tuple[tuple[int, int, int, int], ...]:
     """fprop/dgrad CTA shapes whose channel tile divides C exactly where no power-of-two tile does (C=144 at vector 8:
@@ -438,12 +483,12 @@ def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optio
     )
 
 
-def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None) -> list[int]:
-    """Vector widths worth trying: the widest the channel count allows (and, for wgrad, the thread's fp32 sums), and
-    half of it (more threads per CTA)."""
+def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: bool = False) -> list[int]:
+    """Vector widths worth trying: the widest the channel count allows (and, for wgrad, the thread's fp32 sums: S taps
+    where the filter rows split over threads, R*S otherwise), and half of it (more threads per CTA)."""
     widest = max_alignment(problem.c, problem.element_a)
     if problem.kind is ConvKind.WGRAD:
-        taps = problem.s if schedule == TAPROWS else problem.r * problem.s
+        taps = problem.s if schedule == TAPROWS or tap_split else problem.r * problem.s
         while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
@@ -452,8 +497,8 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None) -> list[int
 def _schedule_variants(problem: Conv2dProblem):
     """(CTA shapes, (halo_smem, schedule, stages) choices) of each schedule the problem's kind has: the pixel tiles
     with and without halo staging (fprop and stride-1 dgrad also pipelined, and their "rows" schedule); for wgrad
-    the "rows" and "taprows" schedules at each of their columns per step. Shapes are (rows, cols, channel vectors,
-    warps)."""
+    the "rows" and "taprows" schedules at each of their columns per step, and the pipelined tiles. Shapes are
+    (rows, cols, channel vectors, warps)."""
     window_loop = problem.kind is ConvKind.FPROP or (problem.kind is ConvKind.DGRAD and
                                                      (problem.stride_h, problem.stride_w) == (1, 1))
     yield SHAPES, [(halo, None, 1) for halo in (False, True)] + ([(True, None, 2)] if window_loop else [])
@@ -464,6 +509,7 @@ def _schedule_variants(problem: Conv2dProblem):
         shapes = tuple((seg, cols, nvec, problem.r * seg * nvec // 32) for seg, cols, nvec in TAPROWS_SHAPES
                        if problem.r * seg * nvec <= 1024)
         yield shapes, [(False, TAPROWS, steps) for steps in ROWS_STEPS]
+        yield _pipelined_wgrad_shapes(problem), [(True, None, 2)]
 
 
 def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
@@ -472,7 +518,10 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
         return
     seen = set()
     for shapes, choices in _schedule_variants(problem):
-        for vec in _vectors(problem, choices[0][1]):
+        _, first_schedule, first_stages = choices[0]
+        # the pipelined wgrad (pixel tiles, stages 2) splits the filter rows over threads: S sums per thread
+        tap_split = problem.kind is ConvKind.WGRAD and first_schedule is None and first_stages > 1
+        for vec in _vectors(problem, first_schedule, tap_split):
             extra: tuple = ()  # the exact channel tiles of this vector width (wgrad's CTA sum needs 2^k vectors)
             if shapes is SHAPES and problem.kind is not ConvKind.WGRAD:
                 extra = _exact_channel_shapes(problem, vec)

@@ -53,6 +53,20 @@ def depthwise_rows_config(problem: Conv2dProblem, vec: int, steps: int, schedule
                 if c.schedule == schedule and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
 
 
+def depthwise_pipelined_wgrad_config(problem: Conv2dProblem, vec: int, tile=(4, 16), strip_cols: int = 4) -> KernelConfig:
+    """The depthwise tests' pipelined wgrad config for the problem's types, filter and stride: vector `vec`, a dy tile
+    of `tile` pixels x 4 channel vectors, strips of `strip_cols` columns (from the C=96 twin, or the problem's own
+    candidates for the narrow vectors its channels allow)."""
+    import itertools  # noqa: PLC0415
+
+    from cutlass_byoc.depthwise import depthwise_candidates, is_pipelined_wgrad, lanes, strip  # noqa: PLC0415
+
+    wide = problem.replace(c=96, k=96, groups=96)
+    return next(c for c in itertools.chain(depthwise_candidates(wide), depthwise_candidates(problem))
+                if is_pipelined_wgrad(c) and c.align_a == vec and c.tile[:2] == tuple(tile) and lanes(c) == 4
+                and strip(c) == strip_cols and c.min_blocks is None)
+
+
 def pick(problem: Conv2dProblem, mode: SplitKMode = SplitKMode.SERIAL, tile=None) -> KernelConfig:
     """A fixed, mid-size kernel for the problem, so the test suite compiles few kernels."""
     preferred = tile or ((128, 128, 16) if problem.element_a is DType.F32 else (128, 128, 32))

@@ -1,4 +1,4 @@
-"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined one) rendered, built with nvcc
+"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad) rendered, built with nvcc
 for sm_90a (no hidden warnings), loaded, and asked its host-side API (can_implement, workspace size; no GPU
 needed)."""
 
@@ -19,6 +19,7 @@ FPROP = Conv2dProblem.make("fprop", 32, 96, 112, 112, 96, 3, stride=2, padding=1
 STRIDED_DGRAD = Conv2dProblem.make("dgrad", 32, 144, 56, 56, 144, 5, stride=2, padding=2, groups=144)
 WGRAD = Conv2dProblem.make("wgrad", 32, 576, 14, 14, 576, 3, padding=1, groups=576, dtype="bf16", out_dtype="f32")
 FLIPPED_DGRAD = Conv2dProblem.make("dgrad", 32, 240, 28, 28, 240, 5, padding=2, groups=240)
+WGRAD_5X5 = Conv2dProblem.make("wgrad", 32, 240, 28, 28, 240, 5, padding=2, groups=240, out_dtype="f32")
 
 
 def pick(problem, **want):
@@ -30,6 +31,7 @@ KERNELS = {
     "strided_dgrad": (STRIDED_DGRAD, pick(STRIDED_DGRAD, align_a=8)),
     "wgrad": (WGRAD, pick(WGRAD, halo_smem=False, align_a=8)),
     "pipelined_dgrad": (FLIPPED_DGRAD, pick(FLIPPED_DGRAD, stages=2, align_a=4, min_blocks=None)),
+    "pipelined_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, stages=2, schedule=None, align_a=8, min_blocks=None)),
 }
 
 
@@ -63,8 +65,9 @@ def test_host_api_refuses_what_the_kernel_cannot_do(built):
     assert "bias" in raw_can_implement(dlib, dgrad, source_kind=1)  # a bias, which only fprop takes
 
 
-def test_wgrad_workspace_holds_fp32_partials_per_split(built):
-    problem, cfg = KERNELS["wgrad"]
+@pytest.mark.parametrize("which", ["wgrad", "pipelined_wgrad"])
+def test_wgrad_workspace_holds_fp32_partials_per_split(built, which):
+    problem, cfg = KERNELS[which]
     lib = KernelLibrary(cfg, built[cfg].library)
     for splits in (1, 8, 64):
         assert lib.can_implement(problem, split_k_slices=splits) is None

@@ -16,12 +16,15 @@ from cutlass_byoc.depthwise import (
     default_depthwise_launch,
     depthwise_candidates,
     is_pipelined,
+    is_pipelined_wgrad,
     is_wide_strip,
     halo_shape,
     pixel_tiles,
+    row_groups,
     smem_bytes,
     split_candidates,
     strip,
+    thread_taps,
     with_alignments,
 )
 from cutlass_byoc.heuristics import default_launch
@@ -59,7 +62,7 @@ def test_candidates_exist_and_are_valid_for_every_kind_filter_and_stride(kind, r
         assert (c.split_k_mode is SplitKMode.PARALLEL) == (kind is ConvKind.WGRAD)
         if kind is ConvKind.WGRAD:
             assert dwmod.thread_taps(c) * c.align_a <= dwmod.WGRAD_MAX_ACC and c.align_c == 1
-            assert dwmod.thread_taps(c) == (r if c.schedule == "taprows" else r * r)
+            assert dwmod.thread_taps(c) == (r if c.schedule == "taprows" or dwmod.is_pipelined_wgrad(c) else r * r)
         else:
             assert c.align_b == 1
     assert {c.halo_smem for c in cands} == ({False} if kind is ConvKind.DGRAD and stride > 1 else {False, True})
@@ -73,7 +76,7 @@ def test_vector_width_follows_the_channel_count():
     fp32_out = first(dw(c=96, out_dtype="f32"), align_a=8)
     assert fp32_out.align_c == 4  # 8 fp32 outputs stored as two 16-byte accesses
     sev = list(depthwise_candidates(dw("wgrad", c=96, r=7)))
-    assert {c.align_a for c in sev if c.schedule != "taprows"} == {2}  # 49 x 2 accumulators
+    assert {c.align_a for c in sev if c.schedule != "taprows" and not is_pipelined_wgrad(c)} == {2}  # 49 x 2 sums
     assert {c.align_a for c in sev if c.schedule == "taprows"} == {8, 4}  # one filter row: 7 x 8
 
 
@@ -96,16 +99,19 @@ def test_config_json_round_trip_and_other_families_unchanged():
 
 
 def test_register_capped_twins():
-    """Every candidate comes with its min_blocks twin (registers capped at MIN_BLOCKS_REGS) right after it, named
-    _mb<n>, ranked by the model just behind it; the unbounded kernel's source has the plain __launch_bounds__."""
+    """Every candidate of which two CTAs fit under MIN_BLOCKS_REGS comes with its min_blocks twin (registers capped
+    there) right after it, named _mb<n>, ranked by the model just behind it; the unbounded kernel's source has the
+    plain __launch_bounds__. The others are the pipelined wgrad CTAs of 384 threads and more."""
     from cutlass_byoc.depthwise import MIN_BLOCKS_REGS, estimate_us, min_blocks_variant
 
     for kind in ("fprop", "dgrad", "wgrad"):
         cands = list(depthwise_candidates(dw(kind)))
         plain = [c for c in cands if c.min_blocks is None]
         capped = [c for c in cands if c.min_blocks is not None]
-        assert plain and len(capped) == len(plain)
-        for c in plain:
+        alone = [c for c in plain if 65536 // (MIN_BLOCKS_REGS[c.kind] * c.threads) < 2]
+        assert all(is_pipelined_wgrad(c) and c.threads >= 384 for c in alone) and (kind == "wgrad") == bool(alone)
+        assert plain and len(capped) == len(plain) - len(alone)
+        for c in (c for c in plain if c not in alone):
             twin = cands[cands.index(c) + 1]
             assert twin == dataclasses.replace(c, min_blocks=twin.min_blocks) and twin.name == c.name.replace(
                 "_sm90", f"_mb{twin.min_blocks}_sm90")
@@ -173,12 +179,41 @@ def test_pipelined_halo_kernels():
     with pytest.raises(ValueError, match="stages"):
         dataclasses.replace(piped, halo_smem=False)
     for kind, stride, has in (("fprop", 1, True), ("fprop", 2, True), ("dgrad", 1, True), ("dgrad", 2, False),
-                              ("wgrad", 1, False)):
+                              ("wgrad", 1, True), ("wgrad", 2, True)):
         cands = [k for k in depthwise_candidates(dw(kind, stride=stride)) if k.schedule is None]
         assert any(is_pipelined(k) for k in cands) == has, (kind, stride)
-    w = first(dw("wgrad"), halo_smem=True, align_a=8)
+    w = first(dw("wgrad"), halo_smem=False, align_a=8, schedule=None)
     with pytest.raises(ValueError, match="stages"):
         dataclasses.replace(w, stages=2)
+
+
+def test_pipelined_wgrad_kernels():
+    """The pipelined wgrad: pixel tiles with halo_smem and stages 2, the filter rows split over R groups of whole warps
+    (S*vector sums per thread, so 5x5 takes vector 8), the dy tile double-buffered beside the halo, one CTA per split
+    and channel block (no resident-CTA query)."""
+    p = dw("wgrad", r=5, c=96, hw=28)
+    cands = [k for k in depthwise_candidates(p) if is_pipelined_wgrad(k)]
+    assert cands and all(k.halo_smem and k.stages == 2 and k.schedule is None for k in cands)
+    assert {k.align_a for k in cands} == {8, 4}  # 5 taps x 8 sums fit where 25 x 8 do not
+    for k in cands:
+        rows, cols, ch = k.tile
+        assert row_groups(k) == 5 and thread_taps(k) == 5 and (k.threads // 5) % 32 == 0
+        assert k.threads == 5 * rows * cols // strip(k) * ch // k.align_a
+        hh, ww = halo_shape(k)
+        assert smem_bytes(k) == 25 * ch * 4 + (hh * ww + rows * cols) * ch * 2 * 2
+    c = next(k for k in cands if k.tile == (4, 16, 32) and k.align_a == 8 and k.min_blocks is None)
+    assert strip(c) in (2, 4) and c.name.endswith("_smem2_align881_splitk_parallel_f5x5_u1x1_sm90")
+    src = render(c, "nvcc")
+    for text in ("dy_tile[kStages][kTileRows][kTileCols][kLanes]", "load_dy_tile(", "cp_async_wait<kStages - 1>()",
+                 "constexpr int kRowGroups = kR;", "cta_sum(acc, total, lane, channel_ok, r * kS)"):
+        assert text in src, text
+    for text in ("resident_ctas", "#include <atomic>", "stage_filter("):
+        assert text not in src, text
+    four = next(k for k in depthwise_candidates(dw("wgrad", r=4, c=96, hw=28)) if is_pipelined_wgrad(k))
+    with pytest.raises(ValueError, match="filter-row groups must be whole warps"):
+        dataclasses.replace(four, tile=(1, 16, 32), warps=(2, 1, 1))  # 4 groups of 16 threads
+    with pytest.raises(ValueError, match="do not divide"):
+        dataclasses.replace(c, warps=(7, 1, 1))
 
 
 def test_reject_reason_names_what_does_not_fit():
@@ -267,7 +302,7 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
         assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped)
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
-        assert len(piped) == (0 if kind is ConvKind.WGRAD else PIPELINED_BUDGET)
+        assert len(piped) == PIPELINED_BUDGET
         assert all(strip(k) >= WIDE_STRIP for k in wide) and all(k.stages == 2 and k.halo_smem for k in piped)
         assert len({(k.schedule, k.halo_smem) for k in plan.kernels}) >= 2  # schedules alternate
         if kind is ConvKind.WGRAD:

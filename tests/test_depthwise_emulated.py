@@ -19,7 +19,7 @@ from cutlass_byoc.ops import _apply_activation  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, depthwise_rows_config  # noqa: E402
+from gpu_util import TOLERANCE, TORCH, depthwise_pipelined_wgrad_config, depthwise_rows_config  # noqa: E402
 
 pytestmark = [pytest.mark.compile,
               pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
@@ -173,3 +173,26 @@ def test_wgrad_rows_schedule_accumulates_into_a_residual_with_padding_0():
     p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
     cfg = depthwise_rows_config(p.replace(epilogue=Epilogue()), 8, 4)
     check(p, cfg, splits=2, seed=3)
+
+
+@pytest.mark.parametrize("r, stride, vec, strip_cols, dt, c, h, w", [
+    (3, 1, 8, 4, ("f16", "f16"), 24, 9, 21),    # three filter-row groups, C below the channel tile, ragged tiles
+    (3, 1, 8, 2, ("f16", "f16"), 16, 7, 18),    # strips of 2
+    (5, 2, 4, 4, ("bf16", "f32"), 12, 13, 11),  # 5x5 stride 2, C not a multiple of 8, fp32 out
+    (7, 1, 2, 4, ("f16", "f16"), 10, 8, 7),     # 7x7, vector 2 (4-byte copies), a 7x7 image
+    (3, 2, 1, 4, ("f16", "f16"), 5, 10, 9),     # vector 1: 2-byte accesses through registers
+])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_wgrad_pipelined_tiles(r, stride, vec, strip_cols, dt, c, h, w, splits):
+    """The pipelined wgrad: each split walks its tiles through both halo and dy buffers (1 split: every tile; None:
+    one tile per split, nothing to prefetch)."""
+    p = problem_of("wgrad", c, h, w, r, stride, dt)
+    cfg = depthwise_pipelined_wgrad_config(p, vec, strip_cols=strip_cols)
+    assert cfg.threads == r * 4 * 16 // strip_cols * 4 and cfg.stages == 2 and "_smem2_" in cfg.name
+    check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride + vec)
+
+
+def test_wgrad_pipelined_accumulates_into_a_residual_with_padding_0():
+    p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    cfg = depthwise_pipelined_wgrad_config(p.replace(epilogue=Epilogue()), 8)
+    check(p, cfg, splits=2, seed=5)

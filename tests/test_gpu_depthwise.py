@@ -23,8 +23,8 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, check_launch, depthwise_rows_config, kernel_operands, module_kernels, operands, poisoned_output, reference,
-    rel_err,
+    TOLERANCE, check_launch, depthwise_pipelined_wgrad_config, depthwise_rows_config, kernel_operands, module_kernels,
+    operands, poisoned_output, reference, rel_err,
 )
 
 pytestmark = pytest.mark.gpu
@@ -174,6 +174,23 @@ def pipelined_kernel(kind, dt, r, stride, vec, epi):
     return cfg if cfg.align_a == vec else with_alignments(cfg, vec, vec, vec)
 
 
+# The pipelined wgrad (filter rows over thread groups, halo and dy tiles double-buffered): (dtypes, R, stride, vector,
+# strip columns, epilogue); a 4x16-pixel dy tile of 4 channel vectors, narrowed to the vector C needs.
+PIPELINED_WGRAD_KERNELS = [
+    (("f16", "f16"), 3, 1, 8, 4, Epilogue()),
+    (("f16", "f32"), 3, 2, 8, 2, Epilogue()),
+    (("bf16", "f32"), 5, 1, 4, 4, Epilogue()),
+    (("f16", "f16"), 5, 2, 4, 4, Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    (("f16", "f16"), 7, 1, 2, 4, Epilogue()),
+]
+
+
+def pipelined_wgrad_kernel(dt, r, stride, vec, strip_cols, epi):
+    cfg = depthwise_pipelined_wgrad_config(problem_of("wgrad", 96, 15, 13, r, stride, dt), 8 if vec == 8 else 4,
+                                           strip_cols=strip_cols)
+    return cfg if cfg.align_a == vec else with_alignments(cfg, vec, vec, vec)
+
+
 # The "rows" schedule of fprop and stride-1 dgrad (one output row segment per thread, kStep columns per step):
 # (kind, dtypes, R, stride, columns per step, segment columns, epilogue), the widest vector that fits (C=96 twin),
 # narrowed to 4 where C needs it.
@@ -214,6 +231,7 @@ def all_kernels():
         cfg = rows_fprop_kernel(*k)
         ks += [cfg] + ([with_alignments(cfg, 4, 4, 4)] if cfg.align_a > 4 else [])
     ks += [wide_kernel(*k) for k in WIDE_KERNELS] + [pipelined_kernel(*k) for k in PIPELINED_KERNELS]
+    ks += [pipelined_wgrad_kernel(*k) for k in PIPELINED_WGRAD_KERNELS]
     ks += [graph_kernel()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
@@ -344,6 +362,24 @@ def test_pipelined(kind, dt, r, stride, vec, epi):
         problem = problem_of(kind, c, h, w, r, stride, dt, n=n, epilogue=epi)
         assert cfg.reject_reason(problem) is None
         check_launch(problem, LaunchConfig(cfg, 1), seed=c * 3 + h + n)
+
+
+@pytest.mark.parametrize("dt, r, stride, vec, strip_cols, epi", PIPELINED_WGRAD_KERNELS,
+                         ids=[f"{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-strip{j}-{e.tag}"
+                              for d, r, s, v, j, e in PIPELINED_WGRAD_KERNELS])
+def test_pipelined_wgrad(dt, r, stride, vec, strip_cols, epi):
+    cfg = pipelined_wgrad_kernel(dt, r, stride, vec, strip_cols, epi)
+    assert cfg.stages == 2 and cfg.halo_smem and "_smem2_" in cfg.name and strip(cfg) == strip_cols
+    # SHAPES at 1 split (every tile through both buffer pairs), 3 and one tile per split; then C=72 over 32 images of
+    # 64x64 (2 or 3 channel blocks, the last part-idle) at 64 splits: 16 or 64 tiles per CTA
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(72, 64, 64, 32)]:
+        if c % vec:
+            continue
+        problem = problem_of("wgrad", c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        tiles = pixel_tiles(cfg, problem)
+        for splits in ([1, 3, tiles] if n == 3 else [64]):
+            check_launch(problem, LaunchConfig(cfg, min(splits, tiles)), seed=c * 3 + h + n + splits)
 
 
 def graph_kernel():
