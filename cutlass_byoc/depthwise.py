@@ -190,16 +190,35 @@ def is_pipelined_wgrad(c: KernelConfig) -> bool:
     return c.kind is ConvKind.WGRAD and is_pipelined(c)
 
 
-def smem_bytes(c: KernelConfig) -> int:
+def pad_groups(c: KernelConfig) -> tuple[int, int]:
+    """Columns per pad column of the staged halo and of the pipelined wgrad's dy tile in shared memory (0: none).
+
+    A 16-byte shared load is served in phases of 8 threads (128 bytes, all 32 banks). With fewer than 8 channel
+    vectors per pixel a phase reads the strips of 8 / vectors pixels, strip * stride columns apart (dy: strip
+    columns); where that distance is even, the column stride of vectors * 16 bytes puts them in the same banks
+    (2-way conflicts at 4 vectors, 4-way at 2). A pad column after every such group spreads them over all banks.
+    Padded only where the buffers still fit the static shared memory (else the config keeps its unpadded layout)."""
+    if not c.halo_smem or is_rows(c) or (c.kind is ConvKind.DGRAD and not is_flipped(c)) or lanes(c) >= 8:
+        return 0, 0
+    group = strip(c) * (1 if is_flipped(c) else c.conv_stride[1])
+    groups = (group if group % 2 == 0 else 0, strip(c) if is_pipelined_wgrad(c) and strip(c) % 2 == 0 else 0)
+    return groups if _smem_bytes(c, *groups) <= SMEM_LIMIT else (0, 0)
+
+
+def _smem_bytes(c: KernelConfig, halo_group: int, dy_group: int) -> int:
     r, s = c.filter_rs
     filt = r * s * c.tile[2] * 4  # fprop/dgrad: the filter in fp32; wgrad: the CTA's fp32 reduction buffer
-    halo = 0
-    if c.halo_smem and not is_rows(c):
-        hh, ww = halo_shape(c)
-        if is_pipelined_wgrad(c):  # the dy tile beside the halo
-            hh, ww = hh * ww + c.tile[0] * c.tile[1], 1
-        halo = hh * ww * c.tile[2] * c.element_a.nbytes * c.stages  # one buffer per stage
-    return filt + halo
+    if not c.halo_smem or is_rows(c):
+        return filt
+    hh, ww = halo_shape(c)
+    vectors = hh * (ww + ((ww - 1) // halo_group if halo_group else 0))  # with its pad columns
+    if is_pipelined_wgrad(c):  # the dy tile beside the halo
+        vectors += c.tile[0] * (c.tile[1] + (c.tile[1] // dy_group if dy_group else 0))
+    return filt + vectors * c.tile[2] * c.element_a.nbytes * c.stages  # a buffer per stage
+
+
+def smem_bytes(c: KernelConfig) -> int:
+    return _smem_bytes(c, *pad_groups(c))
 
 
 def depthwise_name(c: KernelConfig) -> str:

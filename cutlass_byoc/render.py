@@ -64,6 +64,10 @@ def render(config: KernelConfig, compile_command: str) -> str:
         kernel_schedule, epilogue_schedule, tile_scheduler = SCHEDULES[config.schedule]
         extra = dict(kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule, tile_scheduler=tile_scheduler,
                      reduction_mode=STREAMK_REDUCTION.get(config.schedule), max_rsc=IM2COL_MAX_RSC)
+    elif config.family is KernelFamily.DEPTHWISE_DIRECT:
+        from .depthwise import pad_groups  # noqa: PLC0415
+
+        extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)))
     return tmpl.render(
         c=config,
         version=__version__,

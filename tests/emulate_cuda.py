@@ -62,6 +62,10 @@ inline void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
     }
 }
 #define cudaGetLastError() (cudaSuccess)
+// The pipelined kernels' resident-CTA count: two "SMs" of one CTA each, so that each CTA walks many tiles
+#define cudaGetDevice(d) ((*(d) = 0), cudaSuccess)
+#define cudaDeviceGetAttribute(v, attr, dev) ((*(v) = 2), cudaSuccess)
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, f, t, s) ((*(n) = 1), cudaSuccess)
 """
 
 

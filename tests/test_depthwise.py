@@ -19,6 +19,8 @@ from cutlass_byoc.depthwise import (
     is_pipelined_wgrad,
     is_wide_strip,
     halo_shape,
+    lanes,
+    pad_groups,
     pixel_tiles,
     row_groups,
     smem_bytes,
@@ -200,11 +202,15 @@ def test_pipelined_wgrad_kernels():
         assert row_groups(k) == 5 and thread_taps(k) == 5 and (k.threads // 5) % 32 == 0
         assert k.threads == 5 * rows * cols // strip(k) * ch // k.align_a
         hh, ww = halo_shape(k)
-        assert smem_bytes(k) == 25 * ch * 4 + (hh * ww + rows * cols) * ch * 2 * 2
+        halo_group, dy_group = pad_groups(k)  # a pad column per group (bank conflicts), where it fits
+        assert halo_group in (0, strip(k)) and dy_group in (0, strip(k))
+        ww += (ww - 1) // halo_group if halo_group else 0
+        cols += cols // dy_group if dy_group else 0
+        assert smem_bytes(k) == 25 * ch * 4 + (hh * ww + rows * cols) * ch * 2 * 2 <= 48 * 1024
     c = next(k for k in cands if k.tile == (4, 16, 32) and k.align_a == 8 and k.min_blocks is None)
     assert strip(c) in (2, 4) and c.name.endswith("_smem2_align881_splitk_parallel_f5x5_u1x1_sm90")
     src = render(c, "nvcc")
-    for text in ("dy_tile[kStages][kTileRows][kTileCols][kLanes]", "load_dy_tile(", "cp_async_wait<kStages - 1>()",
+    for text in ("dy_tile[kStages][kTileRows][kDyStoreCols][kLanes]", "load_dy_tile(", "cp_async_wait<kStages - 1>()",
                  "constexpr int kRowGroups = kR;", "cta_sum(acc, total, lane, channel_ok, r * kS)"):
         assert text in src, text
     for text in ("resident_ctas", "#include <atomic>", "stage_filter("):
@@ -365,3 +371,28 @@ def test_element_types_of_the_family():
             p = dw(kind.value, dtype=dt, out_dtype=out)
             c = first(p)
             assert c.element_a is DType(dt) and c.element_out is DType(out) and c.element_acc is DType.F32
+
+
+def test_staged_halos_are_padded_against_bank_conflicts():
+    """A pad column per strip window step where a 16-byte load phase (8 threads) reads several pixels' strips an even
+    number of columns apart (fewer than 8 channel vectors per pixel): fprop, stride-1 dgrad and wgrad halos, and the
+    pipelined wgrad's dy tile; none for 8+ vectors, "rows", L1 reads or the strided dgrad; none where the padded
+    buffers would not fit (the config keeps its layout)."""
+    four = first(dw(), halo_smem=True, align_a=8, tile=(8, 16, 32), stages=1, min_blocks=None)  # strips of 4
+    assert pad_groups(four) == (4, 0)
+    src = render(four, "nvcc")
+    assert "constexpr int kHaloStoreCols = kHaloCols + (kHaloCols - 1) / kHaloGroup;" in src
+    assert "halo[kHaloRows][kHaloStoreCols][kLanes]" in src and "[seg * (kHaloGroup + 1) + i + i / kHaloGroup]" in src
+    hh, ww = halo_shape(four)
+    assert smem_bytes(four) == 9 * 32 * 4 + hh * (ww + (ww - 1) // 4) * 32 * 2
+    strided = first(dw(stride=2), halo_smem=True, align_a=8, tile=(4, 16, 32), stages=1, min_blocks=None)
+    assert pad_groups(strided) == (strip(strided) * 2, 0)
+    eight = first(dw(), halo_smem=True, align_a=8, tile=(8, 16, 64), stages=1, min_blocks=None)
+    assert pad_groups(eight) == (0, 0) and "kHaloStoreCols" not in render(eight, "nvcc")
+    for c in depthwise_candidates(dw("dgrad", stride=2)):
+        assert pad_groups(c) == (0, 0)
+    for c in depthwise_candidates(dw("wgrad", r=5)):
+        if c.halo_smem and lanes(c) < 8 and strip(c) % 2 == 0 and pad_groups(c) == (0, 0):
+            # the unpadded layout is kept only where the padded one would not fit
+            dy_group = strip(c) if is_pipelined_wgrad(c) else 0
+            assert dwmod._smem_bytes(c, strip(c) * c.conv_stride[1], dy_group) > 48 * 1024

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import emulate_cuda  # noqa: E402
-from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles  # noqa: E402
+from cutlass_byoc.depthwise import depthwise_candidates, is_pipelined, lanes, pad_groups, pixel_tiles  # noqa: E402
 from cutlass_byoc.heuristics import default_launch  # noqa: E402
 from cutlass_byoc.ops import _apply_activation  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
@@ -196,3 +196,20 @@ def test_wgrad_pipelined_accumulates_into_a_residual_with_padding_0():
     p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
     cfg = depthwise_pipelined_wgrad_config(p.replace(epilogue=Epilogue()), 8)
     check(p, cfg, splits=2, seed=5)
+
+
+@pytest.mark.parametrize("kind, stride, r, vectors, piped", [
+    ("fprop", 1, 3, 4, False), ("fprop", 2, 5, 4, False), ("dgrad", 1, 3, 4, False), ("wgrad", 1, 3, 4, False),
+    ("wgrad", 2, 3, 4, False), ("fprop", 1, 3, 4, True), ("fprop", 2, 3, 4, True), ("dgrad", 1, 5, 4, True),
+    ("fprop", 1, 5, 4, True), ("fprop", 1, 3, 8, True), ("dgrad", 1, 3, 8, True),
+])
+def test_staged_halo_layouts(kind, stride, r, vectors, piped):
+    """Staged halos of fewer than 8 channel vectors per pixel are stored with a pad column per strip window step
+    (depthwise.pad_groups, against shared-memory bank conflicts); 8 vectors unpadded. Pipelined fprop/dgrad: two
+    resident CTAs here (emulate_cuda), each walking many tiles through both buffers."""
+    p = problem_of(kind, 40, 13, 19, r, stride, epilogue=Epilogue(Activation.RELU, SourceKind.BIAS) if kind == "fprop"
+                   else Epilogue())
+    cfg = next(c for c in depthwise_candidates(p) if c.halo_smem and not c.min_blocks and is_pipelined(c) == piped
+               and lanes(c) == vectors)
+    assert (pad_groups(cfg)[0] > 0) == (vectors < 8), (cfg.name, pad_groups(cfg))
+    check(p, cfg, splits=3 if kind == "wgrad" else 1, seed=r + stride + vectors)
