@@ -635,9 +635,14 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
 
 
 def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
-    """The model's best depthwise launch for `problem`, or None if no depthwise kernel computes it."""
+    """The model's best depthwise launch for `problem`, or None if no depthwise kernel computes it. Not a pipelined
+    wgrad: the memory model sees its staged reads, not the cost of staging them (on the H200 the 5x5 ones ran
+    60-70 us where "taprows" ran 41 us, effb0_dw_240_5x5_28; it won some 3x3 problems only), so it is left to the
+    profiler."""
     best = None
     for cfg in depthwise_candidates(problem):
+        if is_pipelined_wgrad(cfg):
+            continue
         for s in split_candidates(problem, cfg, sms):
             launch = LaunchConfig(cfg, s)
             if launch.reject_reason(problem) is not None:

@@ -207,6 +207,7 @@ def test_pipelined_wgrad_kernels():
         ww += (ww - 1) // halo_group if halo_group else 0
         cols += cols // dy_group if dy_group else 0
         assert smem_bytes(k) == 25 * ch * 4 + (hh * ww + rows * cols) * ch * 2 * 2 <= 48 * 1024
+    assert not is_pipelined_wgrad(default_depthwise_launch(p).kernel)  # left to the profiler (its model misses the copies)
     c = next(k for k in cands if k.tile == (4, 16, 32) and k.align_a == 8 and k.min_blocks is None)
     assert strip(c) in (2, 4) and c.name.endswith("_smem2_align881_splitk_parallel_f5x5_u1x1_sm90")
     src = render(c, "nvcc")
