@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterator, Optional
 
-from .config import PAD_MULTIPLES, KernelConfig, Shape3, instruction_shape_for, math_op_for, round_up
+from .config import PAD_MULTIPLES, S2D_BLOCKS, KernelConfig, s2d_reject_reason, Shape3, instruction_shape_for, math_op_for, round_up
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem, max_alignment
 from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
@@ -161,6 +161,25 @@ def channel_pad_options(problem: Conv2dProblem) -> list[tuple[int, int]]:
         return list(by_extent.values())
 
     return [(pc, pk) for pc in options(problem.c, c_types) for pk in options(problem.k, k_types)]
+
+
+def s2d_options(problem: Conv2dProblem) -> list[int]:
+    """Space-to-depth blocks worth trying for `problem` (`LaunchConfig.s2d`): 1, the conv as it is, always first;
+    and the stride, for a strided conv (same stride in both dimensions, dilation 1, groups 1) that is either
+    - a filter at least that wide whose input channels are read in accesses under 16 bytes: the RGB stem (7x7
+      stride 2 over C=3 becomes a 4x4 stride-1 conv over C=12, 147 taps in 192). Wider layers would only add the
+      folded filter's zero taps (a 3x3 stride-2 conv folds into 2x2 over 4C: 16 taps for 9); or
+    - a 1x1 conv (ResNet's downsampling shortcuts), whose fold is a subsample of x: the stride-1 1x1 conv on it is
+      a plain GEMM (the GEMM family), at the cost of writing the subsampled x (fprop, wgrad) or scattering dx
+      (dgrad)."""
+    b = problem.stride_h
+    if b not in S2D_BLOCKS[1:] or s2d_reject_reason(problem, b):
+        return [1]
+    if problem.r == problem.s == 1:
+        return [1, b]
+    if problem.r < b or problem.s < b or (problem.c * problem.element_a.nbytes) % 16 == 0:
+        return [1]
+    return [1, b]
 
 
 def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:

@@ -3,8 +3,10 @@ never parsed back from a name or a dict of strings.
 
 `KernelConfig` is everything compiled into a kernel; one compiled kernel serves every problem it can
 implement (its template parameters never depend on N, H, W or C). `LaunchConfig` adds what is chosen per
-call: the split-k slice count and the channel padding (`pad_c`, `pad_k`: ops zero-pads C and K up to these
-multiples, runs the kernel on the padded problem and copies the real channels out).
+call: the split-k slice count, the channel padding (`pad_c`, `pad_k`: ops zero-pads C and K up to these
+multiples, runs the kernel on the padded problem and copies the real channels out) and the space-to-depth
+rewrite of a strided conv (`s2d`: ops folds stride x stride input pixels into channels and runs the kernel on
+the equivalent stride-1 conv).
 """
 
 from __future__ import annotations
@@ -369,17 +371,66 @@ def padding_reject_reason(problem: Conv2dProblem, pad_c: int, pad_k: int) -> Opt
     return None
 
 
+#: Space-to-depth block sizes a launch may fold a strided conv with (1: none); the block is the conv's stride.
+S2D_BLOCKS = (1, 2, 3, 4)
+
+
+def s2d_reject_reason(problem: Conv2dProblem, block: int) -> Optional[str]:
+    """Why `problem` cannot run as its space-to-depth rewrite with `block` x `block` pixels folded into channels, or
+    None. The rewrite is exact for a conv of stride `block` in both dimensions, dilation 1 and groups 1."""
+    if block == 1:
+        return None
+    if problem.groups != 1:
+        return f"s2d: space-to-depth is for groups == 1, got groups={problem.groups}"
+    if (problem.stride_h, problem.stride_w) != (block, block):
+        return f"s2d: a block of {block} needs stride {block}x{block}, got {problem.stride_h}x{problem.stride_w}"
+    if problem.dilation_h > 1 or problem.dilation_w > 1:
+        return f"s2d: space-to-depth needs dilation 1, got {problem.dilation_h}x{problem.dilation_w}"
+    ep = problem.epilogue
+    if problem.kind is ConvKind.DGRAD and (ep.source is not SourceKind.NONE or ep.activation is not Activation.IDENTITY):
+        folded = s2d_problem(problem, block)
+        if folded.h * block - problem.pad_h < problem.h or folded.w * block - problem.pad_w < problem.w \
+                or fold_phases(problem.r, problem.s, block) != (block, block):
+            return ("s2d: the folded dgrad does not reach every pixel of dx (the last rows or columns, or the pixel "
+                    f"phases a filter narrower than the stride skips); those would miss the epilogue {ep.tag}")
+    return None
+
+
+def fold_phases(r: int, s: int, block: int) -> tuple[int, int]:
+    """The pixel phases (rows, columns) of a `block` x `block` fold that some tap of an r x s filter reaches: all
+    `block` of each, but for filters narrower than the stride (a 1x1 stride-2 conv reads one phase of four)."""
+    return min(block, r), min(block, s)
+
+
+def s2d_problem(problem: Conv2dProblem, block: int) -> Conv2dProblem:
+    """The stride-1 conv that `problem` (stride `block`, see s2d_reject_reason) is, once its input is folded into
+    channels: x' = x zero-padded, xs[n, i, j, (bu, bv, c)] = x'[n, block*i + bu, block*j + bv, c] for the phases
+    (bu, bv) some tap reaches (fold_phases), and the filter likewise, ws[k, a, b, (bu, bv, c)] = w[k, block*a + bu,
+    block*b + bv, c] (zero past R, S). The output is the same P x Q; R and S become ceil(R / block), C becomes
+    (phases) * C (block^2 * C for filters at least as wide as the stride, C for a 1x1: a subsample), and there is
+    no padding."""
+    r, s = -(-problem.r // block), -(-problem.s // block)
+    gu, gv = fold_phases(problem.r, problem.s, block)
+    return problem.replace(h=problem.p + r - 1, w=problem.q + s - 1, c=gu * gv * problem.c, r=r, s=s,
+                           pad_h=0, pad_w=0, stride_h=1, stride_w=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """A compiled kernel plus what is chosen per launch: split-k slices, and the channel padding ops applies around
     the kernel (C and K rounded up to multiples of `pad_c` / `pad_k` with zeros; 1 is none). Zero channels add
     nothing to any of the three kinds, so a padded launch computes the same result; its cost (the copies) is part
-    of what the profiler times, as it runs through ops.run_problem like every launch."""
+    of what the profiler times, as it runs through ops.run_problem like every launch.
+
+    `s2d` > 1 runs a conv of that stride as its space-to-depth rewrite (`s2d_problem`: a stride-1 conv over
+    s2d^2 times the channels and a ceil(R / s2d) x ceil(S / s2d) filter), on which the channel padding then applies:
+    a stem's 7x7 stride-2 conv over C=3 becomes a 4x4 stride-1 conv over C=12 (padded to 16: 16-byte accesses)."""
 
     kernel: KernelConfig
     split_k_slices: int = 1
     pad_c: int = 1
     pad_k: int = 1
+    s2d: int = 1
 
     def __post_init__(self) -> None:
         if self.split_k_slices < 1:
@@ -387,6 +438,8 @@ class LaunchConfig:
         for f in ("pad_c", "pad_k"):
             if getattr(self, f) not in PAD_MULTIPLES:
                 raise ValueError(f"{f}: expected one of {PAD_MULTIPLES}, got {getattr(self, f)!r}")
+        if self.s2d not in S2D_BLOCKS:
+            raise ValueError(f"s2d: expected one of {S2D_BLOCKS}, got {self.s2d!r}")
         if self.split_k_slices > 1 and self.kernel.family is KernelFamily.DEPTHWISE_DIRECT \
                 and self.kernel.kind is not ConvKind.WGRAD:
             raise ValueError("split_k_slices: only depthwise wgrad splits its reduction over N*P*Q")
@@ -402,26 +455,35 @@ class LaunchConfig:
     @property
     def name(self) -> str:
         pad = (f"_padc{self.pad_c}" if self.pad_c > 1 else "") + (f"_padk{self.pad_k}" if self.pad_k > 1 else "")
-        return self.kernel.name + (f"_k{self.split_k_slices}" if self.split_k_slices > 1 else "") + pad
+        s2d = f"_s2d{self.s2d}" if self.s2d > 1 else ""
+        return self.kernel.name + (f"_k{self.split_k_slices}" if self.split_k_slices > 1 else "") + s2d + pad
 
     @property
     def padded(self) -> bool:
-        return self.pad_c > 1 or self.pad_k > 1
+        """Whether ops rewrites the operands around the kernel (channel padding, space-to-depth, or both)."""
+        return self.pad_c > 1 or self.pad_k > 1 or self.s2d > 1
 
     @property
     def unpadded(self) -> "LaunchConfig":
-        """The launch ops runs on the padded problem (the same kernel and slices)."""
-        return dataclasses.replace(self, pad_c=1, pad_k=1) if self.padded else self
+        """The launch ops runs on the rewritten problem (the same kernel and slices)."""
+        return dataclasses.replace(self, pad_c=1, pad_k=1, s2d=1) if self.padded else self
 
     def kernel_problem(self, problem: Conv2dProblem) -> Conv2dProblem:
-        """The problem the kernel computes when this launch runs `problem`: C and K rounded up to the padding."""
+        """The problem the kernel computes when this launch runs `problem`: the space-to-depth rewrite, then C and
+        K rounded up to the padding."""
         if not self.padded:
             return problem
+        if self.s2d > 1:
+            problem = s2d_problem(problem, self.s2d)
         return problem.replace(c=round_up(problem.c, self.pad_c), k=round_up(problem.k, self.pad_k))
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
         if self.padded:
-            why = padding_reject_reason(problem, self.pad_c, self.pad_k)
+            why = s2d_reject_reason(problem, self.s2d)
+            if why:
+                return why
+            why = padding_reject_reason(s2d_problem(problem, self.s2d) if self.s2d > 1 else problem,
+                                        self.pad_c, self.pad_k)
             if why:
                 return why
             problem = self.kernel_problem(problem)
@@ -462,11 +524,13 @@ class LaunchConfig:
 
     def to_dict(self) -> dict:
         d = {"kernel": self.kernel.to_dict(), "split_k_slices": self.split_k_slices}
-        if self.padded:  # unpadded launches keep the dict they always had
+        if self.pad_c > 1 or self.pad_k > 1:  # unpadded launches keep the dict they always had
             d.update(pad_c=self.pad_c, pad_k=self.pad_k)
+        if self.s2d > 1:
+            d["s2d"] = self.s2d
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LaunchConfig":
         return cls(KernelConfig.from_dict(d["kernel"]), int(d.get("split_k_slices", 1)), int(d.get("pad_c", 1)),
-                   int(d.get("pad_k", 1)))
+                   int(d.get("pad_k", 1)), int(d.get("s2d", 1)))

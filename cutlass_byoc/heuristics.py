@@ -101,6 +101,18 @@ def _gemm1x1_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int)
     return max(compute_us, memory_us) + LAUNCH_US + extra_us
 
 
+def _sm90_tiled_mnk(problem: Conv2dProblem, tile: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The GEMM extents a CUTLASS 3.x conv kernel computes: its tiles cover channels of one filter tap at a time
+    (fprop's and dgrad's K tile, wgrad's N tile), so channels are rounded up to the tile per tap. On the H200 a
+    64x256 wgrad tile over the stem fold's 16 channels x 16 taps ran 7x slower than a 64x16 one (2026-11-30)."""
+    m, n, k = problem.gemm_mnk
+    rs = problem.r * problem.s
+    if problem.kind is ConvKind.WGRAD:  # N = C x taps
+        return m, math.ceil(problem.c / tile[1]) * tile[1] * rs, k
+    chans = problem.c if problem.kind is ConvKind.FPROP else problem.k  # K = channels x taps
+    return m, n, math.ceil(chans / tile[2]) * tile[2] * rs
+
+
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
     """Estimated microseconds of one launch (wave quantisation, tile efficiency, memory traffic, split-k overhead)."""
     c = launch.kernel
@@ -113,6 +125,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     slices = launch.split_k_slices
     m, n, k = problem.gemm_mnk
     tm, tn, tk = c.tile
+    if c.family is KernelFamily.SM90_TMA_WGMMA:
+        m, n, k = _sm90_tiled_mnk(problem, c.tile)
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * slices
     occupancy = max(1, min(3, (200 * 1024) // max(1, c.smem_bytes), 2048 // c.threads))
     waves = math.ceil(tiles / (sms * occupancy))

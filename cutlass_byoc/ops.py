@@ -12,8 +12,9 @@ import logging
 from typing import Optional, Sequence
 
 from .candidates import unsupported_reason
-from .config import LaunchConfig
+from .config import LaunchConfig, fold_phases
 from .problem import Conv2dProblem, Epilogue, ProblemError, max_alignment
+from .rewrite import d2s_filter, d2s_image, pad_channels, s2d_filter, s2d_image, unpad_channels
 from .runtime import CbConv2dArgs, KernelLaunchError, KernelLibrary, load_kernel, make_args, pointer_rules
 from .select import (SelectMode, accepts_alignments, address_alignments, alignment_refusal, choose,
                      choose_for_alignments)
@@ -143,7 +144,7 @@ def _prepare(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
 def bind(problem: Conv2dProblem, launch: LaunchConfig) -> Optional[_Prepared]:
     """`launch` validated for `problem` once (config rules, the kernel's can_implement, workspace size, the argument
     block), for callers that then launch on checked pointers themselves (the offload's call sites); None where
-    the launch needs run_problem's general path (channel-padded problems). Raises UnsupportedConvError (naming the
+    the launch needs run_problem's general path (channel-padded or space-to-depth problems). Raises UnsupportedConvError (naming the
     parameter) when the launch cannot compute the problem."""
     why = problem.int32_overflow
     if why:
@@ -183,7 +184,7 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         if launch is None:
             raise UnsupportedConvError(unsupported_reason(problem) or f"no kernel computes {problem.name}")
         if launch.padded:
-            return _run_channel_padded(problem, launch, a, b, out, source)
+            return _run_rewritten(problem, launch, a, b, out, source, bias)
         why = launch.reject_reason(problem)
         if why:
             raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
@@ -206,63 +207,67 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
         prep.lib.launch(args, ws_ptr, ws_len, stream)
 
 
-def _pad_channels(t, dim0: Optional[int], dim1: Optional[int]):
-    """`t` (4-D channels_last, or the 1-D bias) zero-padded to dim0 rows and dim1 channels (None: unchanged)."""
-    torch = _torch()
-    shape = list(t.shape)
-    want = list(shape)
-    if dim0 is not None:
-        want[0] = dim0
-    if dim1 is not None and t.dim() > 1:
-        want[1] = dim1
-    if want == shape:
-        return t
-    if t.dim() == 4:
-        big = torch.empty(want, dtype=t.dtype, device=t.device, memory_format=torch.channels_last).zero_()
-        big[: shape[0], : shape[1]].copy_(t)
-    else:
-        big = torch.zeros(want, dtype=t.dtype, device=t.device)
-        big[: shape[0]].copy_(t)
-    return big
+_rewritten_problems: dict[tuple[Conv2dProblem, LaunchConfig], Conv2dProblem] = {}
 
 
-_padded_problems: dict[tuple[Conv2dProblem, LaunchConfig], Conv2dProblem] = {}
-
-
-def _run_channel_padded(problem: Conv2dProblem, launch: LaunchConfig, a, b, out, source) -> None:
-    """Run a channel-padded launch: zero-pad C and K of the operands that hold them (fprop: x, w, y; dgrad: dy, w,
-    dx; wgrad: dy, x, dw; and the epilogue source like the output), run the kernel on the padded problem, copy the
-    real channels out. Zero channels add nothing to any kind (a zero input channel or filter contributes 0 to each
-    sum; padded output channels are dropped), so the result is exact. Everything runs on the current stream: the
-    profiler times this whole function, padding included, as it times every launch through run_problem."""
-    big = _padded_problems.get((problem, launch))
+def _run_rewritten(problem: Conv2dProblem, launch: LaunchConfig, a, b, out, source, bias=None) -> None:
+    """Run a launch whose kernel computes a rewritten problem (`LaunchConfig.kernel_problem`): the space-to-depth
+    fold of a strided conv (`launch.s2d`), then C and K zero-padded (`pad_c`, `pad_k`). The operands and the
+    epilogue source are rewritten to match (cutlass_byoc.rewrite), the kernel runs on the rewritten problem, and the
+    real output is copied out. Both rewrites compute exactly the same sums (zero channels and zero taps add nothing;
+    padded output channels are dropped). Everything runs on the current stream: the profiler times this whole
+    function, rewrites included, as it times every launch through run_problem."""
+    big = _rewritten_problems.get((problem, launch))
     if big is None:  # validated once per (problem, launch); the kernel's own checks run in the inner run_problem
         why = launch.reject_reason(problem)
         if why:
             raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
-        big = _padded_problems.setdefault((problem, launch), launch.kernel_problem(problem))
-    cp, kp = big.c, big.k
+        big = _rewritten_problems.setdefault((problem, launch), launch.kernel_problem(problem))
+    blk, cp, kp = launch.s2d, big.c, big.k
     kind = problem.kind
+
+    phases = fold_phases(problem.r, problem.s, blk)
+
+    def image(t):  # x, or dgrad's dx-shaped residual
+        if blk == 1:
+            return pad_channels(t, None, cp)
+        return s2d_image(t, blk, problem.pad_h, problem.pad_w, big.h, big.w, cp, phases)
+
+    def filt(t):  # w, or wgrad's dw-shaped residual
+        return pad_channels(t, kp, cp) if blk == 1 else s2d_filter(t, blk, cp, kp)
+
+    def per_channel(v):  # a bias, over K (fprop alone takes one)
+        return pad_channels(v, kp, None)
+
+    torch = _torch()
     if kind is ConvKind.FPROP:  # a = x (N, C, H, W), b = w (K, C, R, S), out = y (N, K, P, Q)
-        a_p, b_p = _pad_channels(a, None, cp), _pad_channels(b, kp, cp)
-        out_rows, out_chans = None, kp
+        a_p, b_p = image(a), filt(b)
+        out_like = lambda t: pad_channels(t, None, kp)  # noqa: E731
+        out_p = out if kp == problem.k else torch.empty((problem.n, kp, problem.p, problem.q), dtype=out.dtype,
+                                                        device=out.device, memory_format=torch.channels_last)
     elif kind is ConvKind.DGRAD:  # a = dy (N, K, P, Q), b = w (K, C, R, S), out = dx (N, C, H, W)
-        a_p, b_p = _pad_channels(a, None, kp), _pad_channels(b, kp, cp)
-        out_rows, out_chans = None, cp
+        a_p, b_p = pad_channels(a, None, kp), filt(b)
+        out_like = image
+        out_p = out if big.x_shape == problem.x_shape else torch.empty(
+            (big.n, cp, big.h, big.w), dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
     else:  # wgrad: a = dy (N, K, P, Q), b = x (N, C, H, W), out = dw (K, C, R, S)
-        a_p, b_p = _pad_channels(a, None, kp), _pad_channels(b, None, cp)
-        out_rows, out_chans = kp, cp
+        a_p, b_p = pad_channels(a, None, kp), image(b)
+        out_like = filt
+        out_p = out if big.w_shape == problem.w_shape else torch.empty(
+            (kp, cp, big.r, big.s), dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
     src_p = None
     if source is not None:
-        src_p = _pad_channels(source, kp, None) if source.dim() == 1 else _pad_channels(source, out_rows, out_chans)
-    torch = _torch()
-    shape = list(out.shape)
-    want = [out_rows or shape[0], out_chans, *shape[2:]]
-    out_p = out if want == shape else torch.empty(want, dtype=out.dtype, device=out.device,
-                                                  memory_format=torch.channels_last)
-    run_problem(big, a_p, b_p, out_p, src_p, config=launch.unpadded)
-    if out_p is not out:
-        out.copy_(out_p[: shape[0], : shape[1]])
+        src_p = per_channel(source) if source.dim() == 1 else out_like(source)
+    bias_p = per_channel(bias) if bias is not None else None
+    run_problem(big, a_p, b_p, out_p, src_p, config=launch.unpadded, bias=bias_p)
+    if out_p is out:
+        return
+    if blk == 1 or kind is ConvKind.FPROP:
+        unpad_channels(out_p, out)
+    elif kind is ConvKind.DGRAD:
+        d2s_image(out_p, blk, problem.pad_h, problem.pad_w, out, phases)
+    else:
+        d2s_filter(out_p, blk, out)
 
 
 # ---------------------------------------------------------------------------------------------- public ops

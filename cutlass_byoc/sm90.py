@@ -77,6 +77,25 @@ def sm90_tiles() -> tuple[Shape3, ...]:
     return tuple(sorted(set(keep) | set(EXTRA_TILES)))
 
 
+#: Tiles for channel extents narrower than the usual tiles (C <= NARROW_C: the stem's space-to-depth fold, C=16):
+#: the conv kernels tile C itself (fprop's K tile and dgrad's and wgrad's N tile cover channels of one filter tap),
+#: so a 64-wide tile over 16 channels computes 4x the work on zeros. fprop gets K tiles of 32 (the narrowest the
+#: 16-bit wgmma takes, 64 bytes), dgrad and wgrad N tiles of 16 and 32.
+NARROW_C = 32
+NARROW_TILES: dict[ConvKind, tuple[Shape3, ...]] = {
+    ConvKind.FPROP: ((128, 64, 32), (256, 64, 32)),
+    ConvKind.DGRAD: ((128, 16, 64), (256, 16, 64), (128, 32, 64)),
+    ConvKind.WGRAD: ((64, 16, 64), (64, 32, 64), (128, 16, 64)),
+}
+
+
+def problem_tiles(problem: Conv2dProblem) -> tuple[Shape3, ...]:
+    """The tiles proposed for `problem`: sm90_tiles(), and for input channels up to NARROW_C the narrow ones."""
+    if problem.c <= NARROW_C:
+        return sm90_tiles() + NARROW_TILES[problem.kind]
+    return sm90_tiles()
+
+
 def epilogue_smem_bytes(tile: Shape3, element_out: DType) -> int:
     """An upper bound on the TMA epilogue's shared memory: an epilogue tile of 64 x 32, up to 4 stages of C and 2 of D
     (sm90_get_tma_dispatch_policy), plus barriers."""
@@ -153,7 +172,7 @@ def sm90_candidates(
     if sm90_applicable(problem) is not None:
         return
     modes = sm90_split_k_modes(problem) if split_k else (SplitKMode.SERIAL,)
-    for tile in sm90_tiles():
+    for tile in problem_tiles(problem):
         if tile_filter and not tile_filter(tile):
             continue
         for cluster in clusters:

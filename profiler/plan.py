@@ -24,8 +24,8 @@ import dataclasses
 import logging
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from ..candidates import channel_pad_options, sm80_candidates
-from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
+from ..candidates import channel_pad_options, s2d_options, sm80_candidates
+from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up, s2d_problem
 from ..depthwise import depthwise_candidates, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
@@ -178,36 +178,44 @@ def plan_problem(
     problem a kernel may compute for `problem`: the unpadded one and each padded one. Each of them that some kernel
     takes gets its share of the budget, so the profiler always times a padded launch against its unpadded twin
     (where the unpadded problem has any kernel at all) and keeps the faster; a padded launch's estimate includes
-    the padding's copies (`heuristics.padding_cost_us`), and it is timed through ops.run_problem, copies included."""
+    the padding's copies (`heuristics.padding_cost_us`), and it is timed through ops.run_problem, copies included.
+    The space-to-depth fold of a strided conv of few channels (`candidates.s2d_options`, `LaunchConfig.s2d`) is
+    one more way, with its own channel paddings and a budget of its own (half the problem's, at least 2 kernels)
+    on top, like the im2col lowering's."""
     if max_candidates < 1:
         raise ValueError(f"max_candidates: expected >= 1, got {max_candidates}")
     if problem.is_depthwise:
         max_candidates *= DEPTHWISE_BUDGET_FACTOR
-    options = []  # (pad_c, pad_k, families ranked, valid kernels)
     pruned: list[Pruned] = []
     n_valid = 0
-    for pad_c, pad_k in channel_pad_options(problem):
-        why = padding_reject_reason(problem, pad_c, pad_k)
-        if why:
-            pruned.append(Pruned(f"padc{pad_c}_padk{pad_k}", why))
-            continue
-        kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
-        by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
-        side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
-        tag = "" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})"
-        pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
-        n_valid += valid
-        if by_family:
-            options.append((pad_c, pad_k, by_family, side))
     cands: list[Candidate] = []
-    for i, (pad_c, pad_k, by_family, side) in enumerate(options):
-        budget = max(1, max_candidates // len(options) + (1 if i < max_candidates % len(options) else 0))
-        for _, _, launches in _take_budget(by_family, budget) + side:
-            for us, l in launches[:slices_per_kernel]:
-                if (pad_c, pad_k) != (1, 1):
-                    l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k)
-                    us += padding_cost_us(problem, l)
-                cands.append(Candidate(l, us))
+    for blk in s2d_options(problem):
+        # the conv as it is, then its space-to-depth fold (a budget of its own on top, like the im2col lowering)
+        base = s2d_problem(problem, blk) if blk > 1 else problem
+        options = []  # (pad_c, pad_k, families ranked, side budgets)
+        for pad_c, pad_k in channel_pad_options(base):
+            why = padding_reject_reason(base, pad_c, pad_k)
+            if why:
+                pruned.append(Pruned(f"padc{pad_c}_padk{pad_k}", why))
+                continue
+            kp = base.replace(c=round_up(base.c, pad_c), k=round_up(base.k, pad_k))
+            by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
+            side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
+            tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
+                ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
+            pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
+            n_valid += valid
+            if by_family:
+                options.append((pad_c, pad_k, by_family, side))
+        group_budget = max_candidates if blk == 1 else max(2, max_candidates // 2)
+        for i, (pad_c, pad_k, by_family, side) in enumerate(options):
+            budget = max(1, group_budget // len(options) + (1 if i < group_budget % len(options) else 0))
+            for _, _, launches in _take_budget(by_family, budget) + side:
+                for us, l in launches[:slices_per_kernel]:
+                    if (pad_c, pad_k, blk) != (1, 1, 1):
+                        l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k, s2d=blk)
+                        us += padding_cost_us(problem, l)
+                    cands.append(Candidate(l, us))
     lowered, n_lowered = _im2col_candidates(problem, max(2, max_candidates // 2), arch, sms, slices_per_kernel)
     cands += lowered
     n_valid += n_lowered

@@ -6,7 +6,8 @@
 # prebuild: compile the kernels of every GPU test module in one parallel build (then the tests build nothing)
 # tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them, GPU_TESTS_K="expr" selects)
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
-#           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz)
+#           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz;
+#           TUNE_JSON=1: the first tune's report, every candidate's time, to $OUT/tune.json)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
 #           when the cache is empty, e.g. on a fresh machine)
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
@@ -22,6 +23,9 @@
 #           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
 #           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
+# time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; also down) --extra -> $OUT/time-launches.log:
+#           each launch of the layers' plans (and the stem fold's sm90 variants) timed whole and kernel alone (a
+#           diagnostic, test cache)
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
@@ -104,8 +108,8 @@ for step in "${steps[@]}"; do
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune --verbose --no-progress 2>&1 \
-        | tee "$OUT/tune.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune --verbose --no-progress ${TUNE_JSON:+--json "$OUT/tune.json"} \
+        2>&1 | tee "$OUT/tune.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune 2>&1 | tee -a "$OUT/tune.log" || rc=1
@@ -150,6 +154,8 @@ for step in "${steps[@]}"; do
         ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
         ${BENCH_MODES:+--modes $BENCH_MODES} ${BENCH_PROFILE:+--profile} \
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
+    time-launches)
+      python3 scripts/time_launches.py ${TIME_LAYERS:-stem} --extra 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "== step $step: $(( $(date +%s) - t0 )) s"

@@ -93,6 +93,8 @@ def test_narrow_strided_dgrad_runs_only_padded():
     pp = plan_problem(p, 8)
     implicit = [c for c in pp.candidates if not c.launch.kernel.lowering]  # (the im2col lowering reads C=3 itself)
     assert implicit and all(c.launch.padded for c in implicit)
+    # (the space-to-depth launches run a unit-stride dgrad: tests/test_s2d.py)
+    implicit = [c for c in implicit if c.launch.s2d == 1]
     assert {c.launch.pad_c for c in implicit} == {4, 8}
     assert "alignment" in implicit[0].launch.unpadded.reject_reason(p)
     narrow = implicit[0].launch.kernel.with_alignments(1, 1, 1)  # the same kernel for C=3 itself
@@ -157,7 +159,7 @@ def _reference(p: Conv2dProblem, a, b, source):
                          + [("fprop", "bias")])
 @pytest.mark.parametrize("pads", [(8, 1), (4, 1), (1, 8), (8, 8)], ids=lambda t: f"padc{t[0]}_padk{t[1]}")
 def test_padded_run_is_exact(monkeypatch, kind, pads, source):
-    """ops._run_channel_padded pads the right operands with zeros and copies the right channels out: the kernel
+    """ops._run_rewritten pads the right operands with zeros and copies the right channels out: the kernel
     (run_problem on the padded problem) is replaced by a float64 reference that checks it got the padded shapes."""
     from cutlass_byoc import ops  # noqa: PLC0415
 
@@ -182,7 +184,7 @@ def test_padded_run_is_exact(monkeypatch, kind, pads, source):
     out = torch.full(out_shape, float("nan")).contiguous(memory_format=cl)
     seen = {}
 
-    def fake_run(prob, a_p, b_p, out_p, src_p=None, *, config=None, select=None):
+    def fake_run(prob, a_p, b_p, out_p, src_p=None, *, config=None, select=None, bias=None):
         seen.update(problem=prob, config=config)
         want_a = {"fprop": big.x_shape, "dgrad": big.y_shape, "wgrad": big.y_shape}[kind]
         assert tuple(a_p.shape) == (want_a[0], want_a[3], want_a[1], want_a[2])
@@ -190,7 +192,7 @@ def test_padded_run_is_exact(monkeypatch, kind, pads, source):
         out_p.copy_(_reference(prob, a_p, b_p, src_p).to(out_p.dtype))
 
     monkeypatch.setattr(ops, "run_problem", fake_run)
-    ops._run_channel_padded(p, launch, a, b, out, src)
+    ops._run_rewritten(p, launch, a, b, out, src)
     assert seen["problem"] == big and seen["config"] == launch.unpadded
     ref = _reference(p, a, b, src)
     assert not torch.isnan(out).any()

@@ -23,9 +23,13 @@ def test_default_workload_plan_fits_budget(workload_plan):
     assert len(workload_plan.plans) == 48
     for pp in workload_plan.plans:
         assert pp.candidates, pp.problem.name
-        lowered = [k for k in pp.kernels if k.lowering]  # the stem's im2col lowering: a budget of its own (4 of 8)
-        assert len(pp.kernels) - len(lowered) <= 8 and len(lowered) <= 4
+        # the stem's im2col lowering and its space-to-depth fold: a budget of its own each (4 of 8)
+        lowered = [k for k in pp.kernels if k.lowering]
+        folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1}
+        assert len(pp.kernels) - len(lowered) - len(folded) <= 8 and len(lowered) <= 4 and len(folded) <= 4
         assert not lowered or (pp.problem.c, pp.problem.r) == (3, 7)
+        # the fold: the stem's, and the subsample of the strided 1x1 layer
+        assert not folded or (pp.problem.c, pp.problem.r) == (3, 7) or (pp.problem.r, pp.problem.stride_h) == (1, 2)
         for c in pp.candidates:  # everything planned can implement its problem
             assert c.launch.reject_reason(pp.problem) is None, (pp.problem.name, c.name)
     # kernels are keyed by config and shared across problems: far fewer than 48 x 8
@@ -138,8 +142,10 @@ def test_narrow_strided_dgrad_is_planned_as_padded_launches_of_the_users_problem
     assert pp.problem == p and pp.candidates
     # no strided-dgrad kernel reads C=3 (2-byte accesses): every implicit-GEMM launch pads C, to 4 or to 8; the
     # im2col lowering (its own budget) reads the user's C=3 itself
-    implicit = [c for c in pp.candidates if not c.launch.kernel.lowering]
+    implicit = [c for c in pp.candidates if not c.launch.kernel.lowering and c.launch.s2d == 1]
     assert {c.launch.pad_c for c in implicit} == {4, 8}
+    # its space-to-depth fold (a unit-stride dgrad of C=12, or 16 padded) has a budget of its own
+    assert {c.launch.kernel_problem(p).c for c in pp.candidates if c.launch.s2d == 2} == {12, 16}
     assert all(c.launch.pad_k == 1 and c.launch.reject_reason(p) is None for c in pp.candidates)
     assert all(not c.launch.padded for c in pp.candidates if c.launch.kernel.lowering)
 

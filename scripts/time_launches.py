@@ -1,0 +1,146 @@
+"""Time launches of one problem on the GPU, each split into its kernel and the operand rewrites around it.
+
+    python scripts/time_launches.py stem [down] [--batch 32] [--kinds fprop,dgrad,wgrad] [--extra]
+
+For each launch the planner offers for the problem (and with --extra, sm90 kernels of the space-to-depth fold with
+narrow and usual tiles, whether planned or not), prints the whole launch's time
+(ops.run_problem: rewrites and kernel), the kernel's alone on operands rewritten beforehand, and cuDNN's, with the
+same timing as the profiler (profiler.timing.time_gpu, operands rotated past L2). A diagnostic: it records
+nothing; `cutlass-byoc tune` decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from cutlass_byoc import ops
+from cutlass_byoc.config import LaunchConfig, fold_phases, s2d_problem
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.profiler.plan import plan_problem
+from cutlass_byoc.profiler.timing import rotation_count, time_gpu
+from cutlass_byoc.rewrite import pad_channels, s2d_filter, s2d_image
+from cutlass_byoc.sm90 import sm90_config
+from cutlass_byoc.types import ConvKind, SplitKMode
+
+LAYERS = {"stem": dict(c=3, h=224, w=224, k=64, r=7, stride=2, padding=3),
+          "down": dict(c=256, h=56, w=56, k=512, r=1, stride=2, padding=0)}
+
+
+def extra_launches(p: Conv2dProblem) -> list[LaunchConfig]:
+    """sm90 kernels for the stem's fold padded to C=16: the narrow tiles and the usual ones (none for other layers)."""
+    if (p.c, p.r) != (3, 7):
+        return []
+    big = s2d_problem(p, 2).replace(c=16)
+    out = []
+    if p.kind is ConvKind.FPROP:
+        for t in ((128, 64, 32), (256, 64, 32), (256, 64, 64)):
+            out.append(LaunchConfig(sm90_config(big, t), pad_c=8, s2d=2))
+    elif p.kind is ConvKind.DGRAD:
+        for t in ((128, 16, 64), (256, 16, 64), (128, 32, 64), (256, 64, 64)):
+            out.append(LaunchConfig(sm90_config(big, t), pad_c=8, s2d=2))
+    else:
+        for t in ((64, 16, 64), (64, 32, 64), (64, 256, 64)):
+            k = sm90_config(big, t, (1, 1, 1), SplitKMode.PARALLEL)
+            out += [LaunchConfig(k, s, pad_c=8, s2d=2) for s in (32, 64, 128, 256)]
+    return out
+
+
+def operands(p: Conv2dProblem, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cl = torch.channels_last
+    x = torch.randn((p.n, p.c, p.h, p.w), generator=g, device="cuda").half().contiguous(memory_format=cl)
+    w = torch.randn((p.k, p.c, p.r, p.s), generator=g, device="cuda").half().contiguous(memory_format=cl)
+    dy = torch.randn((p.n, p.k, p.p, p.q), generator=g, device="cuda").half().contiguous(memory_format=cl)
+    a, b = {ConvKind.FPROP: (x, w), ConvKind.DGRAD: (dy, w), ConvKind.WGRAD: (dy, x)}[p.kind]
+    shape = {ConvKind.FPROP: (p.n, p.k, p.p, p.q), ConvKind.DGRAD: (p.n, p.c, p.h, p.w),
+             ConvKind.WGRAD: (p.k, p.c, p.r, p.s)}[p.kind]
+    return x, w, dy, a, b, torch.empty(shape, dtype=torch.float16, device="cuda").contiguous(memory_format=cl)
+
+
+def rewritten(p: Conv2dProblem, launch: LaunchConfig, a, b):
+    """The kernel's operands and output for `launch` (as ops._run_rewritten makes them)."""
+    big = launch.kernel_problem(p)
+    cl = torch.channels_last
+
+    def image(t):
+        return s2d_image(t, launch.s2d, p.pad_h, p.pad_w, big.h, big.w, big.c, fold_phases(p.r, p.s, launch.s2d)) \
+            if launch.s2d > 1 \
+            else pad_channels(t, None, big.c)
+
+    def filt(t):
+        return s2d_filter(t, launch.s2d, big.c, big.k) if launch.s2d > 1 else pad_channels(t, big.k, big.c)
+
+    if p.kind is ConvKind.FPROP:
+        a2, b2, shape = image(a), filt(b), (big.n, big.k, big.p, big.q)
+    elif p.kind is ConvKind.DGRAD:
+        a2, b2, shape = pad_channels(a, None, big.k), filt(b), (big.n, big.c, big.h, big.w)
+    else:
+        a2, b2, shape = pad_channels(a, None, big.k), image(b), (big.k, big.c, big.r, big.s)
+    return big, a2, b2, torch.empty(shape, dtype=torch.float16, device="cuda").contiguous(memory_format=cl)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("layers", nargs="+", choices=sorted(LAYERS))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--kinds", default="fprop,dgrad,wgrad")
+    ap.add_argument("--extra", action="store_true")
+    args = ap.parse_args(argv)
+    torch.backends.cudnn.benchmark = True
+    for layer, kind in [(la, k) for la in args.layers for k in args.kinds.split(",")]:
+        spec = LAYERS[layer]
+        p = Conv2dProblem.make(kind, args.batch, spec["c"], spec["h"], spec["w"], spec["k"], spec["r"],
+                               stride=spec["stride"], padding=spec["padding"])
+        launches = list(dict.fromkeys(c.launch for c in plan_problem(p).candidates))
+        if args.extra:
+            launches += extra_launches(p)
+        sets = [operands(p, i) for i in range(3)]
+        rot = rotation_count(sum(t.numel() * 2 for t in sets[0][3:]))
+        sets = (sets * rot)[:rot]
+        st, pd = (p.stride_h, p.stride_w), (p.pad_h, p.pad_w)
+
+        def cudnn(i):
+            x, w, dy, *_ = sets[i % len(sets)]
+            if p.kind is ConvKind.FPROP:
+                torch.nn.functional.conv2d(x, w, None, st, pd)
+            elif p.kind is ConvKind.DGRAD:
+                torch.ops.aten.convolution_backward(dy, x, w, None, st, pd, (1, 1), False, (0, 0), 1, (True, False, False))
+            else:
+                torch.ops.aten.convolution_backward(dy, x, w, None, st, pd, (1, 1), False, (0, 0), 1, (False, True, False))
+
+        print(f"== {p.name}: cuDNN {time_gpu(cudnn, len(sets)).median_us:.1f} us", flush=True)
+        print(f"{'whole us':>9} {'kernel us':>9} {'rewrite':>8}  launch")
+        rows = []
+        for launch in launches:
+            if launch.reject_reason(p):
+                print(f"{'-':>9} {'-':>9} {'-':>8}  {launch.name}: {launch.reject_reason(p)}")
+                continue
+            try:
+                def whole(i, launch=launch):
+                    _, _, _, a, b, out = sets[i % len(sets)]
+                    ops.run_problem(p, a, b, out, config=launch)
+
+                t_whole = time_gpu(whole, len(sets)).median_us
+                big, a2, b2, out2 = rewritten(p, launch, *sets[0][3:5])
+                inner = launch.unpadded
+
+                def kernel(i):
+                    ops.run_problem(big, a2, b2, out2, config=inner)
+
+                t_kernel = time_gpu(kernel, 1).median_us
+            except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
+                print(f"{'ERR':>9} {'':>9} {'':>8}  {launch.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append((t_whole, t_kernel, launch.name))
+            print(f"{t_whole:9.1f} {t_kernel:9.1f} {t_whole - t_kernel:8.1f}  {launch.name}", flush=True)
+        rows.sort()
+        print(f"best: {rows[0][0]:.1f} us {rows[0][2]}" if rows else "no launch ran", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
