@@ -1,27 +1,22 @@
 """Space-to-depth launches (issue 11, part 3: the stem) on the H200: the RGB stem (3->64 7x7 stride 2) folded into
 a 4x4 stride-1 conv over 12 channels (16 padded) in fprop, dgrad and wgrad, on every kernel the planner offers the
 fold at batch 32 (the kernels `cutlass-byoc tune` times, so the round's tune compiles none of them again), at the
-split-k counts it offers; plus the fold with epilogues (fprop bias + ReLU and residual, wgrad accumulating into an
+split-k counts it offers; the same for the 1x1 stride-2 downsampling conv (a subsample, then a GEMM); plus the fold with epilogues (fprop bias + ReLU and residual, wgrad accumulating into an
 fp16 and an fp32 output). Against the float64 reference on fresh random inputs, outputs poisoned (NaN) first.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig, fold_phases, s2d_problem  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.profiler.plan import plan_problem  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from gpu_util import (  # noqa: E402
-    TOLERANCE, TORCH, kernel_operands, module_kernels, operands, pick, poisoned_output, reference, rel_err,
-)
+from gpu_util import check_launch, module_kernels, pick  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,11 +27,18 @@ def stem(kind, n=BATCH, **kw):
     return Conv2dProblem.make(kind, n, 3, 224, 224, 64, 7, stride=2, padding=3, **kw)
 
 
-def planned(kind: str) -> list[LaunchConfig]:
-    """The fold's launches the planner offers for the batch-32 stem (a kernel never depends on the batch), with
-    their split-k counts where the batch-4 problem admits them."""
+def down(kind, n=BATCH, **kw):
+    """ResNet-50's first downsampling shortcut (1x1 stride 2): its fold is a subsample, then a GEMM."""
+    return Conv2dProblem.make(kind, n, 256, 56, 56, 512, 1, stride=2, **kw)
+
+
+LAYERS = {"stem": stem, "down": down}
+
+
+def planned(kind: str, layer: str = "stem") -> list[LaunchConfig]:
+    """The fold's launches the planner offers for the layer at batch 32 (a kernel never depends on the batch)."""
     out = []
-    for c in plan_problem(stem(kind, n=32)).candidates:
+    for c in plan_problem(LAYERS[layer](kind, n=32)).candidates:
         if c.launch.s2d > 1:
             out.append(c.launch)
     return list(dict.fromkeys(out))
@@ -56,7 +58,7 @@ def epilogue_launches() -> list[tuple[Conv2dProblem, LaunchConfig]]:
 
 def used_configs():
     """Every kernel this module launches (scripts/warm_cache.py compiles them beforehand)."""
-    kernels = [l.kernel for kind in ("fprop", "dgrad", "wgrad") for l in planned(kind)]
+    kernels = [l.kernel for layer in LAYERS for kind in ("fprop", "dgrad", "wgrad") for l in planned(kind, layer)]
     kernels += [l.kernel for _, l in epilogue_launches()]
     return list(dict.fromkeys(kernels))
 
@@ -67,22 +69,6 @@ def prebuilt(shared_cache):
         yield
 
 
-def check(p: Conv2dProblem, launch: LaunchConfig, seed: int, source=None, ref_extra=None):
-    assert launch.reject_reason(p) is None, launch.reject_reason(p)
-    x, w, dy = operands(p, seed=seed)
-    a, b = kernel_operands(p, x, w, dy)
-    ref = reference(p, x, w, dy)
-    if ref_extra is not None:
-        ref = ref + ref_extra
-    out = poisoned_output(p)
-    ops.run_problem(p, a, b, out, source, config=launch)
-    torch.cuda.synchronize()
-    err = rel_err(out, ref)
-    assert not math.isnan(err), f"{launch.name}: NaN in the output (an element left unwritten)"
-    assert err < TOLERANCE[p.element_out], f"{launch.name} on {p.name}: {err:.3e}"
-    return err
-
-
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 def test_every_planned_fold_of_the_stem(kind):
     p = stem(kind)
@@ -90,30 +76,25 @@ def test_every_planned_fold_of_the_stem(kind):
     assert ls, "the planner offered no space-to-depth launch"
     assert {l.kernel_problem(p).c for l in ls} == {12, 16}
     for i, launch in enumerate(ls):
-        check(p, launch, seed=400 + i)
+        check_launch(p, launch, seed=400 + i)
 
 
-def test_fold_with_fprop_epilogues():
-    (pb, lb), (pr, lr) = epilogue_launches()[:2]
-    bias = torch.randn(pb.k, device="cuda").to(torch.float16)
-    x, w, dy = operands(pb, seed=9)
-    a, b = kernel_operands(pb, x, w, dy)
-    ref = (reference(pb, x, w, dy) + bias.double().view(1, -1, 1, 1)).relu()
-    out = poisoned_output(pb)
-    ops.run_problem(pb, a, b, out, bias, config=lb)
-    torch.cuda.synchronize()
-    assert rel_err(out, ref) < TOLERANCE[pb.element_out]
-    res = torch.randn(pr.n, pr.k, pr.p, pr.q, device="cuda").to(torch.float16).contiguous(
-        memory_format=torch.channels_last)
-    check(pr, lr, seed=10, source=res, ref_extra=res.double())
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_every_planned_fold_of_the_downsampling_1x1(kind):
+    p = down(kind)
+    ls = [l for l in planned(kind, "down") if l.reject_reason(p) is None]
+    assert ls, "the planner offered no space-to-depth launch"
+    assert all(l.kernel_problem(p).c == 256 and l.kernel_problem(p).h == 28 for l in ls)  # a subsample
+    for i, launch in enumerate(ls):
+        check_launch(p, launch, seed=500 + i)
 
 
-@pytest.mark.parametrize("case", [2, 3], ids=["f16", "f32"])
-def test_folded_wgrad_accumulates_into_its_output_type(case):
+@pytest.mark.parametrize("case", [0, 1, 2, 3], ids=["fprop_bias_relu", "fprop_residual", "wgrad_f16_accumulate",
+                                                    "wgrad_f32_accumulate"])
+def test_fold_with_epilogues(case):
+    """fprop's bias + ReLU and residual, wgrad accumulating into an fp16 and an fp32 output (the residual source)."""
     p, launch = epilogue_launches()[case]
-    prev = torch.randn(p.k, p.c, p.r, p.s, device="cuda").to(TORCH[p.element_out]).contiguous(
-        memory_format=torch.channels_last)
-    check(p, launch, seed=11, source=prev, ref_extra=prev.double())
+    check_launch(p, launch, seed=10 + case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -138,21 +138,7 @@ def test_padding_cost_counts_the_copies():
 
 # ---------------------------------------------------------------------------------------------- exactness
 torch = pytest.importorskip("torch")
-
-
-def _reference(p: Conv2dProblem, a, b, source):
-    st, pd, dl = (p.stride_h, p.stride_w), (p.pad_h, p.pad_w), (p.dilation_h, p.dilation_w)
-    a, b = a.double(), b.double()
-    if p.kind is ConvKind.FPROP:
-        out = torch.nn.functional.conv2d(a, b, None, st, pd, dl)
-        if source is not None:
-            out = out + (source.double().view(1, -1, 1, 1) if source.dim() == 1 else source.double())
-        return out
-    if p.kind is ConvKind.DGRAD:
-        out = torch.nn.grad.conv2d_input((p.n, p.c, p.h, p.w), b, a, st, pd, dl)
-    else:
-        out = torch.nn.grad.conv2d_weight(b, (p.k, p.c, p.r, p.s), a, st, pd, dl)
-    return out if source is None else out + source.double()
+from rewrite_util import check_rewritten_run  # noqa: E402
 
 
 @pytest.mark.parametrize("kind,source", [(k, s) for k in ("fprop", "dgrad", "wgrad") for s in (None, "residual")]
@@ -161,39 +147,10 @@ def _reference(p: Conv2dProblem, a, b, source):
 def test_padded_run_is_exact(monkeypatch, kind, pads, source):
     """ops._run_rewritten pads the right operands with zeros and copies the right channels out: the kernel
     (run_problem on the padded problem) is replaced by a float64 reference that checks it got the padded shapes."""
-    from cutlass_byoc import ops  # noqa: PLC0415
-
     ep = Epilogue(source=SourceKind(source)) if source else Epilogue()
     p = Conv2dProblem.make(kind, 2, 3 if pads[0] == 4 else 7, 9, 9, 5 if pads[1] == 1 else 33, 3, stride=2,
                            padding=1, dtype="f32", epilogue=ep)
     big = p.replace(c=round_up(p.c, pads[0]), k=round_up(p.k, pads[1]))
     launch = LaunchConfig(_kernel(big), pad_c=pads[0], pad_k=pads[1])
     assert launch.kernel_problem(p) == big
-    g = torch.Generator().manual_seed(0)
-    cl = torch.channels_last
-    x = torch.randn(p.n, p.c, p.h, p.w, generator=g).contiguous(memory_format=cl)
-    w = torch.randn(p.k, p.c, p.r, p.s, generator=g).contiguous(memory_format=cl)
-    dy = torch.randn(p.n, p.k, p.p, p.q, generator=g).contiguous(memory_format=cl)
-    a, b = {"fprop": (x, w), "dgrad": (dy, w), "wgrad": (dy, x)}[kind]
-    out_shape = {"fprop": (p.n, p.k, p.p, p.q), "dgrad": (p.n, p.c, p.h, p.w), "wgrad": (p.k, p.c, p.r, p.s)}[kind]
-    src = None
-    if source == "residual":
-        src = torch.randn(out_shape, generator=g).contiguous(memory_format=cl)
-    elif source == "bias":
-        src = torch.randn(p.k, generator=g)
-    out = torch.full(out_shape, float("nan")).contiguous(memory_format=cl)
-    seen = {}
-
-    def fake_run(prob, a_p, b_p, out_p, src_p=None, *, config=None, select=None, bias=None):
-        seen.update(problem=prob, config=config)
-        want_a = {"fprop": big.x_shape, "dgrad": big.y_shape, "wgrad": big.y_shape}[kind]
-        assert tuple(a_p.shape) == (want_a[0], want_a[3], want_a[1], want_a[2])
-        assert a_p.is_contiguous(memory_format=cl) and b_p.is_contiguous(memory_format=cl)
-        out_p.copy_(_reference(prob, a_p, b_p, src_p).to(out_p.dtype))
-
-    monkeypatch.setattr(ops, "run_problem", fake_run)
-    ops._run_rewritten(p, launch, a, b, out, src)
-    assert seen["problem"] == big and seen["config"] == launch.unpadded
-    ref = _reference(p, a, b, src)
-    assert not torch.isnan(out).any()
-    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    check_rewritten_run(monkeypatch, p, launch, source)

@@ -12,7 +12,7 @@ from cutlass_byoc.candidates import s2d_options, sm80_candidates
 from cutlass_byoc.config import LaunchConfig, round_up, s2d_problem, s2d_reject_reason
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import plan_problem
-from cutlass_byoc.types import Activation, ConvKind, SourceKind
+from cutlass_byoc.types import Activation, SourceKind
 
 
 def stem(kind, **kw):
@@ -97,23 +97,7 @@ def test_planner_times_the_fold_next_to_the_plain_and_padded_launches(kind):
 
 # ---------------------------------------------------------------------------------------------- exactness
 torch = pytest.importorskip("torch")
-
-
-def _reference(p: Conv2dProblem, a, b, source, bias=None):
-    st, pd, dl = (p.stride_h, p.stride_w), (p.pad_h, p.pad_w), (p.dilation_h, p.dilation_w)
-    a, b = a.double(), b.double()
-    if p.kind is ConvKind.FPROP:
-        out = torch.nn.functional.conv2d(a, b, None, st, pd, dl)
-    elif p.kind is ConvKind.DGRAD:
-        out = torch.nn.grad.conv2d_input((p.n, p.c, p.h, p.w), b, a, st, pd, dl)
-    else:
-        out = torch.nn.grad.conv2d_weight(b, (p.k, p.c, p.r, p.s), a, st, pd, dl)
-    for t in (source, bias):
-        if t is not None:
-            out = out + (t.double().view(1, -1, 1, 1) if t.dim() == 1 else t.double())
-    if p.epilogue.activation is Activation.RELU:
-        out = out.relu()
-    return out
+from rewrite_util import check_rewritten_run  # noqa: E402
 
 
 CASES = [  # (c, h, w, k, r, s, stride, padding): the stem at a small size, odd sizes, cropped and uncovered edges
@@ -137,8 +121,6 @@ CASES = [  # (c, h, w, k, r, s, stride, padding): the stem at a small size, odd 
 def test_folded_run_is_exact(monkeypatch, kind, case, pad_c, source):
     """ops._run_rewritten folds the operands and unfolds the output so that the kernel's stride-1 conv (here a
     float64 reference checking it got the folded shapes) computes the user's strided conv exactly."""
-    from cutlass_byoc import ops  # noqa: PLC0415
-
     c, h, w, k, r, s, stride, padding = case
     if kind != "fprop" and source in ("bias", "bias_residual"):
         pytest.skip("only fprop takes a bias")
@@ -156,39 +138,7 @@ def test_folded_run_is_exact(monkeypatch, kind, case, pad_c, source):
     big = big.replace(c=round_up(big.c, pad_c))
     launch = LaunchConfig(_kernel(big), pad_c=pad_c, s2d=stride)
     assert launch.reject_reason(p) is None and launch.kernel_problem(p) == big
-    g = torch.Generator().manual_seed(0)
-    cl = torch.channels_last
-    x = torch.randn(p.n, p.c, p.h, p.w, generator=g).contiguous(memory_format=cl)
-    wt = torch.randn(p.k, p.c, p.r, p.s, generator=g).contiguous(memory_format=cl)
-    dy = torch.randn(p.n, p.k, p.p, p.q, generator=g).contiguous(memory_format=cl)
-    a, b = {"fprop": (x, wt), "dgrad": (dy, wt), "wgrad": (dy, x)}[kind]
-    out_shape = {"fprop": (p.n, p.k, p.p, p.q), "dgrad": (p.n, p.c, p.h, p.w), "wgrad": (p.k, p.c, p.r, p.s)}[kind]
-    out_chans = p.c if kind == "dgrad" else p.k
-    src = bias = None
-    if source in ("residual", "bias_residual"):
-        src = torch.randn(out_shape, generator=g).contiguous(memory_format=cl)
-    if source == "bias":
-        src = torch.randn(out_chans, generator=g)
-    if source == "bias_residual":
-        bias = torch.randn(out_chans, generator=g)
-    out = torch.full(out_shape, float("nan")).contiguous(memory_format=cl)
-    seen = {}
-
-    def fake_run(prob, a_p, b_p, out_p, src_p=None, *, config=None, select=None, bias=None):
-        seen.update(problem=prob, config=config)
-        want_a = {"fprop": big.x_shape, "dgrad": big.y_shape, "wgrad": big.y_shape}[kind]
-        assert tuple(a_p.shape) == (want_a[0], want_a[3], want_a[1], want_a[2])
-        for t in (a_p, b_p, out_p):
-            assert t.is_contiguous(memory_format=cl)
-        out_p.fill_(float("nan"))
-        out_p.copy_(_reference(prob, a_p, b_p, src_p, bias).to(out_p.dtype))
-
-    monkeypatch.setattr(ops, "run_problem", fake_run)
-    ops._run_rewritten(p, launch, a, b, out, src, bias)
-    assert seen["problem"] == big and seen["config"] == launch.unpadded
-    ref = _reference(p, a, b, src, bias)
-    assert not torch.isnan(out).any()
-    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (out.double() - ref).abs().max()
+    check_rewritten_run(monkeypatch, p, launch, source)
 
 
 def test_rewrites_keep_their_inputs():
