@@ -24,6 +24,7 @@ moving its bytes takes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -112,6 +113,15 @@ def _fast(*ts) -> bool:
         and _triton_kernels() is not None
 
 
+def _on(device):
+    """Triton launches on the current CUDA device (and its current stream): make it the tensors' device when it
+    is another one (nothing to do for the current device, or the CPU under Triton's interpreter)."""
+    torch = _torch()
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _fold(t, block: int, pad_h: int, pad_w: int, hs: int, ws: int, c_to: int, n_to: int, phases: tuple[int, int]):
     """Triton: t (logical N x C x H x W, channels_last) folded as the module docstring says into an n_to x c_to x hs x
     ws channels_last tensor (rows past N zero)."""
@@ -123,7 +133,8 @@ def _fold(t, block: int, pad_h: int, pad_w: int, hs: int, ws: int, c_to: int, n_
     pixels = n_to * hs * ws
     bp, bc, grid = _blocks(pixels, c_to)
     fold_kernel, _ = _triton_kernels()
-    fold_kernel[grid](t, out, pixels, n, h, w, c, hs, ws, c_to, pad_h, pad_w, *phases, BLK=block, BP=bp, BC=bc)
+    with _on(t.device):
+        fold_kernel[grid](t, out, pixels, n, h, w, c, hs, ws, c_to, pad_h, pad_w, *phases, BLK=block, BP=bp, BC=bc)
     return out.permute(0, 3, 1, 2)
 
 
@@ -134,7 +145,8 @@ def _unfold(ts, block: int, pad_h: int, pad_w: int, out, phases: tuple[int, int]
     pixels = n * h * w
     bp, bc, grid = _blocks(pixels, c)
     _, unfold_kernel = _triton_kernels()
-    unfold_kernel[grid](ts, out, pixels, h, w, c, hs, ws, c_src, pad_h, pad_w, *phases, BLK=block, BP=bp, BC=bc)
+    with _on(out.device):
+        unfold_kernel[grid](ts, out, pixels, h, w, c, hs, ws, c_src, pad_h, pad_w, *phases, BLK=block, BP=bp, BC=bc)
 
 
 def pad_channels(t, dim0: Optional[int], dim1: Optional[int]):
