@@ -7,8 +7,8 @@ import dataclasses
 import math
 from typing import Iterable, Optional
 
-from .candidates import channel_pad_options, sm80_candidates
-from .config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
+from .candidates import channel_pad_options, s2d_options, sm80_candidates
+from .config import KernelConfig, LaunchConfig, padding_reject_reason, round_up, s2d_problem
 from .problem import Conv2dProblem
 from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode
 
@@ -213,33 +213,38 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
     """The model's best launch for `problem` over the 2.x and (where they apply, unless `sm90` is False) 3.x
     families, or None if no kernel can take it. Untuned layers 3-4 ran 2-3x slower on the 2.x-only default than on
     the tuned 3.x winner (H200); early wgrad layers, which need split-k, stay on 2.x through the model's estimate.
-    Channel-padded launches (`candidates.channel_pad_options`; not with ``padding=False``) compete with their
-    padding's cost; a problem whose channels no kernel takes unpadded (a strided dgrad of C=3) runs padded.
+    Channel-padded and space-to-depth launches (`candidates.channel_pad_options`, `candidates.s2d_options`; not with
+    ``padding=False``) compete with their rewrites' cost; a problem whose channels no kernel takes unpadded (a
+    strided dgrad of C=3) runs padded or folded. (On the H200 the model's fold picks for the stem ran 136, 156 and
+    145 us in fprop, dgrad and wgrad against 230, 565 and 329 us for its channel-padded picks, the previous
+    defaults: 2026-11-30, scripts/time_launches.py.)
     Depthwise problems (groups == C == K) get the best launch of the depthwise family, the only one that takes them."""
     if problem.is_depthwise:
         from .depthwise import default_depthwise_launch  # noqa: PLC0415
 
         return default_depthwise_launch(problem, sms)
     best: Optional[tuple[float, LaunchConfig]] = None
-    for pad_c, pad_k in (channel_pad_options(problem) if padding else [(1, 1)]):
-        if (pad_c, pad_k) == (1, 1):
-            kp = problem
-        else:
-            if padding_reject_reason(problem, pad_c, pad_k):
-                continue
-            kp = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
-        kernels = list(sm80_candidates(kp))
-        if sm90:
-            from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
+    for blk in (s2d_options(problem) if padding else [1]):
+        base = s2d_problem(problem, blk) if blk > 1 else problem
+        for pad_c, pad_k in (channel_pad_options(base) if padding else [(1, 1)]):
+            if (pad_c, pad_k) == (1, 1):
+                kp = base
+            else:
+                if padding_reject_reason(base, pad_c, pad_k):
+                    continue
+                kp = base.replace(c=round_up(base.c, pad_c), k=round_up(base.k, pad_k))
+            kernels = list(sm80_candidates(kp))
+            if sm90:
+                from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
 
-            kernels += list(sm90_candidates(kp))
-        ranked = rank(kp, kernels, sms)
-        if not ranked:
-            continue
-        launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k)
-        if launch.reject_reason(problem) is not None:
-            continue
-        us = estimate_launch_us(problem, launch, sms)
-        if best is None or us < best[0]:
-            best = (us, launch)
+                kernels += list(sm90_candidates(kp))
+            ranked = rank(kp, kernels, sms)
+            if not ranked:
+                continue
+            launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k, s2d=blk)
+            if launch.reject_reason(problem) is not None:
+                continue
+            us = estimate_launch_us(problem, launch, sms)
+            if best is None or us < best[0]:
+                best = (us, launch)
     return best[1] if best else None

@@ -140,9 +140,11 @@ def test_strided_dgrad_of_odd_channels_is_padded_not_run_narrow():
     stem = P("dgrad", 32, 3, 224, 64, 7, stride=2)
     assert not list(sm80_candidates(stem))
     assert unsupported_reason(stem) is None  # it runs channel-padded
+    # the model's default: the space-to-depth fold (a unit-stride dgrad over C=12 padded to 16), which ran 156 us
+    # on the H200 against 565 us for the model's channel-padded strided-dgrad pick
     d = default_launch(stem)
-    assert d.padded and d.pad_k == 1 and d.kernel_problem(stem).c in (4, 8)
-    assert d.reject_reason(stem) is None and "alignment" in d.unpadded.reject_reason(stem)
+    assert d.padded and d.s2d == 2 and d.pad_k == 1 and d.kernel_problem(stem).c == 16
+    assert d.reject_reason(stem) is None and d.unpadded.reject_reason(stem)  # the kernel cannot take C=3 itself
 
 
 def test_unsupported_reason_names_the_parameter():
