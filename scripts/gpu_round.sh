@@ -23,9 +23,9 @@
 #           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
 #           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
-# time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; also down) --extra -> $OUT/time-launches.log:
-#           each launch of the layers' plans (and the stem fold's sm90 variants) timed whole and kernel alone (a
-#           diagnostic, test cache)
+# time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; any default-workload layer as bench names it,
+#           or stem / down) --extra -> $OUT/time-launches.log: each launch of the layers' plans (and the stem fold's
+#           sm90 variants) timed whole and kernel alone (a diagnostic; its kernels must be in the test cache)
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own

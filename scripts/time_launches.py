@@ -1,6 +1,9 @@
 """Time launches of one problem on the GPU, each split into its kernel and the operand rewrites around it.
 
-    python scripts/time_launches.py stem [down] [--batch 32] [--kinds fprop,dgrad,wgrad] [--extra]
+    python scripts/time_launches.py LAYER [LAYER ...] [--batch 32] [--kinds fprop,dgrad,wgrad] [--extra]
+
+LAYER is a layer of the default workload as `cutlass-byoc bench` names it (l1_3x3_64_64, ...) or an alias (stem,
+down: the 1x1 stride-2 conv).
 
 For each launch the planner offers for the problem (and with --extra, sm90 kernels of the space-to-depth fold with
 narrow and usual tiles, whether planned or not), prints the whole launch's time
@@ -26,8 +29,19 @@ from cutlass_byoc.rewrite import pad_channels, s2d_filter, s2d_image
 from cutlass_byoc.sm90 import sm90_config
 from cutlass_byoc.types import ConvKind, SplitKMode
 
-LAYERS = {"stem": dict(c=3, h=224, w=224, k=64, r=7, stride=2, padding=3),
-          "down": dict(c=256, h=56, w=56, k=512, r=1, stride=2, padding=0)}
+#: Short names; any layer of the default workload (`cutlass-byoc bench`'s layer column) works too.
+ALIASES = {"stem": "conv1_7x7_3_64_s2", "down": "l2_1x1_256_512_s2"}
+
+
+def layer_problem(layer: str, kind: str, batch: int) -> Conv2dProblem:
+    """The default workload's problem of `layer` (a bench layer name or an alias) and kind, at `batch`."""
+    from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
+
+    name = ALIASES.get(layer, layer)
+    for item in default_workload():
+        if item.layer == name and item.kind.value == kind:
+            return item.problem.replace(n=batch)
+    raise SystemExit(f"layer: {layer!r} is not a layer of the default workload (nor one of {sorted(ALIASES)})")
 
 
 def extra_launches(p: Conv2dProblem) -> list[LaunchConfig]:
@@ -85,16 +99,14 @@ def rewritten(p: Conv2dProblem, launch: LaunchConfig, a, b):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("layers", nargs="+", choices=sorted(LAYERS))
+    ap.add_argument("layers", nargs="+", help=f"default-workload layer names (bench's layer column) or {sorted(ALIASES)}")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kinds", default="fprop,dgrad,wgrad")
     ap.add_argument("--extra", action="store_true")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     for layer, kind in [(la, k) for la in args.layers for k in args.kinds.split(",")]:
-        spec = LAYERS[layer]
-        p = Conv2dProblem.make(kind, args.batch, spec["c"], spec["h"], spec["w"], spec["k"], spec["r"],
-                               stride=spec["stride"], padding=spec["padding"])
+        p = layer_problem(layer, kind, args.batch)
         launches = list(dict.fromkeys(c.launch for c in plan_problem(p).candidates))
         if args.extra:
             launches += extra_launches(p)
