@@ -29,8 +29,9 @@
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
-# At most 8 files come back from the device: gpu-tests.log, tune.log, bench.json, bench-splitk.json, bench.log,
-# gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log).
+# The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
+# tune.log, tune.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log, time-launches.log, gpu-offload.log,
+# offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log).
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
