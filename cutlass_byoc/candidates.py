@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterator, Optional
 
-from .config import PAD_MULTIPLES, S2D_BLOCKS, KernelConfig, s2d_reject_reason, Shape3, instruction_shape_for, math_op_for, round_up
+from .config import (PAD_MULTIPLES, S2D_BLOCKS, KernelConfig, Shape3, instruction_shape_for, math_op_for,
+                     padding_reject_reason, round_up, s2d_problem, s2d_reject_reason)
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem, max_alignment
 from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, MathOp, SplitKMode, StrideSupport
@@ -180,6 +181,17 @@ def s2d_options(problem: Conv2dProblem) -> list[int]:
     if problem.r < b or problem.s < b or (problem.c * problem.element_a.nbytes) % 16 == 0:
         return [1]
     return [1, b]
+
+
+def rewrite_options(problem: Conv2dProblem) -> Iterator[tuple[int, int, int, Conv2dProblem, Optional[str]]]:
+    """Every (s2d, pad_c, pad_k, problem the kernel computes, why not) a launch may run `problem` as: the conv as it
+    is first, then each channel padding (`channel_pad_options`), of the conv itself and then of each space-to-depth
+    fold (`s2d_options`); `why not` is the padding's refusal (`padding_reject_reason`), None where it applies."""
+    for blk in s2d_options(problem):
+        base = s2d_problem(problem, blk)
+        for pad_c, pad_k in channel_pad_options(base):
+            yield (blk, pad_c, pad_k, base.replace(c=round_up(base.c, pad_c), k=round_up(base.k, pad_k)),
+                   padding_reject_reason(base, pad_c, pad_k))
 
 
 def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:

@@ -408,7 +408,9 @@ def s2d_problem(problem: Conv2dProblem, block: int) -> Conv2dProblem:
     (bu, bv) some tap reaches (fold_phases), and the filter likewise, ws[k, a, b, (bu, bv, c)] = w[k, block*a + bu,
     block*b + bv, c] (zero past R, S). The output is the same P x Q; R and S become ceil(R / block), C becomes
     (phases) * C (block^2 * C for filters at least as wide as the stride, C for a 1x1: a subsample), and there is
-    no padding."""
+    no padding. Block 1 is no fold: `problem` itself."""
+    if block == 1:
+        return problem
     r, s = -(-problem.r // block), -(-problem.s // block)
     gu, gv = fold_phases(problem.r, problem.s, block)
     return problem.replace(h=problem.p + r - 1, w=problem.q + s - 1, c=gu * gv * problem.c, r=r, s=s,
@@ -473,8 +475,7 @@ class LaunchConfig:
         K rounded up to the padding."""
         if not self.padded:
             return problem
-        if self.s2d > 1:
-            problem = s2d_problem(problem, self.s2d)
+        problem = s2d_problem(problem, self.s2d)
         return problem.replace(c=round_up(problem.c, self.pad_c), k=round_up(problem.k, self.pad_k))
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
@@ -482,8 +483,7 @@ class LaunchConfig:
             why = s2d_reject_reason(problem, self.s2d)
             if why:
                 return why
-            why = padding_reject_reason(s2d_problem(problem, self.s2d) if self.s2d > 1 else problem,
-                                        self.pad_c, self.pad_k)
+            why = padding_reject_reason(s2d_problem(problem, self.s2d), self.pad_c, self.pad_k)
             if why:
                 return why
             problem = self.kernel_problem(problem)

@@ -7,8 +7,8 @@ import dataclasses
 import math
 from typing import Iterable, Optional
 
-from .candidates import channel_pad_options, s2d_options, sm80_candidates
-from .config import KernelConfig, LaunchConfig, padding_reject_reason, round_up, s2d_problem
+from .candidates import rewrite_options, sm80_candidates
+from .config import KernelConfig, LaunchConfig
 from .problem import Conv2dProblem
 from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode
 
@@ -224,27 +224,21 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
 
         return default_depthwise_launch(problem, sms)
     best: Optional[tuple[float, LaunchConfig]] = None
-    for blk in (s2d_options(problem) if padding else [1]):
-        base = s2d_problem(problem, blk) if blk > 1 else problem
-        for pad_c, pad_k in (channel_pad_options(base) if padding else [(1, 1)]):
-            if (pad_c, pad_k) == (1, 1):
-                kp = base
-            else:
-                if padding_reject_reason(base, pad_c, pad_k):
-                    continue
-                kp = base.replace(c=round_up(base.c, pad_c), k=round_up(base.k, pad_k))
-            kernels = list(sm80_candidates(kp))
-            if sm90:
-                from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
+    for blk, pad_c, pad_k, kp, why in (rewrite_options(problem) if padding else [(1, 1, 1, problem, None)]):
+        if why:
+            continue
+        kernels = list(sm80_candidates(kp))
+        if sm90:
+            from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
 
-                kernels += list(sm90_candidates(kp))
-            ranked = rank(kp, kernels, sms)
-            if not ranked:
-                continue
-            launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k, s2d=blk)
-            if launch.reject_reason(problem) is not None:
-                continue
-            us = estimate_launch_us(problem, launch, sms)
-            if best is None or us < best[0]:
-                best = (us, launch)
+            kernels += list(sm90_candidates(kp))
+        ranked = rank(kp, kernels, sms)
+        if not ranked:
+            continue
+        launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k, s2d=blk)
+        if launch.reject_reason(problem) is not None:
+            continue
+        us = estimate_launch_us(problem, launch, sms)
+        if best is None or us < best[0]:
+            best = (us, launch)
     return best[1] if best else None

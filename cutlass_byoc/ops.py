@@ -210,6 +210,43 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
 _rewritten_problems: dict[tuple[Conv2dProblem, LaunchConfig], Conv2dProblem] = {}
 
 
+def _rewritten_problem(problem: Conv2dProblem, launch: LaunchConfig) -> Conv2dProblem:
+    """`launch.kernel_problem(problem)`, the launch validated for `problem` once per pair (the kernel's own checks
+    run in the inner run_problem)."""
+    big = _rewritten_problems.get((problem, launch))
+    if big is None:
+        why = launch.reject_reason(problem)
+        if why:
+            raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
+        big = _rewritten_problems.setdefault((problem, launch), launch.kernel_problem(problem))
+    return big
+
+
+def _rewrite_image(problem: Conv2dProblem, launch: LaunchConfig, big: Conv2dProblem, t):
+    """x (or dgrad's dx-shaped residual) as the kernel of `launch` reads it: folded and/or channel-padded."""
+    if launch.s2d == 1:
+        return pad_channels(t, None, big.c)
+    return s2d_image(t, launch.s2d, problem.pad_h, problem.pad_w, big.h, big.w, big.c,
+                     fold_phases(problem.r, problem.s, launch.s2d))
+
+
+def _rewrite_filter(launch: LaunchConfig, big: Conv2dProblem, t):
+    """w (or wgrad's dw-shaped residual) as the kernel of `launch` reads it."""
+    return pad_channels(t, big.k, big.c) if launch.s2d == 1 else s2d_filter(t, launch.s2d, big.c, big.k)
+
+
+def rewrite_operands(problem: Conv2dProblem, launch: LaunchConfig, a, b):
+    """(the problem the kernel computes, a, b) for a launch that rewrites its operands (`LaunchConfig.padded`): the
+    inputs folded (`launch.s2d`) and/or zero-padded in C and K, as `_run_rewritten` gives them to the kernel."""
+    big = _rewritten_problem(problem, launch)
+    kind = problem.kind
+    if kind is ConvKind.FPROP:  # a = x (N, C, H, W), b = w (K, C, R, S)
+        return big, _rewrite_image(problem, launch, big, a), _rewrite_filter(launch, big, b)
+    if kind is ConvKind.DGRAD:  # a = dy (N, K, P, Q), b = w (K, C, R, S)
+        return big, pad_channels(a, None, big.k), _rewrite_filter(launch, big, b)
+    return big, pad_channels(a, None, big.k), _rewrite_image(problem, launch, big, b)  # wgrad: a = dy, b = x
+
+
 def _run_rewritten(problem: Conv2dProblem, launch: LaunchConfig, a, b, out, source, bias=None) -> None:
     """Run a launch whose kernel computes a rewritten problem (`LaunchConfig.kernel_problem`): the space-to-depth
     fold of a strided conv (`launch.s2d`), then C and K zero-padded (`pad_c`, `pad_k`). The operands and the
@@ -217,57 +254,34 @@ def _run_rewritten(problem: Conv2dProblem, launch: LaunchConfig, a, b, out, sour
     real output is copied out. Both rewrites compute exactly the same sums (zero channels and zero taps add nothing;
     padded output channels are dropped). Everything runs on the current stream: the profiler times this whole
     function, rewrites included, as it times every launch through run_problem."""
-    big = _rewritten_problems.get((problem, launch))
-    if big is None:  # validated once per (problem, launch); the kernel's own checks run in the inner run_problem
-        why = launch.reject_reason(problem)
-        if why:
-            raise UnsupportedConvError(f"config {launch.name} cannot compute {problem.name}: {why}")
-        big = _rewritten_problems.setdefault((problem, launch), launch.kernel_problem(problem))
-    blk, cp, kp = launch.s2d, big.c, big.k
+    big, a_p, b_p = rewrite_operands(problem, launch, a, b)
     kind = problem.kind
-
-    phases = fold_phases(problem.r, problem.s, blk)
-
-    def image(t):  # x, or dgrad's dx-shaped residual
-        if blk == 1:
-            return pad_channels(t, None, cp)
-        return s2d_image(t, blk, problem.pad_h, problem.pad_w, big.h, big.w, cp, phases)
-
-    def filt(t):  # w, or wgrad's dw-shaped residual
-        return pad_channels(t, kp, cp) if blk == 1 else s2d_filter(t, blk, cp, kp)
-
-    def per_channel(v):  # a bias, over K (fprop alone takes one)
-        return pad_channels(v, kp, None)
-
     torch = _torch()
-    if kind is ConvKind.FPROP:  # a = x (N, C, H, W), b = w (K, C, R, S), out = y (N, K, P, Q)
-        a_p, b_p = image(a), filt(b)
-        out_like = lambda t: pad_channels(t, None, kp)  # noqa: E731
-        out_p = out if kp == problem.k else torch.empty((problem.n, kp, problem.p, problem.q), dtype=out.dtype,
-                                                        device=out.device, memory_format=torch.channels_last)
-    elif kind is ConvKind.DGRAD:  # a = dy (N, K, P, Q), b = w (K, C, R, S), out = dx (N, C, H, W)
-        a_p, b_p = pad_channels(a, None, kp), filt(b)
-        out_like = image
-        out_p = out if big.x_shape == problem.x_shape else torch.empty(
-            (big.n, cp, big.h, big.w), dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
-    else:  # wgrad: a = dy (N, K, P, Q), b = x (N, C, H, W), out = dw (K, C, R, S)
-        a_p, b_p = pad_channels(a, None, kp), image(b)
-        out_like = filt
-        out_p = out if big.w_shape == problem.w_shape else torch.empty(
-            (kp, cp, big.r, big.s), dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
-    src_p = None
-    if source is not None:
-        src_p = per_channel(source) if source.dim() == 1 else out_like(source)
-    bias_p = per_channel(bias) if bias is not None else None
+    out_p = out
+    if big.out_shape != problem.out_shape:
+        n, h, w, c = big.out_shape  # NHWC (KRSC for wgrad); the tensors are logical NCHW in channels_last
+        out_p = torch.empty((n, c, h, w), dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
+    src_p = bias_p = None
+    if source is not None:  # a bias (over K: fprop alone takes one), or a residual shaped like the output
+        if source.dim() == 1:
+            src_p = pad_channels(source, big.k, None)
+        elif kind is ConvKind.FPROP:
+            src_p = pad_channels(source, None, big.k)
+        elif kind is ConvKind.DGRAD:
+            src_p = _rewrite_image(problem, launch, big, source)
+        else:
+            src_p = _rewrite_filter(launch, big, source)
+    if bias is not None:
+        bias_p = pad_channels(bias, big.k, None)
     run_problem(big, a_p, b_p, out_p, src_p, config=launch.unpadded, bias=bias_p)
     if out_p is out:
         return
-    if blk == 1 or kind is ConvKind.FPROP:
+    if launch.s2d == 1 or kind is ConvKind.FPROP:
         unpad_channels(out_p, out)
     elif kind is ConvKind.DGRAD:
-        d2s_image(out_p, blk, problem.pad_h, problem.pad_w, out, phases)
+        d2s_image(out_p, launch.s2d, problem.pad_h, problem.pad_w, out, fold_phases(problem.r, problem.s, launch.s2d))
     else:
-        d2s_filter(out_p, blk, out)
+        d2s_filter(out_p, launch.s2d, out)
 
 
 # ---------------------------------------------------------------------------------------------- public ops

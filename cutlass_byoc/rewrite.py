@@ -185,40 +185,34 @@ def _folded_view(nhwc, phases: tuple[int, int], channels: int):
     return nhwc[..., : gu * gv * channels].view(n, h, w, gu, gv, channels)
 
 
-def s2d_image(x, block: int, pad_h: int, pad_w: int, hs: int, ws: int, c_to: int, phases: tuple[int, int]):
-    """x (N x C x H x W) folded into xs (N x c_to x hs x ws): xs's first gu * gv * C channels as in the module
-    docstring (phases = (gu, gv)), the others zero. Rows and columns of x' past hs * block, ws * block are never
-    read by the conv and are dropped."""
-    if _fast(x):
-        return _fold(x, block, pad_h, pad_w, hs, ws, c_to, x.shape[0], phases)
+def _fold_views(t, block: int, pad_h: int, pad_w: int, hs: int, ws: int, c_to: int, n_to: int,
+                phases: tuple[int, int]):
+    """PyTorch view copies: what _fold computes (x' materialised, then its phases copied into the channels)."""
     torch = _torch()
-    n, c, h, w = x.shape
+    n, c, h, w = t.shape
     gu, gv = phases
     hb, wb = hs * block, ws * block
-    xp = torch.zeros((n, hb, wb, c), dtype=x.dtype, device=x.device)
-    rows, cols = min(h, hb - pad_h), min(w, wb - pad_w)  # the part of x that lands inside x'
+    xp = torch.zeros((n_to, hb, wb, c), dtype=t.dtype, device=t.device)
+    rows, cols = min(h, hb - pad_h), min(w, wb - pad_w)  # the part of t that lands inside x'
     if rows > 0 and cols > 0:
-        xp[:, pad_h: pad_h + rows, pad_w: pad_w + cols].copy_(x.permute(0, 2, 3, 1)[:, :rows, :cols])
-    out = torch.empty((n, hs, ws, c_to), dtype=x.dtype, device=x.device)
+        xp[:n, pad_h: pad_h + rows, pad_w: pad_w + cols].copy_(t.permute(0, 2, 3, 1)[:, :rows, :cols])
+    out = torch.empty((n_to, hs, ws, c_to), dtype=t.dtype, device=t.device)
     if c_to > gu * gv * c:
         out[..., gu * gv * c:].zero_()
-    src = xp.view(n, hs, block, ws, block, c)[:, :, :gu, :, :gv].permute(0, 1, 3, 2, 4, 5)
+    src = xp.view(n_to, hs, block, ws, block, c)[:, :, :gu, :, :gv].permute(0, 1, 3, 2, 4, 5)
     _folded_view(out, phases, c).copy_(src)
     return out.permute(0, 3, 1, 2)
 
 
-def d2s_image(xs, block: int, pad_h: int, pad_w: int, out, phases: tuple[int, int]) -> None:
-    """The inverse of s2d_image, into `out` (N x C x H x W): out[n, c, h, w] = xs at x' pixel (h + pad_h,
-    w + pad_w); pixels of x that the fold does not reach (the conv never reads them) get zero."""
-    if _fast(xs, out):
-        return _unfold(xs, block, pad_h, pad_w, out, phases)
+def _unfold_views(ts, block: int, pad_h: int, pad_w: int, out, phases: tuple[int, int]) -> None:
+    """PyTorch view copies: what _unfold computes."""
     torch = _torch()
     n, c, h, w = out.shape
     gu, gv = phases
-    hs, ws = xs.shape[2], xs.shape[3]
+    hs, ws = ts.shape[2], ts.shape[3]
     hb, wb = hs * block, ws * block
     xp = torch.zeros((n, hs, block, ws, block, c), dtype=out.dtype, device=out.device)
-    xp[:, :, :gu, :, :gv] = _folded_view(xs.permute(0, 2, 3, 1), phases, c).permute(0, 1, 3, 2, 4, 5)
+    xp[:, :, :gu, :, :gv] = _folded_view(ts.permute(0, 2, 3, 1)[:n], phases, c).permute(0, 1, 3, 2, 4, 5)
     folded = xp.view(n, hb, wb, c)
     rows, cols = min(h, hb - pad_h), min(w, wb - pad_w)
     o = out.permute(0, 2, 3, 1)
@@ -228,33 +222,31 @@ def d2s_image(xs, block: int, pad_h: int, pad_w: int, out, phases: tuple[int, in
         o[:, :rows, :cols].copy_(folded[:, pad_h: pad_h + rows, pad_w: pad_w + cols])
 
 
+def s2d_image(x, block: int, pad_h: int, pad_w: int, hs: int, ws: int, c_to: int, phases: tuple[int, int]):
+    """x (N x C x H x W) folded into xs (N x c_to x hs x ws): xs's first gu * gv * C channels as in the module
+    docstring (phases = (gu, gv)), the others zero. Rows and columns of x' past hs * block, ws * block are never
+    read by the conv and are dropped."""
+    fold = _fold if _fast(x) else _fold_views
+    return fold(x, block, pad_h, pad_w, hs, ws, c_to, x.shape[0], phases)
+
+
+def d2s_image(xs, block: int, pad_h: int, pad_w: int, out, phases: tuple[int, int]) -> None:
+    """The inverse of s2d_image, into `out` (N x C x H x W): out[n, c, h, w] = xs at x' pixel (h + pad_h,
+    w + pad_w); pixels of x that the fold does not reach (the conv never reads them) get zero."""
+    unfold = _unfold if _fast(xs, out) else _unfold_views
+    unfold(xs, block, pad_h, pad_w, out, phases)
+
+
 def s2d_filter(w, block: int, c_to: int, k_to: int):
     """w (K x C x R x S) folded into ws (k_to x c_to x ceil(R / block) x ceil(S / block)) as in the module
     docstring; channels, filters and taps past w's are zero."""
     k, c, r, s = w.shape
-    ra, sa = -(-r // block), -(-s // block)
-    phases = fold_phases(r, s, block)
-    if _fast(w):
-        return _fold(w, block, 0, 0, ra, sa, c_to, k_to, phases)
-    torch = _torch()
-    gu, gv = phases
-    wp = torch.zeros((k_to, ra * block, sa * block, c), dtype=w.dtype, device=w.device)
-    wp[:k, :r, :s].copy_(w.permute(0, 2, 3, 1))
-    out = torch.zeros((k_to, ra, sa, c_to), dtype=w.dtype, device=w.device)
-    src = wp.view(k_to, ra, block, sa, block, c)[:, :, :gu, :, :gv].permute(0, 1, 3, 2, 4, 5)
-    _folded_view(out, phases, c).copy_(src)
-    return out.permute(0, 3, 1, 2)
+    fold = _fold if _fast(w) else _fold_views
+    return fold(w, block, 0, 0, -(-r // block), -(-s // block), c_to, k_to, fold_phases(r, s, block))
 
 
 def d2s_filter(ws, block: int, out) -> None:
     """The inverse of s2d_filter, into `out` (K x C x R x S)."""
     k, c, r, s = out.shape
-    phases = fold_phases(r, s, block)
-    if _fast(ws, out):
-        return _unfold(ws, block, 0, 0, out, phases)
-    torch = _torch()
-    gu, gv = phases
-    ra, sa = ws.shape[2], ws.shape[3]
-    wp = torch.zeros((k, ra, block, sa, block, c), dtype=out.dtype, device=out.device)
-    wp[:, :, :gu, :, :gv] = _folded_view(ws.permute(0, 2, 3, 1)[:k], phases, c).permute(0, 1, 3, 2, 4, 5)
-    out.permute(0, 2, 3, 1).copy_(wp.view(k, ra * block, sa * block, c)[:, :r, :s])
+    unfold = _unfold if _fast(ws, out) else _unfold_views
+    unfold(ws, block, 0, 0, out, fold_phases(r, s, block))

@@ -24,8 +24,8 @@ import dataclasses
 import logging
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from ..candidates import channel_pad_options, s2d_options, sm80_candidates
-from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up, s2d_problem
+from ..candidates import channel_pad_options, rewrite_options, sm80_candidates
+from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from ..depthwise import depthwise_candidates, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
@@ -189,24 +189,22 @@ def plan_problem(
     pruned: list[Pruned] = []
     n_valid = 0
     cands: list[Candidate] = []
-    for blk in s2d_options(problem):
+    groups: dict[int, list] = {}  # s2d block -> [(pad_c, pad_k, families ranked, side budgets)]
+    for blk, pad_c, pad_k, kp, why in rewrite_options(problem):
         # the conv as it is, then its space-to-depth fold (a budget of its own on top, like the im2col lowering)
-        base = s2d_problem(problem, blk) if blk > 1 else problem
-        options = []  # (pad_c, pad_k, families ranked, side budgets)
-        for pad_c, pad_k in channel_pad_options(base):
-            why = padding_reject_reason(base, pad_c, pad_k)
-            if why:
-                pruned.append(Pruned(f"padc{pad_c}_padk{pad_k}", why))
-                continue
-            kp = base.replace(c=round_up(base.c, pad_c), k=round_up(base.k, pad_k))
-            by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
-            side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
-            tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
-                ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
-            pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
-            n_valid += valid
-            if by_family:
-                options.append((pad_c, pad_k, by_family, side))
+        options = groups.setdefault(blk, [])
+        if why:
+            pruned.append(Pruned(f"padc{pad_c}_padk{pad_k}", why))
+            continue
+        by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
+        side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
+        tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
+            ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
+        pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
+        n_valid += valid
+        if by_family:
+            options.append((pad_c, pad_k, by_family, side))
+    for blk, options in groups.items():
         group_budget = max_candidates if blk == 1 else max(2, max_candidates // 2)
         for i, (pad_c, pad_k, by_family, side) in enumerate(options):
             budget = max(1, group_budget // len(options) + (1 if i < group_budget % len(options) else 0))

@@ -15,17 +15,15 @@ nothing; `cutlass-byoc tune` decides.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
 
 from cutlass_byoc import ops
-from cutlass_byoc.config import LaunchConfig, fold_phases, s2d_problem
+from cutlass_byoc.config import LaunchConfig, s2d_problem
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler.plan import plan_problem
 from cutlass_byoc.profiler.timing import rotation_count, time_gpu
-from cutlass_byoc.rewrite import pad_channels, s2d_filter, s2d_image
 from cutlass_byoc.sm90 import sm90_config
 from cutlass_byoc.types import ConvKind, SplitKMode
 
@@ -76,25 +74,11 @@ def operands(p: Conv2dProblem, seed: int):
 
 
 def rewritten(p: Conv2dProblem, launch: LaunchConfig, a, b):
-    """The kernel's operands and output for `launch` (as ops._run_rewritten makes them)."""
-    big = launch.kernel_problem(p)
-    cl = torch.channels_last
-
-    def image(t):
-        return s2d_image(t, launch.s2d, p.pad_h, p.pad_w, big.h, big.w, big.c, fold_phases(p.r, p.s, launch.s2d)) \
-            if launch.s2d > 1 \
-            else pad_channels(t, None, big.c)
-
-    def filt(t):
-        return s2d_filter(t, launch.s2d, big.c, big.k) if launch.s2d > 1 else pad_channels(t, big.k, big.c)
-
-    if p.kind is ConvKind.FPROP:
-        a2, b2, shape = image(a), filt(b), (big.n, big.k, big.p, big.q)
-    elif p.kind is ConvKind.DGRAD:
-        a2, b2, shape = pad_channels(a, None, big.k), filt(b), (big.n, big.c, big.h, big.w)
-    else:
-        a2, b2, shape = pad_channels(a, None, big.k), image(b), (big.k, big.c, big.r, big.s)
-    return big, a2, b2, torch.empty(shape, dtype=torch.float16, device="cuda").contiguous(memory_format=cl)
+    """The kernel's operands (ops.rewrite_operands, as ops._run_rewritten makes them) and an output for them."""
+    big, a2, b2 = ops.rewrite_operands(p, launch, a, b)
+    n, h, w, c = big.out_shape
+    out = torch.empty((n, c, h, w), dtype=torch.float16, device="cuda").contiguous(memory_format=torch.channels_last)
+    return big, a2, b2, out
 
 
 def main(argv=None) -> int:
