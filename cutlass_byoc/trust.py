@@ -29,7 +29,7 @@ from typing import Optional
 TRUST_ENV = "CUTLASS_BYOC_TRUST_CACHE_DIR"
 
 #: The folders of a cache root that are checked with it (those that exist).
-CACHE_FOLDERS = ("kernels", "decisions", "locks", "tmp", "logs")
+CACHE_FOLDERS = ("kernels", "decisions", "locks", "tmp", "logs", "host-ops")
 
 _OVERRIDE_HINT = (f"set {TRUST_ENV}=1 (or pass --trust-cache-dir) to accept a shared cache on purpose, e.g. a "
                   "read-only fleet cache owned by a service account")
@@ -148,11 +148,11 @@ def root_problems(root: Path | str) -> list[str]:
     return problems
 
 
-def kernel_problems(entry_dir: Path | str) -> list[str]:
-    """Every reason not to open a cached kernel's library: its folders and its kernel.so."""
+def kernel_problems(entry_dir: Path | str, lib_name: str = "kernel.so") -> list[str]:
+    """Every reason not to open a cached library: its folders and the library file."""
     entry_dir = Path(entry_dir)
     out = [_problem(entry_dir.parent, fix_mode="700"), _problem(entry_dir, fix_mode="700")]
-    lib = entry_dir / "kernel.so"
+    lib = entry_dir / lib_name
     if lib.exists():
         out.append(_problem(lib, fix_mode="go-w"))
     return [p for p in out if p]
@@ -172,14 +172,14 @@ def ensure_trusted_root(root: Path | str) -> None:
     _trusted.add(key)
 
 
-def ensure_trusted_kernel(entry_dir: Path | str) -> None:
+def ensure_trusted_kernel(entry_dir: Path | str, lib_name: str = "kernel.so", what: str = "the cached kernel") -> None:
     """Raise UntrustedCacheError unless a cached kernel's folder and library are the user's (or root's) alone.
     Called once per library opened (the loaded library is then remembered by the runtime)."""
     if trust_override() or not _supported():
         return
-    problems = kernel_problems(entry_dir)
+    problems = kernel_problems(entry_dir, lib_name)
     if problems:
-        raise UntrustedCacheError(Path(entry_dir), problems, what="the cached kernel")
+        raise UntrustedCacheError(Path(entry_dir), problems, what=what)
 
 
 def forget() -> None:

@@ -89,11 +89,13 @@ def test_inference_under_cuda_graphs_matches_without():
 
 
 def test_changed_layout_or_misaligned_view_is_never_launched_through_a_site():
-    from cutlass_byoc.offload import library
+    from cutlass_byoc.offload import library, native
     from cutlass_byoc.problem import Conv2dProblem
 
     p = Conv2dProblem.make("fprop", 2, 16, 9, 9, 32, 3, padding=1)
     i = library.register_site("fprop", p, "heuristic")
+    nat = native.loaded()
+    assert nat is not None, f"the C++ call-site ops did not load here: {native.why_not()}"
     site = library.site(i)
     x = torch.randn(2, 16, 9, 9, device="cuda", dtype=torch.half).contiguous(memory_format=CL)
     w = torch.randn(32, 16, 3, 3, device="cuda", dtype=torch.half).contiguous(memory_format=CL)
@@ -102,18 +104,47 @@ def test_changed_layout_or_misaligned_view_is_never_launched_through_a_site():
     def op(a, b):
         return library.FPROP(a, b, None, None, i)
 
-    y = op(x, w)
-    assert site.calls == 1 and (y.double() - ref).norm() / ref.norm() < 1e-2
+    y = op(x, w)  # the first call binds the site (in Python), and hands the binding to the C++ path
+    assert site.calls == 1 and nat.calls(i) == 0 and (y.double() - ref).norm() / ref.norm() < 1e-2
+    y = op(x, w)  # the C++ path
+    assert site.calls == 1 and nat.calls(i) == 1 and (y.double() - ref).norm() / ref.norm() < 1e-2
     # NCHW input: the site refuses it, the general path converts and computes it
     y2 = op(x.contiguous(), w)
-    assert site.calls == 1 and (y2.double() - ref).norm() / ref.norm() < 1e-2
+    assert site.launches == 2 and (y2.double() - ref).norm() / ref.norm() < 1e-2
     # a view 2 bytes off the 16-byte alignment: refused by the site, run by a narrower kernel on the general path
     flat = torch.empty(x.numel() + 8, device="cuda", dtype=torch.half)
     xv = flat[1:1 + x.numel()].view(2, 9, 9, 16).permute(0, 3, 1, 2)
     xv.copy_(x)
     assert xv.is_contiguous(memory_format=CL) and xv.data_ptr() % 16
     y3 = op(xv, w)
-    assert site.calls == 1 and (y3.double() - ref).norm() / ref.norm() < 1e-2
+    assert site.launches == 2 and (y3.double() - ref).norm() / ref.norm() < 1e-2
+    # an fp32 input: refused by both paths of the site (the general path computes it)
+    y4 = op(x.float(), w)
+    assert site.launches == 2 and (y4.double() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_the_native_path_under_a_side_stream_and_the_outputs_poisoned_first():
+    """The C++ path launches on the current stream (a side stream here) and writes every output element."""
+    from cutlass_byoc.offload import library, native
+    from cutlass_byoc.problem import Conv2dProblem
+
+    p = Conv2dProblem.make("dgrad", 4, 32, 12, 12, 64, 3, padding=1)
+    i = library.register_site("dgrad", p, "heuristic")
+    assert native.loaded() is not None, native.why_not()
+    dy = torch.randn(4, 64, 12, 12, device="cuda", dtype=torch.half).contiguous(memory_format=CL)
+    w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.half).contiguous(memory_format=CL)
+    ref = torch.nn.grad.conv2d_input((4, 32, 12, 12), w.double(), dy.double(), padding=1)
+    library.DGRAD(dy, w, i)  # binds
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            # poison what the caching allocator will hand out next
+            torch.full((4 * 32 * 12 * 12,), float("nan"), device="cuda", dtype=torch.half)
+            y = library.DGRAD(dy, w, i)
+    side.synchronize()
+    assert native.loaded().calls(i) == 3
+    assert torch.isfinite(y).all() and (y.double() - ref).norm() / ref.norm() < 1e-2
 
 
 def test_host_overhead_per_call_vs_aten():

@@ -429,10 +429,10 @@ def host_overhead_problems(shape: tuple[int, int, int, int, int] = HOST_OVERHEAD
 def host_overhead(calls: int = 3000, warmup: int = 200,
                   shape: tuple[int, int, int, int, int] = HOST_OVERHEAD_SHAPE) -> list[dict]:
     """Host microseconds per call on a tiny problem (the GPU finishes each kernel faster than the host issues the next,
-    so wall time per call is host time): the call-site ops (what compiled graphs run), the general ops (every
-    parameter an argument, all checks), and aten.convolution / aten.convolution_backward (cuDNN), fp16
-    channels_last."""
-    from . import library  # noqa: PLC0415
+    so wall time per call is host time): the call-site ops (what compiled graphs run: their C++ kernels when
+    native.py could build them), the same ops' Python implementations, the general ops (every parameter an argument,
+    all checks), and aten.convolution / aten.convolution_backward (cuDNN), fp16 channels_last."""
+    from . import library, native  # noqa: PLC0415
     from ..types import ConvKind  # noqa: PLC0415
 
     n, c, hw, k, r = shape
@@ -445,6 +445,8 @@ def host_overhead(calls: int = 3000, warmup: int = 200,
     site = {kind: library.register_site(kind.value, p, "heuristic")
             for kind, p in host_overhead_problems(shape).items()}
     aten = torch.ops.aten
+    py = {"fprop": lambda s: library.FPROP_PY(x, w, None, None, s), "dgrad": lambda s: library.DGRAD_PY(dy, w, s),
+          "wgrad": lambda s: library.WGRAD_PY(dy, x, s)}
     cases = {
         "fprop": (lambda s: library.FPROP(x, w, None, None, s) if s >= 0 else
                   library.conv2d_fprop(x, w, None, None, st, pd, dl, 1, "identity", torch.half, "heuristic"),
@@ -470,12 +472,21 @@ def host_overhead(calls: int = 3000, warmup: int = 200,
         return (time.perf_counter() - t0) / calls * 1e6
 
     rows = []
+    nat = native.loaded()
+    site_path = "cutlass_byoc call site" + (" (C++)" if nat is not None else f" (Python: {native.why_not()})")
     for kind, (ours, theirs) in cases.items():
         s = site[ConvKind(kind)]
-        rows.append({"pass": kind, "path": "cutlass_byoc call site", "us_per_call": per_call(lambda: ours(s))})
+        rows.append({"pass": kind, "path": site_path, "us_per_call": per_call(lambda: ours(s))})
+        if nat is not None:
+            before = nat.calls(s)
+            rows.append({"pass": kind, "path": "cutlass_byoc call site (Python)",
+                         "us_per_call": per_call(lambda: py[kind](s))})
+            assert nat.calls(s) == before, f"{kind}: the Python twin went through the C++ path"
         rows.append({"pass": kind, "path": "cutlass_byoc general path", "us_per_call": per_call(lambda: ours(-1))})
         rows.append({"pass": kind, "path": "aten (cuDNN)", "us_per_call": per_call(theirs)})
-        assert library.site(s).calls > 0, f"{kind}: the call site never launched (it fell back to the general path)"
+        assert library.site(s).launches > 0, f"{kind}: the call site never launched (it fell back to the general path)"
+        if nat is not None:
+            assert nat.calls(s) > 0, f"{kind}: the C++ path never launched"
     return rows
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime import CbConv2dArgs
+from . import native
 from ..types import Activation
 
 log = logging.getLogger("cutlass_byoc.offload")
@@ -88,14 +89,26 @@ class RuntimeRecord:
             self.general_calls.clear()
             for site in list(_SITES):
                 site.calls = 0
+            nat = native.loaded()
+            if nat is not None:
+                nat.reset_calls()
             self.fallbacks.clear()
             self.reference_calls = 0
 
 
 RUNTIME = RuntimeRecord()
 
-#: Set to False to force the PyTorch reference even on CUDA (debugging, A/B checks).
+#: False forces the PyTorch reference even on CUDA (debugging, A/B checks): set it with set_use_kernels().
 use_kernels = True
+
+
+def set_use_kernels(on: bool) -> None:
+    """Run offloaded calls on the kernels (True, the default) or on the PyTorch reference (False)."""
+    global use_kernels
+    use_kernels = bool(on)
+    nat = native.loaded()
+    if nat is not None:
+        nat.enable(use_kernels)
 
 
 _MISSING = object()
@@ -244,15 +257,23 @@ class CallSite:
     there), or the operands differ from what the site was compiled for (shape, dtype, layout, or a pointer alignment
     the kernel cannot take)."""
 
-    __slots__ = ("kind", "problem", "select", "source_shape", "state", "calls", "__weakref__")
+    __slots__ = ("kind", "problem", "select", "source_shape", "state", "calls", "index", "__weakref__")
 
-    def __init__(self, kind: str, problem, select: str, source_shape: Optional[tuple] = None) -> None:
+    def __init__(self, kind: str, problem, select: str, source_shape: Optional[tuple] = None,
+                 index: int = -1) -> None:
+        self.index = index  # in the site table (the ops' `site` argument)
         self.kind = kind
         self.problem = problem
         self.select = select
         self.source_shape = source_shape  # the epilogue source's shape: (K,) for a bias, the output's for a residual
         self.state = None  # None: not bound yet; False: general path; else a _Bound
         self.calls = 0
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches through this site: the Python path's and the C++ path's."""
+        nat = native.loaded()
+        return self.calls + (nat.calls(self.index) if nat is not None and self.index >= 0 else 0)
 
     @property
     def conv_args(self) -> tuple[list[int], list[int], list[int], int]:
@@ -298,6 +319,9 @@ class CallSite:
             self.source_shape if src != "none" else None, prep.lib.name,
             ctypes.create_string_buffer(256), dt_src, prep.source_bytes or prep.align_bytes[2],
             el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,))
+        nat = native.load()
+        if nat is not None and self.index >= 0:
+            nat.set_site(self.index, self.state.native_spec(), self.problem.name)
         return self.state
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, src: Optional[torch.Tensor],
@@ -386,6 +410,26 @@ class _Bound:
     align_bias: int = 0
     bias_shape: tuple = ()
 
+    def native_spec(self) -> "native.SiteSpec":
+        """This binding for the C++ call-site ops (the same checks, the same launch)."""
+        codes = native.SCALAR_TYPES
+        off = native.args_offsets()
+        src = self.source_shape
+        return native.SiteSpec(
+            abi=native.SPEC_ABI, run=ctypes.cast(self.run, ctypes.c_void_p).value,
+            args=ctypes.addressof(self.template), args_bytes=ctypes.sizeof(self.template),
+            off_a=off["a"], off_b=off["b"], off_d=off["d"], off_source=off["source"], off_bias=off["bias"],
+            workspace_bytes=self.workspace_bytes, align_a=self.align_a, align_b=self.align_b,
+            align_source=self.align_source, align_bias=self.align_bias,
+            a_shape=(ctypes.c_int64 * 4)(*self.a_shape), b_shape=(ctypes.c_int64 * 4)(*self.b_shape),
+            dt_a=codes[self.dt_a], dt_b=codes[self.dt_b], dt_out=codes[self.dt_out],
+            out_size=(ctypes.c_int64 * 4)(*self.out_size), out_stride=(ctypes.c_int64 * 4)(*self.out_stride),
+            source_dim=len(src) if src is not None else -1,
+            source_shape=(ctypes.c_int64 * 4)(*(tuple(src or ()) + (0, 0, 0, 0))[:4]),
+            dt_source=codes[self.dt_source] if src is not None else 0,
+            bias_len=self.bias_shape[0] if self.dt_bias is not None else -1,
+            dt_bias=codes[self.dt_bias] if self.dt_bias is not None else 0)
+
 
 _SITES: list[CallSite] = []
 _sites_lock = threading.Lock()
@@ -394,10 +438,12 @@ _sites_lock = threading.Lock()
 def register_site(kind: str, problem, select: str, source_shape: Optional[Sequence[int]] = None) -> int:
     """A new call site for `problem` (made by the partitioner for each op it inserts); its index for the op's
     ``site`` argument."""
-    site = CallSite(kind, problem, select, tuple(source_shape) if source_shape is not None else None)
+    if torch.cuda.is_available():
+        native.load()  # built (once per torch install) while the graph compiles, not at its first call
     with _sites_lock:
+        site = CallSite(kind, problem, select, tuple(source_shape) if source_shape is not None else None, len(_SITES))
         _SITES.append(site)
-        return len(_SITES) - 1
+        return site.index
 
 
 def site(index: int) -> CallSite:
@@ -408,8 +454,9 @@ def site_calls() -> dict[str, int]:
     """Kernel launches through call sites, by kind."""
     out: dict[str, int] = {}
     for s in list(_SITES):
-        if s.calls:
-            out[s.kind] = out.get(s.kind, 0) + s.calls
+        n = s.launches
+        if n:
+            out[s.kind] = out.get(s.kind, 0) + n
     return out
 
 
@@ -439,6 +486,19 @@ _LIB.define("conv2d_wgrad(Tensor grad_output, Tensor input, SymInt[] weight_size
             "int[] dilation, int groups, ScalarType? out_dtype, str select) -> Tensor", tags=_TAGS)
 
 
+# With the C++ call-site ops loaded (native.py), these ops' CUDA kernels are C++; a call the C++ path cannot take
+# goes to the Python twin (*_site_py: the same schema and the functions below), which binds the site or runs the
+# general path. Without them (and off CUDA) the functions below serve the ops themselves.
+_SITE_SCHEMAS = {
+    "fprop_site": "(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int site) -> Tensor",
+    "dgrad_site": "(Tensor grad_output, Tensor weight, int site) -> Tensor",
+    "wgrad_site": "(Tensor grad_output, Tensor input, int site) -> Tensor",
+}
+for _name, _schema in _SITE_SCHEMAS.items():
+    _LIB.define(_name + _schema, tags=_TAGS)
+    _LIB.define(_name + "_py" + _schema, tags=_TAGS)
+
+
 def _impl(name: str):
     def register(fn):
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
@@ -447,7 +507,15 @@ def _impl(name: str):
 
 
 def _fake(name: str):
-    return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_LIB)
+    reg = torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_LIB)
+    if name not in _SITE_SCHEMAS:
+        return reg
+    twin = torch.library.register_fake(f"{NAMESPACE}::{name}_py", lib=_LIB)  # the call-site op's Python twin
+
+    def both(fn):
+        twin(fn)
+        return reg(fn)
+    return both
 
 
 @_impl("conv2d_fprop")
@@ -562,12 +630,15 @@ def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilatio
 # padding, dilation, groups, activation, output type, selection, shapes) is the site's problem, resolved when the
 # graph was compiled. Few, simple arguments: the dispatcher converts each argument of a Python-implemented op on every
 # call (measured here: 12 arguments with three int lists cost ~14 us a call, these 3-5 arguments ~5 us).
-_LIB.define("fprop_site(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int site) -> Tensor", tags=_TAGS)
-_LIB.define("dgrad_site(Tensor grad_output, Tensor weight, int site) -> Tensor", tags=_TAGS)
-_LIB.define("wgrad_site(Tensor grad_output, Tensor input, int site) -> Tensor", tags=_TAGS)
+def _site_impl(name: str):
+    def register(fn):
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        _LIB.impl(name + "_py", fn, "CompositeExplicitAutograd")
+        return fn
+    return register
 
 
-@_impl("fprop_site")
+@_site_impl("fprop_site")
 def _fprop_site(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 residual: Optional[torch.Tensor], site: int) -> torch.Tensor:
     s = _SITES[site]
@@ -585,7 +656,7 @@ def _fprop_site_fake(input, weight, bias, residual, site):
     return _SITES[site].empty_output(input)
 
 
-@_impl("dgrad_site")
+@_site_impl("dgrad_site")
 def _dgrad_site(grad_output: torch.Tensor, weight: torch.Tensor, site: int) -> torch.Tensor:
     s = _SITES[site]
     if use_kernels:
@@ -601,7 +672,7 @@ def _dgrad_site_fake(grad_output, weight, site):
     return _SITES[site].empty_output(grad_output)
 
 
-@_impl("wgrad_site")
+@_site_impl("wgrad_site")
 def _wgrad_site(grad_output: torch.Tensor, input: torch.Tensor, site: int) -> torch.Tensor:
     s = _SITES[site]
     if use_kernels:
@@ -621,6 +692,10 @@ def _wgrad_site_fake(grad_output, input, site):
 FPROP = torch.ops.cutlass_byoc.fprop_site.default
 DGRAD = torch.ops.cutlass_byoc.dgrad_site.default
 WGRAD = torch.ops.cutlass_byoc.wgrad_site.default
+#: their Python implementations (the C++ kernels' twins; the host-overhead benchmark times them too)
+FPROP_PY = torch.ops.cutlass_byoc.fprop_site_py.default
+DGRAD_PY = torch.ops.cutlass_byoc.dgrad_site_py.default
+WGRAD_PY = torch.ops.cutlass_byoc.wgrad_site_py.default
 #: the general ops (every parameter an argument): for direct use, tests and torch.library.opcheck
 conv2d_fprop = torch.ops.cutlass_byoc.conv2d_fprop.default
 conv2d_dgrad = torch.ops.cutlass_byoc.conv2d_dgrad.default

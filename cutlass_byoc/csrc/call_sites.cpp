@@ -1,0 +1,288 @@
+// cutlass-byoc: the CUDA kernels of the offloaded call-site ops (cutlass_byoc::fprop_site, ::dgrad_site,
+// ::wgrad_site), i.e. the per-call launch path of a compiled graph, in C++.
+//
+// Built and loaded by cutlass_byoc/offload/native.py against the running torch (torch.utils.cpp_extension); the op
+// schemas, their fake (meta) implementations and the Python implementations are in cutlass_byoc/offload/library.py.
+//
+// A call site's launch is chosen and prepared in Python when the site is first called (CallSite.bind: the problem,
+// the kernel library, the argument block, the workspace size, the output's shape and strides). Python then hands
+// this file a SiteSpec (cb_site_set). Every later call of the site runs here: it checks the operands against the
+// spec (shapes, dtypes, channels_last layout, device, pointer alignment), allocates the output and the workspace
+// from PyTorch's caching allocator, fills the pointers into a copy of the argument block and calls the library's
+// cb_run on the current stream. No Python runs, nothing synchronizes, nothing persists between calls (safe to
+// capture in CUDA graphs).
+//
+// Whatever the fast path cannot take (a site not bound yet, or bound to the general path; operands that differ
+// from the spec; the native path switched off) is redispatched to the op's Python twin (cutlass_byoc::*_site_py),
+// which binds the site, or runs the general path that checks everything: nothing unchecked reaches a kernel.
+//
+// Only libc10 / libtorch_cpu symbols are used (the current CUDA stream is read through c10's device-guard
+// interface), so the same source builds against CPU and CUDA builds of torch. Built with CB_SITES_TEST_CPU (the CPU
+// tests only), the kernels are registered for CPU tensors instead, and launch with a null stream.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+// int cb_run(const CbConv2dArgs* args, void* workspace, int64_t workspace_bytes, void* stream, char* msg, int len)
+using RunFn = int (*)(const void*, void*, int64_t, void*, char*, int);
+
+constexpr int kMaxArgsBytes = 512;
+#ifdef CB_SITES_TEST_CPU
+constexpr bool kCpu = true;
+#else
+constexpr bool kCpu = false;
+#endif
+
+// Mirror of class SiteSpec in cutlass_byoc/offload/native.py (ctypes): plain integers only.
+struct SiteSpec {
+  int64_t abi;              // kSpecAbi
+  void* run;                // the kernel library's cb_run
+  const void* args;         // the prepared CbConv2dArgs (copied here)
+  int64_t args_bytes;
+  int64_t off_a, off_b, off_d, off_source, off_bias;  // byte offsets of the pointer fields in the block
+  int64_t workspace_bytes;
+  int64_t align_a, align_b, align_source, align_bias;  // byte alignments the kernel needs
+  int64_t a_shape[4], b_shape[4];                      // logical NCHW / KCRS sizes
+  int64_t dt_a, dt_b, dt_out;                          // c10::ScalarType codes
+  int64_t out_size[4], out_stride[4];
+  int64_t source_dim;       // -1: no epilogue source; 1: a (K,) bias; 4: a residual (channels_last)
+  int64_t source_shape[4];
+  int64_t dt_source;
+  int64_t bias_len;         // bias and residual: the bias's length (K); -1: no second pointer
+  int64_t dt_bias;
+};
+constexpr int64_t kSpecAbi = 1;
+
+struct Site {
+  SiteSpec spec;
+  std::array<uint8_t, kMaxArgsBytes> args;
+  c10::ScalarType dt_a, dt_b, dt_out, dt_source, dt_bias;
+  std::string name;
+  std::atomic<int64_t> calls{0};
+};
+
+// Sites are only ever added (one per offloaded call of a compiled graph) and replaced whole; readers take a
+// shared_ptr copy under a mutex held for a few instructions.
+std::mutex g_mutex;
+std::vector<std::shared_ptr<Site>> g_sites;
+std::atomic<bool> g_enabled{true};
+
+std::shared_ptr<Site> find_site(int64_t index) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (index < 0 || index >= static_cast<int64_t>(g_sites.size())) return nullptr;
+  return g_sites[index];
+}
+
+bool shape_is(const at::Tensor& t, const int64_t* shape, int64_t dim) {
+  if (t.dim() != dim) return false;
+  auto sizes = t.sizes();
+  for (int64_t i = 0; i < dim; ++i)
+    if (sizes[i] != shape[i]) return false;
+  return true;
+}
+
+bool aligned(const void* p, int64_t align) {
+  return p != nullptr && (align <= 1 || reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(align) == 0);
+}
+
+bool operand_ok(const at::Tensor& t, const at::Device& dev, const int64_t* shape, c10::ScalarType dt,
+                int64_t align) {
+  return t.device() == dev && t.scalar_type() == dt && shape_is(t, shape, 4) &&
+         t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t.const_data_ptr(), align);
+}
+
+// The launch of one call, or nullopt when the operands do not match the site's spec.
+std::optional<at::Tensor> launch(Site& site, const at::Tensor& a, const at::Tensor& b,
+                                 const std::optional<at::Tensor>& source, const std::optional<at::Tensor>& bias) {
+  const SiteSpec& sp = site.spec;
+  const at::Device dev = a.device();
+  if (dev.is_cuda() == kCpu) return std::nullopt;
+  if (!operand_ok(a, dev, sp.a_shape, site.dt_a, sp.align_a)) return std::nullopt;
+  if (!operand_ok(b, dev, sp.b_shape, site.dt_b, sp.align_b)) return std::nullopt;
+  const void* p_source = nullptr;
+  if (sp.source_dim > 0) {
+    if (!source.has_value()) return std::nullopt;
+    const at::Tensor& s = *source;
+    if (s.device() != dev || s.scalar_type() != site.dt_source || !shape_is(s, sp.source_shape, sp.source_dim))
+      return std::nullopt;
+    if (!(sp.source_dim == 4 ? s.is_contiguous(at::MemoryFormat::ChannelsLast) : s.is_contiguous()))
+      return std::nullopt;
+    p_source = s.const_data_ptr();
+    if (!aligned(p_source, sp.align_source)) return std::nullopt;
+  } else if (source.has_value()) {
+    return std::nullopt;
+  }
+  const void* p_bias = nullptr;
+  if (sp.bias_len >= 0) {
+    if (!bias.has_value()) return std::nullopt;
+    const at::Tensor& t = *bias;
+    if (t.device() != dev || t.scalar_type() != site.dt_bias || t.dim() != 1 || t.size(0) != sp.bias_len ||
+        !t.is_contiguous())
+      return std::nullopt;
+    p_bias = t.const_data_ptr();
+    if (!aligned(p_bias, sp.align_bias)) return std::nullopt;
+  } else if (bias.has_value()) {
+    return std::nullopt;
+  }
+
+  const auto options = at::TensorOptions().dtype(site.dt_out).device(dev);
+  at::Tensor out = at::empty_strided(c10::IntArrayRef(sp.out_size, 4), c10::IntArrayRef(sp.out_stride, 4), options);
+  std::array<uint8_t, kMaxArgsBytes> args = site.args;
+  auto put = [&](int64_t off, const void* p) { std::memcpy(args.data() + off, &p, sizeof(void*)); };
+  put(sp.off_a, a.const_data_ptr());
+  put(sp.off_b, b.const_data_ptr());
+  put(sp.off_d, out.data_ptr());
+  put(sp.off_source, p_source);
+  if (p_bias) put(sp.off_bias, p_bias);
+  // the workspace comes from the caching allocator and is dead after the call: safe under CUDA graph capture
+  at::Tensor workspace;
+  void* ws = nullptr;
+  if (sp.workspace_bytes > 0) {
+    workspace = at::empty({sp.workspace_bytes}, options.dtype(at::kByte));
+    ws = workspace.data_ptr();
+  }
+  std::optional<c10::DeviceGuard> guard;
+  void* stream = nullptr;
+  if (!kCpu) {
+    guard.emplace(dev);  // sets the device only when it is not the current one
+    stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev).native_handle();
+  }
+  char msg[256] = {0};
+  const int rc = reinterpret_cast<RunFn>(sp.run)(args.data(), ws, sp.workspace_bytes, stream, msg, sizeof(msg));
+  TORCH_CHECK(rc == 0, site.name, ": ", msg);
+  site.calls.fetch_add(1, std::memory_order_relaxed);
+  return out;
+}
+
+c10::OperatorHandle python_twin(const char* name) {
+  // the op's Python implementation (binds the site, or runs the general path)
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor fprop_site(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual, int64_t index) {
+  if (g_enabled.load(std::memory_order_relaxed)) {
+    if (auto site = find_site(index)) {
+      // the epilogue source is the residual when there is one (then the bias is the second pointer), else the bias
+      auto y = residual.has_value() ? launch(*site, input, weight, residual, bias)
+                                    : launch(*site, input, weight, bias, std::nullopt);
+      if (y) return *y;
+    }
+  }
+  static const auto twin = python_twin("cutlass_byoc::fprop_site_py")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&, int64_t)>();
+  return twin.call(input, weight, bias, residual, index);
+}
+
+at::Tensor dgrad_site(const at::Tensor& grad_output, const at::Tensor& weight, int64_t index) {
+  if (g_enabled.load(std::memory_order_relaxed)) {
+    if (auto site = find_site(index)) {
+      if (auto y = launch(*site, grad_output, weight, std::nullopt, std::nullopt)) return *y;
+    }
+  }
+  static const auto twin = python_twin("cutlass_byoc::dgrad_site_py")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return twin.call(grad_output, weight, index);
+}
+
+at::Tensor wgrad_site(const at::Tensor& grad_output, const at::Tensor& input, int64_t index) {
+  if (g_enabled.load(std::memory_order_relaxed)) {
+    if (auto site = find_site(index)) {
+      if (auto y = launch(*site, grad_output, input, std::nullopt, std::nullopt)) return *y;
+    }
+  }
+  static const auto twin = python_twin("cutlass_byoc::wgrad_site_py")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return twin.call(grad_output, input, index);
+}
+
+}  // namespace
+
+#ifdef CB_SITES_TEST_CPU
+TORCH_LIBRARY_IMPL(cutlass_byoc, CPU, m) {
+#else
+TORCH_LIBRARY_IMPL(cutlass_byoc, CUDA, m) {
+#endif
+  m.impl("fprop_site", &fprop_site);
+  m.impl("dgrad_site", &dgrad_site);
+  m.impl("wgrad_site", &wgrad_site);
+}
+
+// ------------------------------------------------------------------------------------------ the C API (ctypes)
+extern "C" {
+
+int64_t cb_sites_abi() { return kSpecAbi; }
+
+// Bind site `index` to `spec` (copied; its argument block too). Returns 0, or -1 with `msg` set.
+int cb_site_set(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len) {
+  auto fail = [&](const std::string& why) {
+    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
+    return -1;
+  };
+  if (index < 0) return fail("negative site index");
+  if (spec == nullptr || spec->abi != kSpecAbi) return fail("SiteSpec ABI mismatch");
+  if (spec->run == nullptr || spec->args == nullptr) return fail("no cb_run or argument block");
+  if (spec->args_bytes <= 0 || spec->args_bytes > kMaxArgsBytes) return fail("argument block size out of range");
+  for (int64_t off : {spec->off_a, spec->off_b, spec->off_d, spec->off_source, spec->off_bias})
+    if (off < 0 || off + static_cast<int64_t>(sizeof(void*)) > spec->args_bytes)
+      if (!(off == spec->off_bias && spec->bias_len < 0)) return fail("pointer offset outside the argument block");
+  if (spec->source_dim != -1 && spec->source_dim != 1 && spec->source_dim != 4) return fail("source_dim");
+  auto site = std::make_shared<Site>();
+  site->spec = *spec;
+  site->args.fill(0);
+  std::memcpy(site->args.data(), spec->args, static_cast<size_t>(spec->args_bytes));
+  site->spec.args = nullptr;  // the copy in site->args is the one used
+  auto dtype = [](int64_t code) { return static_cast<c10::ScalarType>(code); };
+  site->dt_a = dtype(spec->dt_a);
+  site->dt_b = dtype(spec->dt_b);
+  site->dt_out = dtype(spec->dt_out);
+  site->dt_source = dtype(spec->source_dim > 0 ? spec->dt_source : spec->dt_out);
+  site->dt_bias = dtype(spec->bias_len >= 0 ? spec->dt_bias : spec->dt_out);
+  site->name = name ? name : "";
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (index >= static_cast<int64_t>(g_sites.size())) g_sites.resize(static_cast<size_t>(index) + 1);
+  g_sites[static_cast<size_t>(index)] = std::move(site);
+  return 0;
+}
+
+// Unbind a site (its calls take the Python twin again).
+void cb_site_clear(int64_t index) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (index >= 0 && index < static_cast<int64_t>(g_sites.size())) g_sites[static_cast<size_t>(index)] = nullptr;
+}
+
+int64_t cb_site_calls(int64_t index) {
+  auto site = find_site(index);
+  return site ? site->calls.load() : 0;
+}
+
+void cb_sites_reset_calls() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (auto& s : g_sites)
+    if (s) s->calls.store(0);
+}
+
+// 0: every call takes the Python twin (debugging, A/B checks); 1: the fast path runs.
+void cb_sites_enable(int on) { g_enabled.store(on != 0); }
+
+}  // extern "C"
