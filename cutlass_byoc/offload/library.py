@@ -15,7 +15,9 @@ Layout contract (the design decision of the offload):
   library and prepares its argument block, output shape and strides and workspace size (``ops.bind``); every later
   call checks the operands' shapes, dtypes, layout and pointer alignment against that (a few attribute reads), fills
   in the pointers and launches: no problem is rebuilt and nothing is looked up by key. Any mismatch takes the general
-  path below, which checks everything; nothing unchecked ever reaches a kernel. Workspaces come from PyTorch's
+  path below, which checks everything; nothing unchecked ever reaches a kernel. On CUDA those later calls run in C++
+  (:mod:`.native`: the call-site ops' CUDA kernels, handed each binding by ``bind``), the Python functions below
+  serving as their twins (``*_site_py``) for first calls and mismatches. Workspaces come from PyTorch's
   caching allocator per call and no call synchronizes, so the ops can be captured in CUDA graphs.
 * General path (the ``conv2d_*`` ops, every parameter an argument; a call-site op whose call does not match its
   site runs it too): the ops call :mod:`cutlass_byoc.ops` with the
@@ -321,7 +323,10 @@ class CallSite:
             el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,))
         nat = native.load()
         if nat is not None and self.index >= 0:
-            nat.set_site(self.index, self.state.native_spec(), self.problem.name)
+            try:
+                nat.set_site(self.index, self.state.native_spec(), self.problem.name)
+            except (ValueError, KeyError) as e:  # the site stays on the Python path (the same checks)
+                log.warning("cutlass_byoc: call site %s stays on the Python path: %s", self.problem.name, e)
         return self.state
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, src: Optional[torch.Tensor],
