@@ -173,19 +173,14 @@ def _child() -> None:
     assert nat.calls(i2) == 0
 
     # malformed specs are refused by name
-    spec.abi = 99
-    try:
-        nat.set_site(i, spec, "bad")
-        raise AssertionError("a bad ABI was accepted")
-    except ValueError as e:
-        assert "ABI" in str(e)
-    spec.abi = native.SPEC_ABI
-    spec.off_d = 10_000
-    try:
-        nat.set_site(i, spec, "bad")
-        raise AssertionError("an offset outside the block was accepted")
-    except ValueError as e:
-        assert "offset" in str(e)
+    for field, value, words in (("abi", 99, "ABI"), ("off_d", 10_000, "offset"), ("source_dim", 3, "source_dim")):
+        bad = native.SiteSpec.from_buffer_copy(spec)  # a good spec, one field spoilt
+        setattr(bad, field, value)
+        try:
+            nat.set_site(i, bad, "bad")
+            raise AssertionError(f"{field}={value} was accepted")
+        except ValueError as e:
+            assert words in str(e), e
     print("native call-site checks passed")
 
 

@@ -194,27 +194,20 @@ at::Tensor fprop_site(const at::Tensor& input, const at::Tensor& weight, const s
   return twin.call(input, weight, bias, residual, index);
 }
 
-at::Tensor dgrad_site(const at::Tensor& grad_output, const at::Tensor& weight, int64_t index) {
+// dgrad (grad_output, weight) and wgrad (grad_output, input): two operands, no epilogue source
+template <const char* kTwin>
+at::Tensor two_operand_site(const at::Tensor& a, const at::Tensor& b, int64_t index) {
   if (g_enabled.load(std::memory_order_relaxed)) {
     if (auto site = find_site(index)) {
-      if (auto y = launch(*site, grad_output, weight, std::nullopt, std::nullopt)) return *y;
+      if (auto y = launch(*site, a, b, std::nullopt, std::nullopt)) return *y;
     }
   }
-  static const auto twin = python_twin("cutlass_byoc::dgrad_site_py")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  return twin.call(grad_output, weight, index);
+  static const auto twin = python_twin(kTwin).typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return twin.call(a, b, index);
 }
 
-at::Tensor wgrad_site(const at::Tensor& grad_output, const at::Tensor& input, int64_t index) {
-  if (g_enabled.load(std::memory_order_relaxed)) {
-    if (auto site = find_site(index)) {
-      if (auto y = launch(*site, grad_output, input, std::nullopt, std::nullopt)) return *y;
-    }
-  }
-  static const auto twin = python_twin("cutlass_byoc::wgrad_site_py")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  return twin.call(grad_output, input, index);
-}
+constexpr char kDgradTwin[] = "cutlass_byoc::dgrad_site_py";
+constexpr char kWgradTwin[] = "cutlass_byoc::wgrad_site_py";
 
 }  // namespace
 
@@ -224,8 +217,8 @@ TORCH_LIBRARY_IMPL(cutlass_byoc, CPU, m) {
 TORCH_LIBRARY_IMPL(cutlass_byoc, CUDA, m) {
 #endif
   m.impl("fprop_site", &fprop_site);
-  m.impl("dgrad_site", &dgrad_site);
-  m.impl("wgrad_site", &wgrad_site);
+  m.impl("dgrad_site", &two_operand_site<kDgradTwin>);
+  m.impl("wgrad_site", &two_operand_site<kWgradTwin>);
 }
 
 // ------------------------------------------------------------------------------------------ the C API (ctypes)
