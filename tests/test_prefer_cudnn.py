@@ -91,46 +91,6 @@ def test_backward_passes_each_go_by_their_own_decision(monkeypatch):
     assert by[Pass.WGRAD] and all(not e.offloaded and "cuDNN is faster" in e.reason for e in by[Pass.WGRAD])
 
 
-@pytest.mark.parametrize("cudnn_wgrad_us, options, split", [
-    (12.0, {}, False),  # saves 2 us a call: not worth a second call without CUDA graphs
-    (40.0, {}, True),  # saves 30 us: split
-    (12.0, {"cudagraphs": True}, True),  # under CUDA graphs a call costs no host time
-    (12.0, {"mode": "reduce-overhead"}, True),
-    (12.0, {"split_backward_cost_us": 1.0}, True),
-    (None, {}, True),  # nothing measured: split, as before
-    (12.0, {"select": "heuristic"}, True),  # the heuristic measures nothing
-])
-def test_a_backward_conv_is_split_only_where_the_kernel_saves_more_than_a_call(monkeypatch, cudnn_wgrad_us, options,
-                                                                                  split):
-    """dgrad stays with cuDNN (measured faster); wgrad's kernel is measured 10 us against cuDNN's `cudnn_wgrad_us`.
-    Offloading wgrad alone turns one convolution_backward call into two."""
-    monkeypatch.setattr(pat_mod, "cudnn_faster",
-                        lambda p: "cuDNN is faster: 1.0 us vs 2.0 us" if p.kind.value == "dgrad" else None)
-    monkeypatch.setattr(pat_mod, "measured_times", lambda p: (10.0, cudnn_wgrad_us)
-                        if p.kind.value == "wgrad" and cudnn_wgrad_us is not None else None)
-    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False))
-    x = torch.randn(2, 8, 8, 8, requires_grad=True)
-    gm, rep = explain(m, x, training=True, options=OffloadOptions(require_cuda=False, **options))
-    dgrad = [e for e in rep.entries if e.kind is Pass.DGRAD]
-    both = {e.node for e in dgrad}  # the second conv's backward wants both results; the first conv's only wgrad
-    wgrad = {e.node: e for e in rep.entries if e.kind is Pass.WGRAD}
-    if options.get("select") == "heuristic":  # nothing measured at all: every pass offloaded
-        assert all(e.offloaded for e in dgrad + list(wgrad.values()))
-        return
-    assert len(dgrad) == 1 and not dgrad[0].offloaded and len(wgrad) == 2
-    assert all(e.offloaded for n, e in wgrad.items() if n not in both), rep.summary()  # nothing to split there
-    (split_one,) = [e for n, e in wgrad.items() if n in both]
-    assert split_one.offloaded is split, rep.summary()
-    cbs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
-    if not split:
-        assert split_one.reason.startswith("not split from cuDNN's dgrad: the kernel saves 2.0 us a call")
-        assert "1 kept with cuDNN's other pass, one call" in rep.summary()
-        # that conv's backward is one convolution_backward with both results, as without the backend
-        assert len(cbs) == 1 and list(cbs[0].args[10])[:2] == [True, True]
-    else:
-        assert len(cbs) == 1 and list(cbs[0].args[10])[:2] == [True, False]  # dgrad alone stays with cuDNN
-
-
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 @pytest.mark.parametrize("out", ["f16", "f32"])
 def test_cudnn_baseline_runs_for_every_kind_and_output_type(kind, out):

@@ -52,7 +52,6 @@ from .patterns import (
     kernel_for,
     make_problem,
     pair,
-    split_not_worth_it,
     static_shape,
     val,
     wgrad_cast_patterns,
@@ -396,24 +395,33 @@ class _Rewriter:
                 if mask[i] and getitems.get(i):
                     self.report.add(OffloadEntry(cb.name, kind, False, reason=str(e)))
             return
-        # plan both passes first (nothing in the graph changes yet), then rewrite what is kept
-        plans: dict[int, tuple] = {}
-        wanted = [bool(mask[i] and getitems.get(i)) for i in (0, 1)]
-        if wanted[0]:
+        # dgrad
+        if mask[0] and getitems.get(0):
             try:
                 if not opts.dgrad:
                     raise Reject("dgrad offload is off")
                 out_dtype = val(getitems[0][0]).dtype
                 problem = make_problem(ConvKind.DGRAD, common["x_shape"], common["w_shape"], stride, padding,
                                        dilation, groups, gov.dtype, out_dtype)
-                plans[0] = (problem, kernel_for(problem, opts))
+                launch = kernel_for(problem, opts)
+                with self.graph.inserting_before(cb):
+                    new = self.call(library.DGRAD, (go, w, library.register_site("dgrad", problem, opts.select.value)))
+                self.new_nodes.append(new)
+                for g in getitems[0]:
+                    self._substitute(g, new)
+                    self.graph.erase_node(g)
+                done[0] = True
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
+                                             "convolution_backward[grad_input]"))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
-        fuse_cast, notes = None, []
-        if wanted[1]:
+        # wgrad
+        if mask[1] and getitems.get(1):
             try:
                 if not opts.wgrad:
                     raise Reject("wgrad offload is off")
+                fuse_cast = None
+                notes = []
                 if cast is not None and len(getitems[1]) == 1 and len(getitems[1][0].users) == 1:
                     dt = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
                     if not opts.fuse_casts:
@@ -421,48 +429,27 @@ class _Rewriter:
                     elif dt in (torch.float16, torch.bfloat16, torch.float32):
                         fuse_cast = cast
                 out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
-                wgrad_dtype = val(out_node).dtype
+                out_dtype = val(out_node).dtype
                 problem = make_problem(ConvKind.WGRAD, common["x_shape"], common["w_shape"], stride, padding,
-                                       dilation, groups, gov.dtype, wgrad_dtype)
-                plans[1] = (problem, kernel_for(problem, opts))
+                                       dilation, groups, gov.dtype, out_dtype)
+                launch = kernel_for(problem, opts)
+                with self.graph.inserting_before(cb):
+                    new = self.call(library.WGRAD, (go, inp, library.register_site("wgrad", problem, opts.select.value)))
+                self.new_nodes.append(new)
+                if fuse_cast is not None:
+                    self._substitute(fuse_cast, new)
+                    self.graph.erase_node(fuse_cast)
+                    self.graph.erase_node(getitems[1][0])
+                else:
+                    for g in getitems[1]:
+                        self._substitute(g, new)
+                        self.graph.erase_node(g)
+                done[1] = True
+                fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
+                                             "convolution_backward[grad_weight]", fused, notes=notes))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
-        if len(plans) == 1 and all(wanted):  # one pass ours, the other cuDNN's: two calls where there was one
-            (i, (problem, _launch)), = plans.items()
-            why = split_not_worth_it(problem, opts)
-            if why:
-                del plans[i]
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD if i == 0 else Pass.WGRAD, False, reason=why))
-        # dgrad
-        if 0 in plans:
-            problem, launch = plans[0]
-            with self.graph.inserting_before(cb):
-                new = self.call(library.DGRAD, (go, w, library.register_site("dgrad", problem, opts.select.value)))
-            self.new_nodes.append(new)
-            for g in getitems[0]:
-                self._substitute(g, new)
-                self.graph.erase_node(g)
-            done[0] = True
-            self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                         "convolution_backward[grad_input]"))
-        # wgrad
-        if 1 in plans:
-            problem, launch = plans[1]
-            with self.graph.inserting_before(cb):
-                new = self.call(library.WGRAD, (go, inp, library.register_site("wgrad", problem, opts.select.value)))
-            self.new_nodes.append(new)
-            if fuse_cast is not None:
-                self._substitute(fuse_cast, new)
-                self.graph.erase_node(fuse_cast)
-                self.graph.erase_node(getitems[1][0])
-            else:
-                for g in getitems[1]:
-                    self._substitute(g, new)
-                    self.graph.erase_node(g)
-            done[1] = True
-            fused = (f"cast({str(wgrad_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
-            self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                         "convolution_backward[grad_weight]", fused, notes=notes))
         if not any(done):
             return
         # grad_bias: an fp32-accumulated reduction of grad_output, left to PyTorch / Inductor

@@ -61,13 +61,6 @@ CONV_PARAMS = ("stride", "padding", "dilation", "transposed", "output_padding", 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-#: The default host cost of one more offloaded-op call in a step without CUDA graphs (µs): about what the host-overhead
-#: benchmark measures for aten.convolution and for the call-site ops on the H200's hosts (12-45 µs a call).
-SPLIT_COST_US = 15.0
-#: how the reason of a pass kept with cuDNN's other pass begins (the offload report counts them)
-NOT_SPLIT = "not split from cuDNN's"
-
-
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
     """What the partitioner may offload and how the kernels are chosen.
@@ -93,10 +86,6 @@ class OffloadOptions:
     # tune; the heuristic has no measurement to go by)
     prefer_cudnn: bool = True
     mode: Optional[str] = None  # torch.compile's mode, passed to Inductor ("reduce-overhead" implies cudagraphs)
-    # The host time one more call costs a step that runs without CUDA graphs. A convolution_backward split between
-    # cuDNN and a kernel (one pass each: two calls where there was one) is split only where the kernel's measured
-    # saving over cuDNN is larger. None: SPLIT_COST_US without CUDA graphs, 0 with them (no host time per call).
-    split_backward_cost_us: Optional[float] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))
@@ -112,23 +101,6 @@ class OffloadOptions:
         if unknown:
             raise ValueError(f"cutlass_byoc options: unknown {sorted(unknown)}; expected some of {sorted(fields)}")
         return cls(**merged)
-
-    @property
-    def cudagraphs_on(self) -> bool:
-        """Whether Inductor wraps the compiled graphs in CUDA graphs (the option, or a mode that turns them on)."""
-        if self.cudagraphs:
-            return True
-        if self.mode in (None, "default"):
-            return False
-        from torch._inductor import list_mode_options  # noqa: PLC0415
-
-        return bool(list_mode_options(self.mode).get("triton.cudagraphs"))
-
-    @property
-    def split_cost_us(self) -> float:
-        if self.split_backward_cost_us is not None:
-            return float(self.split_backward_cost_us)
-        return 0.0 if self.cudagraphs_on else SPLIT_COST_US
 
     @property
     def compile_time_select(self) -> SelectMode:
@@ -452,36 +424,6 @@ def kernel_for(problem: Conv2dProblem, options: OffloadOptions) -> LaunchConfig:
     if why:
         raise Reject(f"kernel {launch.name}: {why}")
     return launch
-
-
-def split_not_worth_it(problem: Conv2dProblem, options: OffloadOptions) -> Optional[str]:
-    """Why a backward pass whose other pass stays with cuDNN should stay too (None: split it). Splitting costs a
-    second call per step; without CUDA graphs that is `options.split_cost_us` of host time, spent only where the
-    decision cache measured the kernel that much faster than cuDNN. No measurement (the heuristic, or no cuDNN time
-    recorded): split, as before."""
-    cost = options.split_cost_us
-    if cost <= 0 or options.compile_time_select is SelectMode.HEURISTIC:
-        return None
-    times = measured_times(problem)
-    if times is None:
-        return None
-    ours, cudnn = times
-    if cudnn - ours >= cost:
-        return None
-    other = "wgrad" if problem.kind is ConvKind.DGRAD else "dgrad"
-    return (f"{NOT_SPLIT} {other}: the kernel saves {cudnn - ours:.1f} us a call ({ours:.1f} vs cuDNN "
-            f"{cudnn:.1f} us), less than a second call's host time without CUDA graphs ({cost:g} us; "
-            "option split_backward_cost_us)")
-
-
-def measured_times(problem: Conv2dProblem) -> Optional[tuple[float, float]]:
-    """(the tuned kernel's µs, cuDNN's µs) from the decision cache, or None where either was not measured."""
-    from ..decisions import lookup  # noqa: PLC0415
-
-    dec = lookup(problem)
-    if dec is None or dec.cudnn_us is None or dec.time_us is None:
-        return None
-    return dec.time_us, dec.cudnn_us
 
 
 def conv_params(values: dict[str, object]) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], int, bool]:

@@ -9,7 +9,6 @@ import logging
 from typing import Optional
 
 from ..select import CUDNN_FASTER
-from .patterns import NOT_SPLIT
 
 log = logging.getLogger("cutlass_byoc.offload")
 
@@ -102,10 +101,7 @@ class OffloadReport:
             return (f"cutlass_byoc offload report for {self.graph}: nothing offloaded, the graph was compiled as "
                     f"without this backend: {self.failure}")
         faster = sum(1 for e in self.entries if not e.offloaded and (e.reason or "").startswith(CUDNN_FASTER))
-        unsplit = sum(1 for e in self.entries if not e.offloaded and (e.reason or "").startswith(NOT_SPLIT))
-        kept = ", ".join(x for x in (f"{faster} left to cuDNN, measured faster" if faster else "",
-                                     f"{unsplit} kept with cuDNN's other pass, one call" if unsplit else "") if x)
-        kept = f" ({kept})" if kept else ""
+        kept = f" ({faster} left to cuDNN, measured faster)" if faster else ""
         lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded{kept}; "
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
                  f"{self.layout_restores} layout restores"]
