@@ -186,3 +186,18 @@ def _child() -> None:
 
 if __name__ == "__main__":
     _child()
+
+
+def test_a_failed_build_leaves_the_python_path(monkeypatch, caplog):
+    from cutlass_byoc.offload import native
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.delenv(native.ENV, raising=False)
+
+    def broken(*a, **k):
+        raise RuntimeError("Error building extension 'cutlass_byoc_sites': c++: not found")
+    monkeypatch.setattr(native, "build", broken)
+    with caplog.at_level("WARNING", logger="cutlass_byoc.offload"):
+        assert native.load() is None and native.load() is None  # tried once, remembered
+    assert native.loaded() is None and "c++: not found" in native.why_not()
+    assert sum("call-site ops are unavailable" in r.getMessage() for r in caplog.records) == 1

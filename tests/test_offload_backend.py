@@ -255,3 +255,12 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     assert out["offloaded_calls"] == 8 and out["offloaded_cpu_ms"] == 0.21 and out["offloaded_gpu_ms"] == 1.5
     assert out["aten_conv_calls"] == 4 and out["aten_conv_cpu_ms"] == 0.09 and out["aten_conv_gpu_ms"] == 0.7
     assert out["graph_launches"] == 3 and out["kernel_launches"] == 20
+    assert out["top_kernels"][0] == [0.5, 0.5, "k0"] and len(out["top_kernels"]) == 10
+
+
+def test_top_kernels_ranks_names_by_summed_gpu_time():
+    from cutlass_byoc.offload.bench import top_kernels
+
+    ks = [(0.0, 300.0, "conv"), (400.0, 500.0, "relu"), (600.0, 800.0, "relu"), (900.0, 1000.0, "sgd"),
+          (1000.0, 1400.0, "conv")]
+    assert top_kernels(ks, steps=2, top=2) == [[0.35, 1.0, "conv"], [0.15, 1.0, "relu"]]

@@ -228,17 +228,30 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
             "longest_gaps": [[round(g, 1), name[:80]] for g, name in gaps[:top]]}
 
 
+def top_kernels(kernels: Sequence[tuple[float, float, str]], steps: int, top: int = 10) -> list:
+    """The `top` kernel names by summed GPU time: [ms per step, launches per step, name (first 100 characters)].
+    Unlike the ops' split this holds under CUDA graphs too (replayed kernels are recorded; their ops are not)."""
+    by: dict[str, list[float]] = {}
+    for start, stop, name in kernels:
+        acc = by.setdefault(name, [0.0, 0.0])
+        acc[0] += stop - start
+        acc[1] += 1
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[round(us / steps / 1e3, 4), n / steps, name[:100]] for name, (us, n) in ranked]
+
+
 def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], steps: int, wall_ms: float) -> dict:
     """A profile's per-step split, from torch.profiler's key averages (name, count, cpu_time_total,
     device_time_total in us) and the GPU kernels it recorded ((start us, end us, name)): wall ms, the sum of kernel
-    ms, the GPU timeline (:func:`kernel_timeline`: busy, launch gaps, host gaps), and for the offloaded conv ops and
+    ms, the GPU timeline (:func:`kernel_timeline`: busy, launch gaps, host gaps), the kernels that take the most GPU
+    time (:func:`top_kernels`), and for the offloaded conv ops and
     aten's convolutions their calls, host (CPU, children included) ms and GPU ms; CUDA graph replays and kernel
     launches outside graphs per step. Under CUDA graphs the kernels replay without their ops, so the op split means
     nothing there, and the launch counts say how the step was captured (one replay per graph or partition; launches
     outside graphs are host work)."""
     out = {"steps": steps, "wall_ms": wall_ms,
            "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
-           **kernel_timeline(kernels, steps)}
+           **kernel_timeline(kernels, steps), "top_kernels": top_kernels(kernels, steps)}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
@@ -512,6 +525,8 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
                          f"{q['offloaded_gpu_ms']:.2f} ms, host {q['offloaded_cpu_ms']:.2f} ms; aten convs "
                          f"{q['aten_conv_calls']:.0f} calls, GPU {q['aten_conv_gpu_ms']:.2f} ms, host "
                          f"{q['aten_conv_cpu_ms']:.2f} ms")
+            for ms, n, name in q.get("top_kernels", []):
+                lines.append(f"  {r.mode} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
     return "\n".join(lines)
 
 
