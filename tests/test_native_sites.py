@@ -63,7 +63,8 @@ class _Recorder:
         return self.rc
 
 
-def _site(problem, rec, source_shape=None, workspace=0, align=(16, 16, 16), bias=False):
+def _site(problem, rec, source_shape=None, workspace=0, align=(16, 16, 16), bias=False, dt=torch.float16,
+          dt_out=torch.float16):
     from cutlass_byoc.offload import library
     from cutlass_byoc.runtime import make_args
 
@@ -74,9 +75,9 @@ def _site(problem, rec, source_shape=None, workspace=0, align=(16, 16, 16), bias
     run = RUN(rec)
     site.state = library._Bound(
         run, make_args(problem), workspace, *align, (a[0], a[3], a[1], a[2]), (b[0], b[3], b[1], b[2]),
-        torch.float16, torch.float16, (n, c, h, w), (h * w * c, 1, w * c, c), torch.float16,
+        dt, dt, (n, c, h, w), (h * w * c, 1, w * c, c), dt_out,
         tuple(source_shape) if source_shape is not None else None, "fake", ctypes.create_string_buffer(256),
-        torch.float16, align[2], torch.float16 if bias else None, 16 if bias else 0, (problem.k,))
+        dt_out, align[2], torch.float16 if bias else None, 16 if bias else 0, (problem.k,))
     return i, site, run
 
 
@@ -171,6 +172,16 @@ def _child() -> None:
     assert len(rec.calls) == 2
     library.RUNTIME.clear()
     assert nat.calls(i2) == 0
+
+    # bf16 operands with an fp32 output (wgrad into fp32 master weights): the dtype codes handed to C++ are right
+    pw = Conv2dProblem(kind=ConvKind.WGRAD, n=2, h=8, w=8, c=16, k=32, r=3, s=3, pad_h=1, pad_w=1,
+                       element_a=DType.BF16, element_b=DType.BF16, element_out=DType.F32)
+    rec4 = _Recorder()
+    i4, site4, run4 = _site(pw, rec4, dt=torch.bfloat16, dt_out=torch.float32)
+    nat.set_site(i4, site4.state.native_spec(), "fake wgrad bf16->f32")
+    gw = torch.ops.cutlass_byoc.wgrad_site.default(gy.bfloat16(), x.bfloat16(), i4)
+    assert len(rec4.calls) == 1 and gw.dtype == torch.float32 and gw.shape == (32, 16, 3, 3)
+    assert gw.is_contiguous(memory_format=CL) and rec4.calls[0]["d"] == gw.data_ptr()
 
     # malformed specs are refused by name
     for field, value, words in (("abi", 99, "ABI"), ("off_d", 10_000, "offset"), ("source_dim", 3, "source_dim")):
