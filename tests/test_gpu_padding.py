@@ -9,6 +9,7 @@ Compiles 2.x kernels (~10-15 s each) and reuses the sm90 kernels of test_gpu_sm9
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.sm90 import sm90_config  # noqa: E402
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, SourceKind, SplitKMode  # noqa: E402
 
+import layers  # noqa: E402
 from gpu_util import (  # noqa: E402
     TOLERANCE, TORCH, kernel_operands, module_kernels, operands, pick, poisoned_output, reference, rel_err,
 )
@@ -31,12 +33,8 @@ pytestmark = pytest.mark.gpu
 BATCH = 4
 
 
-def stem(kind, n=BATCH, **kw):
-    return Conv2dProblem.make(kind, n, 3, 224, 224, 64, 7, stride=2, padding=3, **kw)
-
-
-def odd(kind, n=BATCH, **kw):
-    return Conv2dProblem.make(kind, n, 7, 56, 56, 33, 3, padding=1, **kw)
+stem = functools.partial(layers.stem, n=BATCH)
+odd = functools.partial(layers.odd, n=BATCH)
 
 
 LAYERS = {"stem": stem, "odd": odd}

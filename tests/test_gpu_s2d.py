@@ -7,6 +7,8 @@ fp16 and an fp32 output). Against the float64 reference on fresh random inputs, 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,6 +18,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.profiler.plan import plan_problem  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
+import layers  # noqa: E402
 from gpu_util import check_launch, module_kernels, pick  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -23,8 +26,7 @@ pytestmark = pytest.mark.gpu
 BATCH = 4
 
 
-def stem(kind, n=BATCH, **kw):
-    return Conv2dProblem.make(kind, n, 3, 224, 224, 64, 7, stride=2, padding=3, **kw)
+stem = functools.partial(layers.stem, n=BATCH)
 
 
 def down(kind, n=BATCH, **kw):

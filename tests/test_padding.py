@@ -16,15 +16,9 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import has_kernels, plan_problem
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SourceKind
 
+from layers import odd, stem
+
 GPU = GpuInfo("NVIDIA H200", 90)
-
-
-def stem(kind, **kw):
-    return Conv2dProblem.make(kind, 32, 3, 224, 224, 64, 7, stride=2, padding=3, **kw)
-
-
-def odd(kind, **kw):
-    return Conv2dProblem.make(kind, 32, 7, 56, 56, 33, 3, padding=1, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- which padding

@@ -14,9 +14,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import plan_problem
 from cutlass_byoc.types import Activation, SourceKind
 
-
-def stem(kind, **kw):
-    return Conv2dProblem.make(kind, 32, 3, 224, 224, 64, 7, stride=2, padding=3, **kw)
+from layers import stem
 
 
 def _kernel(problem):

@@ -505,8 +505,11 @@ for _name, _schema in _SITE_SCHEMAS.items():
 
 
 def _impl(name: str):
+    """Register fn as the op's implementation (and as its Python twin's, for a call-site op)."""
     def register(fn):
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        if name in _SITE_SCHEMAS:
+            _LIB.impl(name + "_py", fn, "CompositeExplicitAutograd")
         return fn
     return register
 
@@ -635,15 +638,7 @@ def _conv2d_wgrad_fake(grad_output, input, weight_size, stride, padding, dilatio
 # padding, dilation, groups, activation, output type, selection, shapes) is the site's problem, resolved when the
 # graph was compiled. Few, simple arguments: the dispatcher converts each argument of a Python-implemented op on every
 # call (measured here: 12 arguments with three int lists cost ~14 us a call, these 3-5 arguments ~5 us).
-def _site_impl(name: str):
-    def register(fn):
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        _LIB.impl(name + "_py", fn, "CompositeExplicitAutograd")
-        return fn
-    return register
-
-
-@_site_impl("fprop_site")
+@_impl("fprop_site")
 def _fprop_site(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 residual: Optional[torch.Tensor], site: int) -> torch.Tensor:
     s = _SITES[site]
@@ -661,7 +656,7 @@ def _fprop_site_fake(input, weight, bias, residual, site):
     return _SITES[site].empty_output(input)
 
 
-@_site_impl("dgrad_site")
+@_impl("dgrad_site")
 def _dgrad_site(grad_output: torch.Tensor, weight: torch.Tensor, site: int) -> torch.Tensor:
     s = _SITES[site]
     if use_kernels:
@@ -677,7 +672,7 @@ def _dgrad_site_fake(grad_output, weight, site):
     return _SITES[site].empty_output(grad_output)
 
 
-@_site_impl("wgrad_site")
+@_impl("wgrad_site")
 def _wgrad_site(grad_output: torch.Tensor, input: torch.Tensor, site: int) -> torch.Tensor:
     s = _SITES[site]
     if use_kernels:

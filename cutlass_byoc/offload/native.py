@@ -57,16 +57,16 @@ class SiteSpec(ctypes.Structure):
 
 
 #: torch dtype -> c10::ScalarType code (the enum's order; stable across torch releases)
-SCALAR_TYPES = {torch.float16: 5, torch.float32: 6, torch.bfloat16: 15, torch.uint8: 0, torch.int8: 1}
+SCALAR_TYPES = {torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}
 
 
 def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def build_key(defines: tuple[str, ...] = ()) -> str:
+def build_key(defines: tuple[str, ...] = (), source: Optional[str] = None) -> str:
     """The source, the preprocessor defines and the torch build it is compiled against."""
-    blob = "\0".join([SOURCE.read_text(), *defines, torch.__version__,
+    blob = "\0".join([SOURCE.read_text() if source is None else source, *defines, torch.__version__,
                       str(getattr(torch.version, "git_version", "")), str(torch._C._GLIBCXX_USE_CXX11_ABI)])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -83,13 +83,13 @@ def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path:
 
     root = cache_root()
     ensure_trusted_root(root)
-    key = build_key(defines)
+    text = SOURCE.read_text()
+    key = build_key(defines, text)
     build_dir = make_private_dir(root / "host-ops" / key)
     name = f"cutlass_byoc_sites_{key}"
     lib = build_dir / f"{name}.so"
     ensure_trusted_kernel(build_dir, lib.name, what="the built call-site ops")  # torch's builder dlopens it
     src = build_dir / "call_sites.cpp"
-    text = SOURCE.read_text()
     if not src.exists() or src.read_text() != text:
         src.write_text(text)
     if not lib.exists():
