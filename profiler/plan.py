@@ -327,15 +327,26 @@ def _spread_over_tiles(ranked: list) -> list:
     return firsts + rest
 
 
+def _schedule_group(kernel: KernelConfig):
+    """The group _alternate_schedules puts `kernel` in within its family (None: the family is one group)."""
+    if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
+        return kernel.schedule, kernel.halo_smem
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA:
+        return kernel.split_k_mode
+    return None
+
+
 def _alternate_schedules(ranked: list) -> list:
     """The family's kernels taken in turn from each of its schedules (each schedule's own order kept), where the
     family has more than one and the model cannot rank them against each other: the depthwise kernels' pixel tiles
-    read through L1 or staged in shared memory, and wgrad's "rows" and "taprows" schedules. A budget then times the
-    best few of each instead of the first schedule's only."""
+    read through L1 or staged in shared memory, and wgrad's "rows" and "taprows" schedules; the 3.x conv wgrad
+    kernels with and without the project's split-k (fp32 partials, then a reduction), which the model ranks as it
+    ranks 2.x split-k: on the H200 an unsplit 64x128 kernel of the 256-channel 3x3 wgrad ran 21.7 us, every split
+    one 26.6 us or more, and the model had put all of its split kernels first (scripts/sweep_kernels.py, 2026-11-30).
+    A budget then times the best few of each instead of the first schedule's only."""
     groups: dict = {}
     for t in ranked:
-        k = t[1]
-        groups.setdefault((k.schedule, k.halo_smem) if k.family is KernelFamily.DEPTHWISE_DIRECT else None, []).append(t)
+        groups.setdefault(_schedule_group(t[1]), []).append(t)
     if len(groups) < 2:
         return ranked
     out, lists = [], list(groups.values())

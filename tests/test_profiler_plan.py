@@ -193,3 +193,15 @@ def test_a_budget_smaller_than_the_families_is_kept():
     for budget in (1, 2):
         pp = plan_problem(p, budget)
         assert len(pp.kernels) == budget, [c.name for c in pp.candidates]
+
+
+def test_3x_wgrad_times_split_and_unsplit_kernels():
+    """The 3.x conv wgrad of ResNet-50's 256-channel 3x3 layer (7 output tiles of 64x128 per 256 rows): the model
+    ranks all of its split-k kernels first, yet on the H200 the unsplit 64x128 one was fastest (21.7 us against
+    26.6 us for the best split one; scripts/sweep_kernels.py). The budget times the family's best of each."""
+    if plan_mod._sm90_enumerator() is None:
+        pytest.skip("no 3.x conv family in this build")
+    p = Conv2dProblem.make("wgrad", 32, 256, 14, 14, 256, 3, padding=1)
+    sm90 = [k for k in plan_problem(p, 8).kernels if k.family is KernelFamily.SM90_TMA_WGMMA]
+    modes = [k.split_k_mode for k in sm90]
+    assert SplitKMode.PARALLEL in modes and SplitKMode.SERIAL in modes, [k.name for k in sm90]
