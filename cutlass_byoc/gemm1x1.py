@@ -232,8 +232,10 @@ def static_error(c: KernelConfig) -> Optional[str]:
                 return f"{name}: TMA moves 16-byte rows, got {align} x {elem.value}"
     m, n, k = c.tile
     coop = c.schedule.startswith("cooperative")
+    # 256 at most in every schedule: a TMA box spans at most 256 rows, and a 384-row cooperative tile compiles but its
+    # A descriptor fails to initialize at launch (H200, 2026-11-30: CUTLASS printed the error and the kernel hung).
     if m % (128 if coop else 64) or not 64 <= m <= 256:
-        return (f"tile {c.tile}: M must be a multiple of {128 if coop else 64} up to 256 "
+        return (f"tile {c.tile}: M must be a multiple of {128 if coop else 64} up to 256 (the TMA box) "
                 f"({'two consumer warp groups of 64 rows' if coop else 'one consumer warp group of 64 rows'})")
     if n % 16 or not 16 <= n <= 256 or (k * c.element_a.nbytes) % 64:
         return f"tile {c.tile}: wgmma needs N in 16..256 (multiple of 16) and a 64-byte K"

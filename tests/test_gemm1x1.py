@@ -112,6 +112,7 @@ def test_activation_is_compiled_in():
     (dict(tile=(64, 128, 64), warps=(8, 1, 1)), "tile"),  # cooperative: two warp groups of 64 rows
     (dict(tile=(128, 256, 64), schedule="pingpong", warps=(4, 1, 1), stages=3), "tile"),  # 256 accumulators/thread
     (dict(tile=(128, 128, 16)), "tile"),  # K must be 64 bytes
+    (dict(tile=(384, 64, 64), stages=3), "TMA box"),  # compiles, but its descriptor fails at launch and the kernel hangs
     (dict(split_k_mode=SplitKMode.PARALLEL), "split_k_mode|align_c"),  # (the generic rule on fp32 partials may say it first)
     (dict(align_a=4), "align_a"),
     (dict(stages=12), "stages"),
