@@ -26,12 +26,18 @@
 # time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; any default-workload layer as bench names it,
 #           or stem / down) --extra -> $OUT/time-launches.log: each launch of the layers' plans (and the stem fold's
 #           sm90 variants) timed whole and kernel alone (a diagnostic; its kernels must be in the test cache)
+# sweep:    scripts/sweep_kernels.py time: every kernel of the GEMM 1x1 family on the ResNet-50 stride-1 1x1 cells and
+#           of the 3.x conv family on the 3x3 ones (SWEEP_LAYERS="1x1", SWEEP_KINDS="fprop dgrad", SWEEP_TILES=
+#           "384x64x64:cooperative ..." narrow or extend it), those in the test cache -> sweep.json, sweep.log
+# cudnn-kernels: scripts/sweep_kernels.py cudnn-kernels: cuDNN's kernels per default and depthwise cell, and cuBLAS's
+#           time of each 1x1 cell's GEMM -> cudnn-kernels.json, cudnn-kernels.log
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
 # The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
 # tune.log, tune.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log, time-launches.log, gpu-offload.log,
-# offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log).
+# offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log), sweep.json, sweep.log,
+# cudnn-kernels.json, cudnn-kernels.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -157,6 +163,12 @@ for step in "${steps[@]}"; do
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     time-launches)
       python3 scripts/time_launches.py ${TIME_LAYERS:-stem} --extra 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;
+    sweep)
+      python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
+        ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
+    cudnn-kernels)
+      python3 scripts/sweep_kernels.py cudnn-kernels "$OUT/cudnn-kernels.json" > "$OUT/cudnn-kernels.log" 2>&1 \
+        || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "== step $step: $(( $(date +%s) - t0 )) s"

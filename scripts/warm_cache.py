@@ -11,7 +11,8 @@ partitioner chooses (compile-time select: decision cache, else heuristic) for th
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
 ``--depthwise``: the depthwise tests' and `tune depthwise` plan's kernels; ``--tune-model resnet50 --batch 32
 --max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there;
-``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--workload default --archive
+``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--sweep 1x1 [--sweep-kinds fprop dgrad]
+[--sweep-tiles 384x64x64:cooperative]``: what the round's sweep step times (scripts/sweep_kernels.py); ``--workload default --archive
 .tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune step then times
 only, and says it was not a cold tune). The selectors add up (``--offload-only
 --tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
@@ -175,6 +176,10 @@ def main() -> int:
     ap.add_argument("--inference", action="store_true")
     ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
+    ap.add_argument("--sweep", nargs="+", default=None, choices=["1x1", "3x3"],
+                    help="scripts/sweep_kernels.py's kernels of these cells (the round's sweep step)")
+    ap.add_argument("--sweep-kinds", nargs="+", default=["fprop", "dgrad", "wgrad"])
+    ap.add_argument("--sweep-tiles", nargs="+", default=[], metavar="MxNxK:SCHEDULE")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                     help=f"the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
                          "the archive of a round that runs a few test modules and tunes a model")
@@ -192,11 +197,16 @@ def main() -> int:
         cfgs += depthwise_kernels()
     if a.modules:
         cfgs += module_kernels(a.modules)
+    if a.sweep:
+        import sweep_kernels  # noqa: PLC0415 - scripts/sweep_kernels.py, beside this file
+
+        tiles = [sweep_kernels.parse_tile(t) for t in a.sweep_tiles]
+        cfgs += [k for it in sweep_kernels.cells(a.sweep, a.sweep_kinds) for k in sweep_kernels.kernels_of(it.problem, tiles)]
     if a.tests_only:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
         cfgs += offload_kernels(OFFLOAD_RUNS)
-    if not (a.tune_model or a.workload or a.depthwise or a.modules or a.tests_only or a.offload_only):
+    if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)

@@ -1,0 +1,177 @@
+"""Every kernel of a family on the default workload's ResNet-50 cells, timed and verified like the profiler's
+candidates, against cuDNN: how far the tuner's budget of 8 kernels per problem is from the family's best, and how far
+the family's best is from cuDNN. A diagnostic (like time_launches.py), run by `scripts/gpu_round.sh sweep`.
+
+    python scripts/sweep_kernels.py build [--jobs N] [--layers 1x1 3x3]   # compile (a CPU machine does)
+    python scripts/sweep_kernels.py time OUT.json [--layers ...]          # time on the GPU: the kernels in the cache
+    python scripts/sweep_kernels.py cudnn-kernels OUT.json                # cuDNN's kernels per cell (torch.profiler)
+
+The cells: stride-1 1x1 layers (all three kinds) on the GEMM 1x1 family, stride-1 3x3 layers on the 3.x conv family.
+`time` skips kernels the cache lacks (it compiles nothing unless --build); each cell's rows are sorted fastest first
+and the JSON is rewritten after every cell, so a run cut short keeps what it measured. Unlike the tuner it runs every
+launch in this process (no crash isolation): a kernel that faults ends the run.
+
+`cudnn-kernels` lists, for every cell of the default and depthwise workloads, the kernels cuDNN launches (name, GPU
+microseconds per call from torch.profiler, launches per call), and for the stride-1 1x1 cells cuBLAS's time of the
+same GEMM (torch.mm) on rotated operands, timed like the candidates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+from cutlass_byoc import workloads
+from cutlass_byoc.build import build, prepare
+from cutlass_byoc.cache import EntryState, KernelCache
+from cutlass_byoc.profiler import plan
+from cutlass_byoc.types import KernelFamily
+
+#: filter size -> the family swept on those cells
+FAMILY_OF = {"1x1": KernelFamily.SM90_GEMM_1X1, "3x3": KernelFamily.SM90_TMA_WGMMA}
+LAUNCHES_PER_KERNEL = 2  # the model's best split-k counts of each kernel
+
+
+def cells(layers, kinds):
+    for it in workloads.default_workload():
+        p = it.problem
+        if it.resnet50 and p.stride_h == 1 and f"{p.r}x{p.s}" in layers and p.kind.value in kinds:
+            yield it
+
+
+def kernels_of(problem, extra=()):
+    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule) pairs (tiles
+    outside cutlass_library's list, to try before adding them to gemm1x1.EXTRA_TILES)."""
+    family = FAMILY_OF[f"{problem.r}x{problem.s}"]
+    valid, _ = plan.enumerate_kernels(problem)
+    out = [k for k in valid if k.family is family]
+    if family is KernelFamily.SM90_GEMM_1X1:
+        from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
+
+        for tile, schedule in extra:
+            try:
+                k = gemm1x1_config(problem, tile, schedule)
+            except ValueError as e:
+                print(f"{problem.name}: {tile} {schedule}: {e}")
+                continue
+            if k not in out:
+                out.append(k)
+    return out
+
+
+def parse_tile(text: str):
+    """"384x64x64:cooperative" -> ((384, 64, 64), "cooperative")."""
+    tile, _, schedule = text.partition(":")
+    return tuple(int(x) for x in tile.split("x")), schedule
+
+
+def cmd_build(args) -> None:
+    kernels = {k.name: k for it in cells(args.layers, args.kinds) for k in kernels_of(it.problem, args.tiles)}
+    t0 = time.time()
+    res = build(list(kernels.values()), jobs=args.jobs, cache=KernelCache(), progress=True)
+    print(f"{sum(r.ok for r in res.values())} of {len(res)} kernels in the cache ({time.time() - t0:.0f} s)")
+
+
+def cmd_time(args) -> None:
+    import torch  # noqa: PLC0415
+
+    from cutlass_byoc.profiler.worker import WorkerSettings, _time_baseline, evaluate_candidate, make_problem_sets  # noqa: PLC0415
+
+    cache, settings, out, t0 = KernelCache(), WorkerSettings(), [], time.time()
+    for it in cells(args.layers, args.kinds):
+        p = it.problem
+        kernels = kernels_of(p, args.tiles)
+        if args.build:
+            build(kernels, cache=cache, progress=False)
+        sets, ref = make_problem_sets(p, settings)
+        cudnn_us = _time_baseline(p, sets, settings)
+        rows = []
+        for k in kernels:
+            if cache.lookup(prepare(k)[1]).state is not EntryState.OK:
+                rows.append({"launch": k.name, "us": None, "status": "not compiled", "estimate_us": None})
+                continue
+            for est, launch in plan.launches_for(p, k)[:LAUNCHES_PER_KERNEL]:
+                r = evaluate_candidate(p, launch, sets, ref, settings.timing)
+                rows.append({"launch": launch.name, "us": r.median_us, "status": r.status, "estimate_us": est,
+                             "message": r.message[:200]})
+        rows.sort(key=lambda r: r["us"] if r["status"] == "ok" else float("inf"))
+        out.append({"layer": it.layer, "kind": p.kind.value, "cudnn_us": cudnn_us, "rows": rows})
+        best = rows[0] if rows and rows[0]["status"] == "ok" else None
+        print(f"{time.time() - t0:6.1f} s  {it.layer:18s} {p.kind.value}  cuDNN {cudnn_us or float('nan'):6.1f} us  "
+              f"best {best['us'] if best else float('nan'):6.1f} us  {best['launch'] if best else '-'}", flush=True)
+        del sets, ref
+        torch.cuda.empty_cache()
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def cmd_cudnn_kernels(args) -> None:
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    from cutlass_byoc.gemm1x1 import lowered_gemm_mnk  # noqa: PLC0415
+    from cutlass_byoc.profiler.timing import time_gpu  # noqa: PLC0415
+    from cutlass_byoc.profiler.verify import cudnn_fn, make_operand_set  # noqa: PLC0415
+
+    torch.backends.cudnn.benchmark = True
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    out, calls = [], 5
+    for it in list(workloads.default_workload()) + list(workloads.depthwise_workload()):
+        p = it.problem
+        sets = [make_operand_set(p, torch.device("cuda"), gen) for _ in range(4)]
+        fn = cudnn_fn(p, sets)
+        for i in range(3):  # cudnn.benchmark's search and the workspace first
+            fn(i % len(sets))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                fn(i % len(sets))
+            torch.cuda.synchronize()
+        per = collections.defaultdict(lambda: [0.0, 0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name][0] += e.device_time / calls
+                per[e.name][1] += 1
+        row = {"layer": it.layer, "kind": p.kind.value,
+               "kernels": sorted(([n, round(us, 2), c // calls] for n, (us, c) in per.items()), key=lambda r: -r[1])}
+        if p.r == 1 and p.s == 1 and p.stride_h == 1 and p.groups == 1:
+            m, n, k = lowered_gemm_mnk(p)
+            wgrad = p.kind.value == "wgrad"
+            rot = max(4, min(64, -(-150_000_000 // (2 * (m * k + k * n + m * n)))))  # past L2, as the candidates
+            a = [torch.randn((k, m) if wgrad else (m, k), device="cuda", dtype=torch.half) for _ in range(rot)]
+            b = [torch.randn(k, n, device="cuda", dtype=torch.half) for _ in range(rot)]
+            row["gemm_mnk"] = [m, n, k]
+            row["cublas_us"] = time_gpu(lambda i: torch.mm(a[i % rot].t() if wgrad else a[i % rot], b[i % rot]),
+                                        rot).median_us
+            del a, b
+        out.append(row)
+        print(f"{it.layer:24s} {p.kind.value}  " + "; ".join(f"{n[:70]} {us} us" for n, us, _ in row["kernels"][:2]),
+              flush=True)
+        del sets
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--jobs", "-j", type=int, default=None)
+    t = sub.add_parser("time")
+    t.add_argument("out")
+    t.add_argument("--build", action="store_true", help="compile the cache's missing kernels first")
+    c = sub.add_parser("cudnn-kernels")
+    c.add_argument("out")
+    for s in (b, t):
+        s.add_argument("--layers", nargs="+", default=sorted(FAMILY_OF), choices=sorted(FAMILY_OF))
+        s.add_argument("--kinds", nargs="+", default=["fprop", "dgrad", "wgrad"], choices=["fprop", "dgrad", "wgrad"])
+        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE",
+                       help="GEMM 1x1 tiles to add to the family's (e.g. 384x64x64:cooperative)")
+    args = ap.parse_args()
+    {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
