@@ -28,7 +28,8 @@
 #           sm90 variants) timed whole and kernel alone (a diagnostic; its kernels must be in the test cache)
 # sweep:    scripts/sweep_kernels.py time: every kernel of the GEMM 1x1 family on the ResNet-50 stride-1 1x1 cells and
 #           of the 3.x conv family on the 3x3 ones (SWEEP_LAYERS="1x1", SWEEP_KINDS="fprop dgrad", SWEEP_TILES=
-#           "384x64x64:cooperative ..." narrow or extend it), those in the test cache -> sweep.json, sweep.log
+#           "192x64x64:pingpong ..." narrow or extend it; SWEEP_PROFILE=1: each cell's best launch and cuDNN also
+#           timed kernel alone by torch.profiler), those in the test cache -> sweep.json, sweep.log
 # cudnn-kernels: scripts/sweep_kernels.py cudnn-kernels: cuDNN's kernels per default and depthwise cell, and cuBLAS's
 #           time of each 1x1 cell's GEMM -> cudnn-kernels.json, cudnn-kernels.log
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
@@ -165,7 +166,8 @@ for step in "${steps[@]}"; do
       python3 scripts/time_launches.py ${TIME_LAYERS:-stem} --extra 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;
     sweep)
       python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
-        ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
+        ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} ${SWEEP_PROFILE:+--profile} 2>&1 \
+        | tee "$OUT/sweep.log" || rc=1 ;;
     cudnn-kernels)
       python3 scripts/sweep_kernels.py cudnn-kernels "$OUT/cudnn-kernels.json" > "$OUT/cudnn-kernels.log" 2>&1 \
         || rc=1 ;;

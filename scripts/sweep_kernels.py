@@ -8,7 +8,8 @@ the family's best is from cuDNN. A diagnostic (like time_launches.py), run by `s
 
 The cells: stride-1 1x1 layers (all three kinds) on the GEMM 1x1 family, stride-1 3x3 layers on the 3.x conv family.
 `time` skips kernels the cache lacks (it compiles nothing unless --build); each cell's rows are sorted fastest first
-and the JSON is rewritten after every cell, so a run cut short keeps what it measured. Unlike the tuner it runs every
+and the JSON is rewritten after every cell, so a run cut short keeps what it measured. --profile adds the kernel time
+alone (torch.profiler, no launch around it) of each cell's best launch and of cuDNN's call. Unlike the tuner it runs every
 launch in this process (no crash isolation): a kernel that faults ends the run.
 
 `cudnn-kernels` lists, for every cell of the default and depthwise workloads, the kernels cuDNN launches (name, GPU
@@ -68,6 +69,26 @@ def parse_tile(text: str):
     return tuple(int(x) for x in tile.split("x")), schedule
 
 
+def kernel_times(fn, calls: int = 5) -> list:
+    """[name, GPU us per call, launches per call] of each kernel `fn(i)` runs, by torch.profiler, longest first."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    for i in range(3):  # module loads, cudnn.benchmark's search and the workspace first
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(i)
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += e.device_time / calls
+            per[e.name][1] += 1
+    return sorted(([n, round(us, 2), c // calls] for n, (us, c) in per.items()), key=lambda r: -r[1])
+
+
 def cmd_build(args) -> None:
     kernels = {k.name: k for it in cells(args.layers, args.kinds) for k in kernels_of(it.problem, args.tiles)}
     t0 = time.time()
@@ -100,6 +121,20 @@ def cmd_time(args) -> None:
         rows.sort(key=lambda r: r["us"] if r["status"] == "ok" else float("inf"))
         out.append({"layer": it.layer, "kind": p.kind.value, "cudnn_us": cudnn_us, "rows": rows})
         best = rows[0] if rows and rows[0]["status"] == "ok" else None
+        if args.profile and best:
+            # kernel time alone (torch.profiler) of the best launch and of cuDNN, without the launch around it
+            from cutlass_byoc.ops import run_problem  # noqa: PLC0415
+            from cutlass_byoc.profiler.verify import cudnn_fn  # noqa: PLC0415
+
+            launch = next(l for k in kernels for _, l in plan.launches_for(p, k)[:LAUNCHES_PER_KERNEL]
+                          if l.name == best["launch"])
+            n = len(sets)
+            out[-1]["best_kernels"] = kernel_times(lambda i: run_problem(
+                p, sets[i % n].a, sets[i % n].b, sets[i % n].out, sets[i % n].source, config=launch, bias=sets[i % n].bias))
+            torch.backends.cudnn.benchmark = True
+            out[-1]["cudnn_kernels"] = kernel_times(cudnn_fn(p, [sets[i % n] for i in range(8)]))
+            print(f"          kernels alone: ours {sum(k[1] for k in out[-1]['best_kernels']):.1f} us, cuDNN "
+                  f"{sum(k[1] for k in out[-1]['cudnn_kernels']):.1f} us ({out[-1]['cudnn_kernels'][0][0][:60]})")
         print(f"{time.time() - t0:6.1f} s  {it.layer:18s} {p.kind.value}  cuDNN {cudnn_us or float('nan'):6.1f} us  "
               f"best {best['us'] if best else float('nan'):6.1f} us  {best['launch'] if best else '-'}", flush=True)
         del sets, ref
@@ -109,7 +144,6 @@ def cmd_time(args) -> None:
 
 def cmd_cudnn_kernels(args) -> None:
     import torch  # noqa: PLC0415
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     from cutlass_byoc.gemm1x1 import lowered_gemm_mnk  # noqa: PLC0415
     from cutlass_byoc.profiler.timing import time_gpu  # noqa: PLC0415
@@ -118,25 +152,12 @@ def cmd_cudnn_kernels(args) -> None:
     torch.backends.cudnn.benchmark = True
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    out, calls = [], 5
+    out = []
     for it in list(workloads.default_workload()) + list(workloads.depthwise_workload()):
         p = it.problem
         sets = [make_operand_set(p, torch.device("cuda"), gen) for _ in range(4)]
         fn = cudnn_fn(p, sets)
-        for i in range(3):  # cudnn.benchmark's search and the workspace first
-            fn(i % len(sets))
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(calls):
-                fn(i % len(sets))
-            torch.cuda.synchronize()
-        per = collections.defaultdict(lambda: [0.0, 0])
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name][0] += e.device_time / calls
-                per[e.name][1] += 1
-        row = {"layer": it.layer, "kind": p.kind.value,
-               "kernels": sorted(([n, round(us, 2), c // calls] for n, (us, c) in per.items()), key=lambda r: -r[1])}
+        row = {"layer": it.layer, "kind": p.kind.value, "kernels": kernel_times(lambda i: fn(i % len(sets)))}
         if p.r == 1 and p.s == 1 and p.stride_h == 1 and p.groups == 1:
             m, n, k = lowered_gemm_mnk(p)
             wgrad = p.kind.value == "wgrad"
@@ -162,6 +183,8 @@ def main() -> None:
     t = sub.add_parser("time")
     t.add_argument("out")
     t.add_argument("--build", action="store_true", help="compile the cache's missing kernels first")
+    t.add_argument("--profile", action="store_true",
+                   help="also the kernel time alone (torch.profiler) of each cell's best launch and of cuDNN")
     c = sub.add_parser("cudnn-kernels")
     c.add_argument("out")
     for s in (b, t):
