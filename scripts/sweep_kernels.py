@@ -5,6 +5,7 @@ the family's best is from cuDNN. A diagnostic (like time_launches.py), run by `s
     python scripts/sweep_kernels.py build [--jobs N] [--layers 1x1 3x3]   # compile (a CPU machine does)
     python scripts/sweep_kernels.py time OUT.json [--layers ...]          # time on the GPU: the kernels in the cache
     python scripts/sweep_kernels.py cudnn-kernels OUT.json                # cuDNN's kernels per cell (torch.profiler)
+    python scripts/sweep_kernels.py replay OUT.json [--max-candidates 8]  # the tuner's plan against a time run (CPU)
 
 The cells: stride-1 1x1 layers (all three kinds) on the GEMM 1x1 family, stride-1 3x3 layers on the 3.x conv family.
 `time` skips kernels the cache lacks (it compiles nothing unless --build); each cell's rows are sorted fastest first
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import time
 from pathlib import Path
 
@@ -175,6 +177,37 @@ def cmd_cudnn_kernels(args) -> None:
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
+def replay(sweep: list, max_candidates: int = plan.DEFAULT_MAX_CANDIDATES) -> list[dict]:
+    """For each cell of a `time` run's JSON: the best time among the launches the tuner's plan would time (those the
+    sweep timed), against the sweep's best. Rows: layer, kind, plan_us, best_us, planned (how many of the plan's
+    launches the sweep timed). The sweep covers one family per cell, so the plan's launches of other families
+    (2.x, the other 3.x family) do not count."""
+    problems = {(it.layer, it.problem.kind.value): it.problem for it in workloads.default_workload()}
+    out = []
+    for cell in sweep:
+        p = problems[(cell["layer"], cell["kind"])]
+        timed = {r["launch"]: r["us"] for r in cell["rows"] if r["status"] == "ok" and r["us"]}
+        if not timed:
+            continue
+        got = [timed[c.name] for c in plan.plan_problem(p, max_candidates).candidates if c.name in timed]
+        out.append({"layer": cell["layer"], "kind": cell["kind"], "plan_us": min(got) if got else None,
+                    "best_us": min(timed.values()), "planned": len(got)})
+    return out
+
+
+def cmd_replay(args) -> None:
+    rows = replay(json.loads(Path(args.sweep).read_text()), args.max_candidates)
+    logs = []
+    for r in rows:
+        ratio = r["best_us"] / r["plan_us"] if r["plan_us"] else float("nan")
+        if r["plan_us"]:
+            logs.append(math.log(ratio))
+        print(f"{r['layer']:18s} {r['kind']}  plan's best {r['plan_us'] or float('nan'):6.1f} us  sweep's best "
+              f"{r['best_us']:6.1f} us  ({ratio:.3f}; {r['planned']} of the plan's launches swept)")
+    if logs:
+        print(f"geomean sweep's best / plan's best over {len(logs)} cells: {math.exp(sum(logs) / len(logs)):.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -187,13 +220,16 @@ def main() -> None:
                    help="also the kernel time alone (torch.profiler) of each cell's best launch and of cuDNN")
     c = sub.add_parser("cudnn-kernels")
     c.add_argument("out")
+    r = sub.add_parser("replay", help="what the tuner's plan would have found among a time run's launches (CPU)")
+    r.add_argument("sweep", help="a `time` run's JSON")
+    r.add_argument("--max-candidates", type=int, default=plan.DEFAULT_MAX_CANDIDATES)
     for s in (b, t):
         s.add_argument("--layers", nargs="+", default=sorted(FAMILY_OF), choices=sorted(FAMILY_OF))
         s.add_argument("--kinds", nargs="+", default=["fprop", "dgrad", "wgrad"], choices=["fprop", "dgrad", "wgrad"])
         s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE",
                        help="GEMM 1x1 tiles to add to the family's (e.g. 384x64x64:cooperative)")
     args = ap.parse_args()
-    {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels}[args.cmd](args)
+    {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -56,3 +56,37 @@ def test_unknown_module_is_named():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "warm_cache.py"), "--modules", "nope", "--list"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode != 0 and "--modules" in (out.stderr + out.stdout) and "nope" in (out.stderr + out.stdout)
+
+
+def test_sweep_selector_names_the_sweeps_kernels():
+    """--sweep 1x1 --sweep-kinds fprop: every GEMM 1x1 kernel of the ResNet-50 stride-1 1x1 fprop cells (the round's
+    sweep step times them from the carried cache), and --sweep-tiles adds its tiles; a 384-row tile is refused."""
+    base = listed("--sweep", "1x1", "--sweep-kinds", "fprop")
+    assert base and all(n.startswith("cb_gemm1x1_fprop_") for n in base)
+    more = listed("--sweep", "1x1", "--sweep-kinds", "fprop", "--sweep-tiles", "192x64x64:pingpong",
+                  "384x64x64:cooperative")
+    added = [n for n in more if n not in base]
+    assert added and all("_192x64x64_" in n and "pingpong" in n for n in added)
+
+
+def test_sweep_replay_finds_what_the_plan_times():
+    """sweep_kernels.replay: a cell's best among the launches the tuner's plan would time, against the sweep's best
+    (a launch outside the plan that ran faster shows as a miss)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import sweep_kernels  # noqa: PLC0415
+    finally:
+        sys.path.pop(0)
+    from cutlass_byoc.profiler.plan import plan_problem  # noqa: PLC0415
+    from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
+
+    it = next(i for i in default_workload() if i.layer == "l3_1x1_256_1024" and i.problem.kind.value == "fprop")
+    planned = {c.name for c in plan_problem(it.problem).candidates}
+    swept = [k for k in sweep_kernels.kernels_of(it.problem) if not any(n.startswith(k.name) for n in planned)]
+    inside = next(n for n in planned if n.startswith("cb_gemm1x1_"))
+    cell = {"layer": it.layer, "kind": "fprop", "cudnn_us": 12.0, "rows": [
+        {"launch": swept[0].name, "us": 9.0, "status": "ok"},  # faster, but the plan would not time it
+        {"launch": inside, "us": 11.0, "status": "ok"},
+        {"launch": swept[1].name, "us": None, "status": "not compiled"}]}
+    (row,) = sweep_kernels.replay([cell])
+    assert (row["plan_us"], row["best_us"], row["planned"]) == (11.0, 9.0, 1)
