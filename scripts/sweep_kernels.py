@@ -10,8 +10,8 @@ the family's best is from cuDNN. A diagnostic (like time_launches.py), run by `s
 The cells: stride-1 1x1 layers (all three kinds) on the GEMM 1x1 family, stride-1 3x3 layers on the 3.x conv family.
 `time` skips kernels the cache lacks (it compiles nothing unless --build); each cell's rows are sorted fastest first
 and the JSON is rewritten after every cell, so a run cut short keeps what it measured. --profile adds the kernel time
-alone (torch.profiler, no launch around it) of each cell's best launch and of cuDNN's call. Unlike the tuner it runs every
-launch in this process (no crash isolation): a kernel that faults ends the run.
+alone (torch.profiler, no launch around it) of each cell's best launch and of cuDNN's call. Unlike the tuner it runs
+every launch in this process (no crash isolation): a kernel that faults or hangs ends the run.
 
 `cudnn-kernels` lists, for every cell of the default and depthwise workloads, the kernels cuDNN launches (name, GPU
 microseconds per call from torch.profiler, launches per call), and for the stride-1 1x1 cells cuBLAS's time of the
@@ -66,7 +66,7 @@ def kernels_of(problem, extra=()):
 
 
 def parse_tile(text: str):
-    """"384x64x64:cooperative" -> ((384, 64, 64), "cooperative")."""
+    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong")."""
     tile, _, schedule = text.partition(":")
     return tuple(int(x) for x in tile.split("x")), schedule
 
@@ -101,7 +101,8 @@ def cmd_build(args) -> None:
 def cmd_time(args) -> None:
     import torch  # noqa: PLC0415
 
-    from cutlass_byoc.profiler.worker import WorkerSettings, _time_baseline, evaluate_candidate, make_problem_sets  # noqa: PLC0415
+    from cutlass_byoc.profiler.worker import (WorkerSettings, _time_baseline,  # noqa: PLC0415
+                                              evaluate_candidate, make_problem_sets)
 
     cache, settings, out, t0 = KernelCache(), WorkerSettings(), [], time.time()
     for it in cells(args.layers, args.kinds):
@@ -131,8 +132,12 @@ def cmd_time(args) -> None:
             launch = next(l for k in kernels for _, l in plan.launches_for(p, k)[:LAUNCHES_PER_KERNEL]
                           if l.name == best["launch"])
             n = len(sets)
-            out[-1]["best_kernels"] = kernel_times(lambda i: run_problem(
-                p, sets[i % n].a, sets[i % n].b, sets[i % n].out, sets[i % n].source, config=launch, bias=sets[i % n].bias))
+
+            def run(i: int) -> None:
+                s = sets[i % n]
+                run_problem(p, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
+
+            out[-1]["best_kernels"] = kernel_times(run)
             torch.backends.cudnn.benchmark = True
             out[-1]["cudnn_kernels"] = kernel_times(cudnn_fn(p, [sets[i % n] for i in range(8)]))
             print(f"          kernels alone: ours {sum(k[1] for k in out[-1]['best_kernels']):.1f} us, cuDNN "
@@ -227,7 +232,7 @@ def main() -> None:
         s.add_argument("--layers", nargs="+", default=sorted(FAMILY_OF), choices=sorted(FAMILY_OF))
         s.add_argument("--kinds", nargs="+", default=["fprop", "dgrad", "wgrad"], choices=["fprop", "dgrad", "wgrad"])
         s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE",
-                       help="GEMM 1x1 tiles to add to the family's (e.g. 384x64x64:cooperative)")
+                       help="GEMM 1x1 tiles to add to the family's (e.g. 192x64x64:pingpong)")
     args = ap.parse_args()
     {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)
 

@@ -12,9 +12,9 @@ tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fak
 ``--depthwise``: the depthwise tests' and `tune depthwise` plan's kernels; ``--tune-model resnet50 --batch 32
 --max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there;
 ``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--sweep 1x1 [--sweep-kinds fprop dgrad]
-[--sweep-tiles 384x64x64:cooperative]``: what the round's sweep step times (scripts/sweep_kernels.py); ``--workload default --archive
-.tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune step then times
-only, and says it was not a cold tune). The selectors add up (``--offload-only
+[--sweep-tiles 192x64x64:pingpong]``: what the round's sweep step times (scripts/sweep_kernels.py); ``--workload
+default --archive .tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune
+step then times only, and says it was not a cold tune). The selectors add up (``--offload-only
 --tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
 the offload's kernels.
 """
@@ -201,7 +201,8 @@ def main() -> int:
         import sweep_kernels  # noqa: PLC0415 - scripts/sweep_kernels.py, beside this file
 
         tiles = [sweep_kernels.parse_tile(t) for t in a.sweep_tiles]
-        cfgs += [k for it in sweep_kernels.cells(a.sweep, a.sweep_kinds) for k in sweep_kernels.kernels_of(it.problem, tiles)]
+        cfgs += [k for it in sweep_kernels.cells(a.sweep, a.sweep_kinds)
+                 for k in sweep_kernels.kernels_of(it.problem, tiles)]
     if a.tests_only:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
