@@ -112,12 +112,13 @@ def cmd_time(args) -> None:
             build(kernels, cache=cache, progress=False)
         sets, ref = make_problem_sets(p, settings)
         cudnn_us = _time_baseline(p, sets, settings)
-        rows = []
+        rows, timed = [], {}  # timed: launch name -> the launch
         for k in kernels:
             if cache.lookup(prepare(k)[1]).state is not EntryState.OK:
                 rows.append({"launch": k.name, "us": None, "status": "not compiled", "estimate_us": None})
                 continue
             for est, launch in plan.launches_for(p, k)[:LAUNCHES_PER_KERNEL]:
+                timed[launch.name] = launch
                 r = evaluate_candidate(p, launch, sets, ref, settings.timing)
                 rows.append({"launch": launch.name, "us": r.median_us, "status": r.status, "estimate_us": est,
                              "message": r.message[:200]})
@@ -129,9 +130,7 @@ def cmd_time(args) -> None:
             from cutlass_byoc.ops import run_problem  # noqa: PLC0415
             from cutlass_byoc.profiler.verify import cudnn_fn  # noqa: PLC0415
 
-            launch = next(l for k in kernels for _, l in plan.launches_for(p, k)[:LAUNCHES_PER_KERNEL]
-                          if l.name == best["launch"])
-            n = len(sets)
+            launch, n = timed[best["launch"]], len(sets)
 
             def run(i: int) -> None:
                 s = sets[i % n]
@@ -139,7 +138,8 @@ def cmd_time(args) -> None:
 
             out[-1]["best_kernels"] = kernel_times(run)
             torch.backends.cudnn.benchmark = True
-            out[-1]["cudnn_kernels"] = kernel_times(cudnn_fn(p, [sets[i % n] for i in range(8)]))
+            cudnn = cudnn_fn(p, sets)
+            out[-1]["cudnn_kernels"] = kernel_times(lambda i: cudnn(i % n))
             print(f"          kernels alone: ours {sum(k[1] for k in out[-1]['best_kernels']):.1f} us, cuDNN "
                   f"{sum(k[1] for k in out[-1]['cudnn_kernels']):.1f} us ({out[-1]['cudnn_kernels'][0][0][:60]})")
         print(f"{time.time() - t0:6.1f} s  {it.layer:18s} {p.kind.value}  cuDNN {cudnn_us or float('nan'):6.1f} us  "
@@ -153,7 +153,7 @@ def cmd_cudnn_kernels(args) -> None:
     import torch  # noqa: PLC0415
 
     from cutlass_byoc.gemm1x1 import lowered_gemm_mnk  # noqa: PLC0415
-    from cutlass_byoc.profiler.timing import time_gpu  # noqa: PLC0415
+    from cutlass_byoc.profiler.timing import l2_bytes, rotation_count, time_gpu  # noqa: PLC0415
     from cutlass_byoc.profiler.verify import cudnn_fn, make_operand_set  # noqa: PLC0415
 
     torch.backends.cudnn.benchmark = True
@@ -168,7 +168,7 @@ def cmd_cudnn_kernels(args) -> None:
         if p.r == 1 and p.s == 1 and p.stride_h == 1 and p.groups == 1:
             m, n, k = lowered_gemm_mnk(p)
             wgrad = p.kind.value == "wgrad"
-            rot = max(4, min(64, -(-150_000_000 // (2 * (m * k + k * n + m * n)))))  # past L2, as the candidates
+            rot = rotation_count(2 * (m * k + k * n + m * n), l2_bytes())  # past L2, as the candidates
             a = [torch.randn((k, m) if wgrad else (m, k), device="cuda", dtype=torch.half) for _ in range(rot)]
             b = [torch.randn(k, n, device="cuda", dtype=torch.half) for _ in range(rot)]
             row["gemm_mnk"] = [m, n, k]
