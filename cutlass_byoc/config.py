@@ -126,6 +126,10 @@ class KernelConfig:
             from .depthwise import depthwise_name  # noqa: PLC0415
 
             return depthwise_name(self)
+        if self.family is KernelFamily.SMEM_IM2COL:
+            from .smem_im2col import name  # noqa: PLC0415 - the family's rules live in its module
+
+            return name(self)
         fam = {KernelFamily.SM80_IMPLICIT_GEMM: "sm80", KernelFamily.SM90_TMA_WGMMA: "sm90",
                KernelFamily.DEPTHWISE_DIRECT: "dw", KernelFamily.SM90_GEMM_1X1: "gemm1x1"}[self.family]
         parts = [
@@ -194,6 +198,8 @@ class KernelConfig:
             from .depthwise import with_alignments  # noqa: PLC0415
 
             return with_alignments(self, align_a, align_b, align_c)
+        if self.family is KernelFamily.SMEM_IM2COL:  # x and w are read per element already: the output's accesses
+            return dataclasses.replace(self, align_c=align_c)
         narrow = min(align_a * self.element_a.nbytes, align_b * self.element_b.nbytes) < 4
         it = self.iterator
         if narrow and it is IteratorAlgorithm.OPTIMIZED:
@@ -212,6 +218,10 @@ class KernelConfig:
             from .depthwise import depthwise_static_error  # noqa: PLC0415
 
             return depthwise_static_error(self)
+        if self.family is KernelFamily.SMEM_IM2COL:
+            from .smem_im2col import static_error as smem_im2col_static_error  # noqa: PLC0415
+
+            return smem_im2col_static_error(self)
         if self.conv_stride is not None or self.halo_smem is not None or self.min_blocks is not None:
             return "conv_stride, halo_smem and min_blocks are fields of the depthwise family only"
         if self.activation is Activation.RELU6:
@@ -310,6 +320,10 @@ class KernelConfig:
             return depthwise_reject_reason(self, problem)
         if problem.groups != 1:
             return f"groups: implicit-GEMM kernels need groups == 1, got {problem.groups}"
+        if self.family is KernelFamily.SMEM_IM2COL:
+            from .smem_im2col import reject_reason as smem_im2col_reject_reason  # noqa: PLC0415
+
+            return smem_im2col_reject_reason(self, problem)
         if self.family is KernelFamily.SM90_GEMM_1X1:
             from .gemm1x1 import reject_reason  # noqa: PLC0415 - the family's rules live in its module
             why = reject_reason(self, problem)

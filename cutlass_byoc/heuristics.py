@@ -122,6 +122,10 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         return depthwise_estimate_us(problem, launch, sms)
     if c.family is KernelFamily.SM90_GEMM_1X1:
         return _gemm1x1_estimate_us(problem, launch, sms)
+    if c.family is KernelFamily.SMEM_IM2COL:
+        from .smem_im2col import estimate_us as smem_im2col_estimate_us  # noqa: PLC0415
+
+        return smem_im2col_estimate_us(problem, launch, sms)
     slices = launch.split_k_slices
     m, n, k = problem.gemm_mnk
     tm, tn, tk = c.tile

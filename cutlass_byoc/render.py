@@ -68,6 +68,10 @@ def render(config: KernelConfig, compile_command: str) -> str:
         from .depthwise import pad_groups  # noqa: PLC0415
 
         extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)))
+    elif config.family is KernelFamily.SMEM_IM2COL:
+        from .smem_im2col import MAX_TAPS  # noqa: PLC0415
+
+        extra = dict(max_taps=MAX_TAPS)
     return tmpl.render(
         c=config,
         version=__version__,

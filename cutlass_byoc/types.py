@@ -64,6 +64,7 @@ class KernelFamily(str, enum.Enum):
     SM90_TMA_WGMMA = "sm90_tma_wgmma"  # CUTLASS 3.x, TMA + wgmma, needs sm_90a
     DEPTHWISE_DIRECT = "depthwise_direct"  # direct depthwise kernels (groups == C == K)
     SM90_GEMM_1X1 = "sm90_gemm_1x1"  # 1x1 stride-1 convs as CUTLASS 3.x sm90 GEMMs (TMA, warp-specialized, stream-K)
+    SMEM_IM2COL = "smem_im2col"  # fprop of few input channels: im2col rows gathered in shared memory, mma.sync
 
     @property
     def template(self) -> str:

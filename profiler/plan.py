@@ -12,6 +12,9 @@ Kernel families:
   of the budget instead of competing on estimates the model cannot make for it.
 - 1x1 stride-1 convs as CUTLASS 3.x GEMMs (`cutlass_byoc.gemm1x1.gemm1x1_candidates`): joins the same way; it
   yields configs for 1x1 stride-1 unpadded problems only. Its stream-K kernels also take split-k slice counts.
+- the shared-memory im2col kernels (`cutlass_byoc.smem_im2col.smem_im2col_candidates`): fprop of few input channels
+  (the RGB stem) only, timed on a budget of their own (SMEM_IM2COL_BUDGET) like the depthwise side budgets: the
+  model cannot rank its gathered reduction against the implicit-GEMM kernels'.
 
 Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
 few slice counts the model ranks best for each problem (`heuristics.launch_slices`: 2.x kernels, and the sm90
@@ -28,6 +31,7 @@ from ..candidates import channel_pad_options, rewrite_options, sm80_candidates
 from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from ..depthwise import depthwise_candidates, is_pipelined, is_wide_strip
 from ..generators import generator_module
+from ..smem_im2col import smem_im2col_candidates
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
 from ..types import KernelFamily, SplitKMode
@@ -47,6 +51,8 @@ WIDE_STRIP_BUDGET = 6
 #: Likewise the pipelined depthwise kernels (resident CTAs, double-buffered halo; depthwise.is_pipelined), whose
 #: overlap of loads and arithmetic the model does not see either.
 PIPELINED_BUDGET = 6
+#: The shared-memory im2col kernels (few input channels), timed on a budget of their own on top of the others.
+SMEM_IM2COL_BUDGET = 4
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
@@ -78,6 +84,7 @@ def kernel_enumerators() -> list[tuple[KernelFamily, Callable[[Conv2dProblem], I
     out: list[tuple[KernelFamily, Callable[[Conv2dProblem], Iterable[KernelConfig]]]] = [
         (KernelFamily.SM80_IMPLICIT_GEMM, sm80_candidates),
         (KernelFamily.DEPTHWISE_DIRECT, depthwise_candidates),
+        (KernelFamily.SMEM_IM2COL, smem_im2col_candidates),
     ]
     sm90 = _sm90_enumerator()
     if sm90 is not None:
@@ -197,6 +204,8 @@ def plan_problem(
             pruned.append(Pruned(f"padc{pad_c}_padk{pad_k}", why))
             continue
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
+        if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
+            by_family.pop(KernelFamily.SMEM_IM2COL, None)
         side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
@@ -256,7 +265,8 @@ def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -
 #: from the family's others, and the budget of each (timed on top of the problem's own budget).
 _WIDE = "depthwise wide strips"
 _PIPELINED = "depthwise pipelined"
-_SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET}
+_SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET,
+                 KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET}
 
 
 def _family_key(kernel: KernelConfig):

@@ -25,7 +25,8 @@
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
 # time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; any default-workload layer as bench names it,
 #           or stem / down) --extra -> $OUT/time-launches.log: each launch of the layers' plans (and the stem fold's
-#           sm90 variants) timed whole and kernel alone (a diagnostic; its kernels must be in the test cache)
+#           sm90 variants; TIME_EXTRA=0: not those) timed whole and kernel alone (TIME_KINDS=fprop,wgrad narrows the
+#           kinds; a diagnostic; its kernels must be in the test cache)
 # sweep:    scripts/sweep_kernels.py time: every kernel of the GEMM 1x1 family on the ResNet-50 stride-1 1x1 cells and
 #           of the 3.x conv family on the 3x3 ones (SWEEP_LAYERS="1x1", SWEEP_KINDS="fprop dgrad", SWEEP_TILES=
 #           "192x64x64:pingpong ..." narrow or extend it; SWEEP_PROFILE=1: each cell's best launch and cuDNN also
@@ -163,7 +164,8 @@ for step in "${steps[@]}"; do
         ${BENCH_MODES:+--modes $BENCH_MODES} ${BENCH_PROFILE:+--profile} \
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     time-launches)
-      python3 scripts/time_launches.py ${TIME_LAYERS:-stem} --extra 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;
+      python3 scripts/time_launches.py ${TIME_LAYERS:-stem} ${TIME_KINDS:+--kinds $TIME_KINDS} \
+        $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;
     sweep)
       python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
         ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} ${SWEEP_PROFILE:+--profile} 2>&1 \

@@ -52,7 +52,7 @@ MODULE_KERNELS = {
     "epilogues": lambda m: m.all_configs(), "gemm1x1": lambda m: list(m.KERNELS.values()),
     "im2col": lambda m: list(m.KERNELS.values()),
     "tune": lambda m: list(_plan_kernels(m.PROBLEMS, 2)), "depthwise": lambda m: m.all_kernels(),
-    "s2d": lambda m: m.used_configs(),
+    "s2d": lambda m: m.used_configs(), "smem_im2col": lambda m: m.used_configs(),
 }
 
 

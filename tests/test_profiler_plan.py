@@ -9,7 +9,7 @@ import pytest
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import plan as plan_mod
-from cutlass_byoc.profiler.plan import enumerate_kernels, plan_problem, plan_workload
+from cutlass_byoc.profiler.plan import SMEM_IM2COL_BUDGET, enumerate_kernels, plan_problem, plan_workload
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 from cutlass_byoc.workloads import default_workload
 
@@ -23,10 +23,14 @@ def test_default_workload_plan_fits_budget(workload_plan):
     assert len(workload_plan.plans) == 48
     for pp in workload_plan.plans:
         assert pp.candidates, pp.problem.name
-        # the stem's im2col lowering and its space-to-depth fold: a budget of its own each (4 of 8)
+        # the stem's im2col lowering and its space-to-depth fold: a budget of its own each (4 of 8); the
+        # shared-memory im2col kernels (the stem and the odd 7-channel layer's fprop) one of SMEM_IM2COL_BUDGET
         lowered = [k for k in pp.kernels if k.lowering]
         folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1}
-        assert len(pp.kernels) - len(lowered) - len(folded) <= 8 and len(lowered) <= 4 and len(folded) <= 4
+        gathered = [k for k in pp.kernels if k.family is KernelFamily.SMEM_IM2COL]
+        assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) <= 8 and len(lowered) <= 4 \
+            and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
+        assert not gathered or (pp.problem.kind.value, pp.problem.c) in (("fprop", 3), ("fprop", 7))
         assert not lowered or (pp.problem.c, pp.problem.r) == (3, 7)
         # the fold: the stem's, and the subsample of the strided 1x1 layer
         assert not folded or (pp.problem.c, pp.problem.r) == (3, 7) or (pp.problem.r, pp.problem.stride_h) == (1, 2)
@@ -63,7 +67,9 @@ def test_odd_channels_get_narrow_alignment():
     assert valid
     for k in valid:
         assert k.align_a == 1 and k.align_c == 1
-        assert k.family is KernelFamily.SM80_IMPLICIT_GEMM  # TMA needs 16-byte channels
+        # TMA needs 16-byte channels; the shared-memory im2col kernels read any C per element
+        assert k.family in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SMEM_IM2COL)
+    assert {k.family for k in valid} == {KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SMEM_IM2COL}
 
 
 def test_pruning_happens_before_compiling(monkeypatch):

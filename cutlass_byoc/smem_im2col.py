@@ -1,0 +1,199 @@
+"""The shared-memory im2col family: fprop of convs with few input channels (the RGB stem, C=3 7x7 stride 2) on the
+project's own kernel (templates/conv2d_smem_im2col.cu.j2), fp16/bf16 NHWC in, fp32 accumulation on mma.sync.
+
+The implicit-GEMM families read such inputs two bytes at a time (CUTLASS's few_channels iterator) or zero-padded to
+4 or 8 channels (fixed_channels, or 16-byte TMA rows after `ops` pads C): on the H200 their best stem fprop ran
+137 us, at ~55 TFLOP/s of the conv's 7.5 GFLOP, against cuDNN's dedicated first-layer kernel at 89 us (issue 11).
+Their per-access address arithmetic and the padded reduction (196 or 392 taps for 147) bound them. Here a CTA
+stages the input patch of a tile of output pixels in shared memory once (zeros outside the image), and its filter
+tile [k][R*S*C] once for all its tiles; the im2col row of a pixel is read from the patch through a table of tap
+offsets (the S*C taps of one filter row are contiguous in a patch row), so the reduction is R*S*C rounded up to 16.
+
+A config (a `KernelConfig` of family SMEM_IM2COL) fixes:
+
+=========  ================================================================================================
+field      meaning
+=========  ================================================================================================
+tile       (rows, cols, channels): the tile of output pixels (rows x cols, the GEMM's M) x output channels
+warps      (warps along M, warps along N, 1)
+align_c    elements per access of the output and the epilogue source (8 for 16-bit K % 8 == 0, down to 1)
+=========  ================================================================================================
+
+x and w are read per element (align_a = align_b = 1): any C, any filter, stride, padding and dilation, chosen at
+launch (R*S*C at most MAX_TAPS). fprop only, with the conv families' epilogues (bias or residual as the source,
+the activations but ReLU6, any output type); no bias-vector epilogue, no split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+from .config import KernelConfig, LaunchConfig
+from .problem import ALIGNMENTS, Conv2dProblem
+from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
+
+#: The most taps R*S*C a kernel reduces over (its filter tile, tile channels x this, stays in shared memory).
+MAX_TAPS = 512
+#: Channel counts this family is for: C whose rows are not 16-byte multiples (those the implicit-GEMM families read
+#: whole, with their own iterators and TMA).
+ROW_BYTES = 16
+#: (rows, cols, channels, warps along M, warps along N): tiles of 64 or 128 output pixels x 32 or 64 channels.
+SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (8, 16, 64, 4, 2),
+    (4, 32, 64, 4, 2),
+    (16, 8, 64, 4, 2),
+    (8, 8, 64, 2, 2),
+    (4, 16, 64, 2, 2),
+    (8, 16, 32, 4, 1),
+)
+#: Shared memory a CTA may have on sm_90 (opt-in).
+SMEM_LIMIT = 227 * 1024
+H200_SMS = 132
+#: What the model assumes: mma.sync fp16 at this rate on the tile's (padded) reduction, DRAM at this speed.
+MMA_TFLOPS = 300.0
+DRAM_GBS = 3000.0
+LAUNCH_US = 3.0
+
+
+def static_error(c: KernelConfig) -> Optional[str]:
+    """Why an SMEM_IM2COL config cannot be a kernel (called from KernelConfig.static_error)."""
+    if c.kind is not ConvKind.FPROP:
+        return f"kind: the shared-memory im2col family is fprop only, got {c.kind.value}"
+    if c.element_a.bits != 16:
+        return f"element_a: the shared-memory im2col family is built for f16/bf16 inputs (mma.sync), got {c.element_a.value}"
+    if c.element_acc is not DType.F32:
+        return f"element_acc: the shared-memory im2col family accumulates in f32, got {c.element_acc.value}"
+    rows, cols, n = c.tile
+    wm, wn, wk = c.warps
+    if wk != 1 or wm < 1 or wn < 1 or (rows * cols) % (16 * wm) or n % (8 * wn):
+        return f"tile {c.tile} / warps {c.warps}: each warp needs whole m16 x n8 tiles (warps (M, N, 1))"
+    if wm * wn > 8:
+        return f"warps {c.warps}: at most 8 warps"
+    if c.stages != 1:
+        return f"stages: the shared-memory im2col kernel stages one patch per tile, expected 1, got {c.stages}"
+    if c.align_a != 1 or c.align_b != 1:
+        return f"align_a, align_b: x and w are read per element, expected 1, got {c.align_a}, {c.align_b}"
+    if c.align_c not in ALIGNMENTS or c.align_c * c.element_out.bits > 128 or n % c.align_c:
+        return f"align_c: expected one of {ALIGNMENTS} within 128 bits of {c.element_out.value} dividing {n}, got {c.align_c}"
+    if c.split_k_mode is not SplitKMode.SERIAL:
+        return "split_k_mode: the shared-memory im2col kernel has no split"
+    if c.activation is Activation.RELU6:
+        return "activation relu6: only the depthwise family fuses the ReLU6 clamp"
+    if c.element_bias is not None:
+        return "element_bias: no bias-vector epilogue in the smem_im2col family (the bias is read as the source)"
+    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.lowering) != \
+            (None, (1, 1, 1), None, None, None, None, None):
+        return "schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks and lowering are other families' fields"
+    if (c.iterator, c.stride_support, c.swizzle) != (IteratorAlgorithm.OPTIMIZED, StrideSupport.UNITY, 1):
+        return "iterator, stride_support and swizzle: the shared-memory im2col family has none (leave the defaults)"
+    return None
+
+
+def patch_dims(c: KernelConfig, p: Conv2dProblem) -> tuple[int, int]:
+    """Input rows and columns the patch of one tile spans."""
+    rows, cols, _ = c.tile
+    return ((rows - 1) * p.stride_h + (p.r - 1) * p.dilation_h + 1,
+            (cols - 1) * p.stride_w + (p.s - 1) * p.dilation_w + 1)
+
+
+def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
+    """The kernel's dynamic shared memory for `p` (templates/conv2d_smem_im2col.cu.j2, smem_layout)."""
+    def r16(v: int) -> int:
+        return -(-v // 16) * 16
+
+    rows, cols, n = c.tile
+    taps = p.r * p.s * p.c
+    ph, pw = patch_dims(c, p)
+    filt = r16(n * (r16(taps) + 8) * 2)
+    table = r16(r16(taps) * 4)
+    acc = rows * cols * (n + 4) * 4
+    return filt + table + acc + r16(ph * pw * p.c * 2)
+
+
+def problem_error(p: Conv2dProblem) -> Optional[str]:
+    """Why the family does not take `p` whatever the config (None if it does)."""
+    if p.kind is not ConvKind.FPROP:
+        return f"kind: the shared-memory im2col family is fprop only, got {p.kind.value}"
+    if p.groups != 1:
+        return f"groups: the shared-memory im2col family needs groups == 1, got {p.groups}"
+    if p.element_a.bits != 16:
+        return f"element_a: the shared-memory im2col family takes f16/bf16 inputs, got {p.element_a.value}"
+    if (p.c * p.element_a.nbytes) % ROW_BYTES == 0:
+        return (f"channels: C={p.c} makes {ROW_BYTES}-byte rows, which the implicit-GEMM families read whole; this "
+                "family is for fewer")
+    if p.r * p.s * p.c > MAX_TAPS:
+        return f"filter: R*S*C = {p.r * p.s * p.c}, past the family's {MAX_TAPS} taps"
+    return None
+
+
+def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
+    """The per-problem rule of an SMEM_IM2COL config (kind, types, activation and groups are checked by the caller)."""
+    why = problem_error(p)
+    if why:
+        return why
+    if p.k % c.align_c:
+        return f"alignment: the output's channel extent {p.k} is not a multiple of the kernel's alignment {c.align_c}"
+    overflow = p.int32_overflow
+    if overflow:
+        return overflow
+    if smem_bytes(c, p) > SMEM_LIMIT:
+        return f"shared memory: tile {c.tile} needs {smem_bytes(c, p)} bytes for this problem, past {SMEM_LIMIT}"
+    return None
+
+
+def name(c: KernelConfig) -> str:
+    rows, cols, n = c.tile
+    parts = [
+        "cb_im2colsm", c.kind.value,
+        f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
+        f"t{rows}x{cols}x{n}_w{c.warps[0]}x{c.warps[1]}", f"align{c.align_a}{c.align_b}{c.align_c}",
+    ]
+    if c.activation is not Activation.IDENTITY:
+        parts.append(c.activation.value)
+    parts.append(f"sm{c.arch}")
+    return "_".join(parts)
+
+
+def output_alignment(p: Conv2dProblem) -> int:
+    """The widest output access K allows (at most 16 bytes)."""
+    return next(a for a in sorted(ALIGNMENTS, reverse=True)
+                if a * p.element_out.nbytes <= 16 and p.k % a == 0)
+
+
+def config(problem: Conv2dProblem, shape: tuple[int, int, int, int, int] = SHAPES[0], arch: int = 90) -> KernelConfig:
+    rows, cols, n, wm, wn = shape
+    p = problem
+    return KernelConfig(
+        family=KernelFamily.SMEM_IM2COL, kind=ConvKind.FPROP, element_a=p.element_a, element_b=p.element_b,
+        element_out=p.element_out, element_acc=p.element_acc, tile=(rows, cols, n), warps=(wm, wn, 1), stages=1,
+        align_a=1, align_b=1, align_c=min(output_alignment(p), n), activation=p.epilogue.activation, arch=arch,
+    )
+
+
+def smem_im2col_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
+    """Every config of the family for `problem` (nothing where the family does not apply)."""
+    if problem_error(problem) is not None or problem.epilogue.activation is Activation.RELU6 \
+            or problem.epilogue.bias_vector or problem.element_acc is not DType.F32:
+        return
+    for shape in SHAPES:
+        try:
+            yield config(problem, shape)
+        except ValueError:
+            continue
+
+
+def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
+    """Compulsory bytes (x read once per tile's patch, y written) at DRAM speed against the padded reduction at an
+    mma.sync rate, with wave quantisation over the tiles; it ranks the family's configs among themselves."""
+    c, p = launch.kernel, problem
+    rows, cols, n = c.tile
+    tiles = p.n * math.ceil(p.p / rows) * math.ceil(p.q / cols)
+    kblocks = math.ceil(p.k / n)
+    ph, pw = patch_dims(c, p)
+    read = tiles * ph * pw * p.c * p.element_a.nbytes * kblocks
+    written = p.n * p.p * p.q * p.k * p.element_out.nbytes * (2 if p.epilogue.source.has_residual else 1)
+    flops = 2 * tiles * rows * cols * kblocks * n * math.ceil(p.r * p.s * p.c / 16) * 16
+    memory_us = (read + written) / (DRAM_GBS * 1e9) * 1e6
+    compute_us = flops / (MMA_TFLOPS * 1e12) * 1e6
+    return max(memory_us, compute_us) + 0.25 * min(memory_us, compute_us) + LAUNCH_US

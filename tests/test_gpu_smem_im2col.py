@@ -1,0 +1,124 @@
+"""The shared-memory im2col family (issue 11, part 3: the stem and odd channels) on the H200: fprop of few input
+channels on every config the family has for the RGB stem, then across types (bf16, fp32 output), channel counts
+(C = 1, 3, 5, 7; K not a multiple of 8 or of the channel tile), filters, strides, paddings, dilation, odd image
+sizes and batch 1, and with the fused epilogues (bias, residual, the activations). Against the float64 reference on
+fresh random inputs, outputs poisoned (NaN) first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cutlass_byoc.config import LaunchConfig  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
+from cutlass_byoc.profiler.plan import plan_problem  # noqa: E402
+from cutlass_byoc.smem_im2col import SHAPES, config, smem_im2col_candidates  # noqa: E402
+from cutlass_byoc.types import Activation, KernelFamily, SourceKind  # noqa: E402
+
+import layers  # noqa: E402
+from gpu_util import check_launch, module_kernels  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+BATCH = 4
+stem = functools.partial(layers.stem, "fprop", n=BATCH)
+
+#: (name, problem): types, channels, filters, strides, paddings, dilation and sizes past the stem's.
+CASES = {
+    "stem_bf16": stem(dtype="bf16"),
+    "stem_f32_out": stem(out_dtype="f32"),
+    "stem_batch1": layers.stem("fprop", n=1),
+    "odd_7_33": layers.odd("fprop", n=BATCH),
+    "c1_5x5_dil2": Conv2dProblem.make("fprop", 2, 1, 31, 29, 24, 5, padding=4, dilation=2),
+    "c5_3x3_s3_odd": Conv2dProblem.make("fprop", 3, 5, 17, 19, 40, 3, stride=3),
+    "c3_1x1": Conv2dProblem.make("fprop", 2, 3, 9, 11, 16, 1),
+    "c3_k96_two_blocks": Conv2dProblem.make("fprop", 2, 3, 33, 35, 96, 7, stride=2, padding=3),
+    "c6_rect_s2x1": Conv2dProblem.make("fprop", 2, 6, 20, 23, 64, 3, 5, stride=(2, 1), padding=(1, 2)),
+    "c3_stem_no_pad": Conv2dProblem.make("fprop", 2, 3, 45, 47, 64, 7, stride=2),
+}
+
+EPILOGUES = {
+    "bias_relu": Epilogue(Activation.RELU, SourceKind.BIAS),
+    "residual": Epilogue(source=SourceKind.RESIDUAL),
+    "silu": Epilogue(Activation.SILU),
+    "gelu_bias": Epilogue(Activation.GELU, SourceKind.BIAS),
+    "hardswish": Epilogue(Activation.HARDSWISH),
+    "sigmoid_residual": Epilogue(Activation.SIGMOID, SourceKind.RESIDUAL),
+}
+
+
+def epilogue_problem(name: str) -> Conv2dProblem:
+    return stem(epilogue=EPILOGUES[name])
+
+
+def shape_launches() -> list[LaunchConfig]:
+    """Every config of the family for the stem."""
+    return [LaunchConfig(c) for c in smem_im2col_candidates(stem())]
+
+
+def used_configs():
+    """Every kernel this module launches (scripts/warm_cache.py compiles them beforehand)."""
+    out = [l.kernel for l in shape_launches()]
+    out += [config(p) for p in CASES.values()]
+    out += [config(epilogue_problem(e)) for e in EPILOGUES]
+    out += [config(stem(out_dtype="f32", epilogue=EPILOGUES["bias_relu"]))]
+    out += [config(stem()).with_alignments(1, 1, 1)]  # the misaligned output's narrowing
+    return list(dict.fromkeys(out))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt(shared_cache):
+    with module_kernels(shared_cache, used_configs):
+        yield
+
+
+def test_the_planner_times_the_family_on_the_stem():
+    plan = plan_problem(layers.stem("fprop", n=32))
+    ours = [c.launch for c in plan.candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
+    assert ours and all(not l.padded for l in ours)
+
+
+@pytest.mark.parametrize("i", range(len(SHAPES)))
+def test_every_config_on_the_stem(i):
+    launches = shape_launches()
+    assert len(launches) == len(SHAPES)
+    check_launch(stem(), launches[i], seed=700 + i)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_types_channels_filters_and_strides(case):
+    p = CASES[case]
+    check_launch(p, LaunchConfig(config(p)), seed=900 + list(CASES).index(case))
+
+
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+def test_fused_epilogues(epilogue):
+    p = epilogue_problem(epilogue)
+    check_launch(p, LaunchConfig(config(p)), seed=800 + list(EPILOGUES).index(epilogue))
+
+
+def test_bias_relu_into_fp32():
+    p = stem(out_dtype="f32", epilogue=EPILOGUES["bias_relu"])
+    check_launch(p, LaunchConfig(config(p)), seed=850)
+
+
+def test_misaligned_output_runs_a_narrower_kernel():
+    """An output view 2 bytes past an aligned address: the launch narrows to the family's 1-element stores (the
+    16-byte ones never see the address), and the result is right."""
+    from cutlass_byoc import ops  # noqa: PLC0415
+    from gpu_util import TOLERANCE, epilogue_case, rel_err  # noqa: PLC0415
+
+    p = stem()
+    a, b, _, ref = epilogue_case(p, 860)
+    n, h, w, k = p.out_shape
+    flat = torch.full((n * h * w * k + 1,), float("nan"), dtype=torch.float16, device="cuda")
+    out = flat[1:].view(n, h, w, k).permute(0, 3, 1, 2)  # channels_last strides, an address 2 bytes off
+    launch = LaunchConfig(config(p))
+    assert launch.kernel.align_c == 8
+    ops.run_problem(p, a, b, out, None, config=launch)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < TOLERANCE[p.element_out]

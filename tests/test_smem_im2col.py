@@ -1,0 +1,113 @@
+"""The shared-memory im2col family (cutlass_byoc/smem_im2col.py) on the CPU: its configs and rules, what the planner
+offers it, its rendered source, and one real sm_90a kernel compiled and asked through its host-side API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cutlass_byoc.build import build
+from cutlass_byoc.config import KernelConfig, LaunchConfig
+from cutlass_byoc.problem import Conv2dProblem, Epilogue
+from cutlass_byoc.profiler.plan import SMEM_IM2COL_BUDGET, plan_problem
+from cutlass_byoc.render import render
+from cutlass_byoc.smem_im2col import MAX_TAPS, SHAPES, config, smem_bytes, smem_im2col_candidates
+from cutlass_byoc.types import Activation, DType, KernelFamily, SourceKind
+
+from compile_util import loaded_kernel, raw_can_implement  # noqa: E402
+
+STEM = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
+ODD = Conv2dProblem.make("fprop", 32, 7, 56, 56, 33, 3, padding=1)
+
+
+def test_every_shape_is_a_valid_config_for_the_stem():
+    cs = list(smem_im2col_candidates(STEM))
+    assert len(cs) == len(SHAPES) and len({c.name for c in cs}) == len(cs)
+    for c in cs:
+        assert c.family is KernelFamily.SMEM_IM2COL and c.reject_reason(STEM) is None
+        assert c.name.startswith("cb_im2colsm_fprop_f16f16_f16_accf32_t") and c.align_c == 8
+        assert KernelConfig.from_dict(c.to_dict()) == c
+
+
+def test_output_accesses_follow_k():
+    assert {c.align_c for c in smem_im2col_candidates(ODD)} == {1}  # K=33
+    assert {c.align_c for c in smem_im2col_candidates(STEM.replace(element_out=DType.F32))} == {4}
+
+
+@pytest.mark.parametrize("problem, why", [
+    (STEM.replace(c=8), "channels: C=8"),
+    (Conv2dProblem.make("fprop", 2, 3, 32, 32, 16, 7, dtype="f32"), "element_a"),
+    (Conv2dProblem.make("dgrad", 2, 3, 32, 32, 16, 7, stride=2, padding=3), "fprop only"),
+    (Conv2dProblem.make("fprop", 2, 7, 32, 32, 16, 9), f"past the family's {MAX_TAPS} taps"),
+    (Conv2dProblem.make("fprop", 2, 6, 32, 32, 16, 3, groups=2), "groups"),
+])
+def test_problems_the_family_refuses_name_the_parameter(problem, why):
+    assert not list(smem_im2col_candidates(problem))
+    c = dataclasses.replace(config(STEM), element_a=problem.element_a, element_b=problem.element_b,
+                            element_out=problem.element_out) if problem.element_a.bits == 16 else None
+    if c is not None and problem.kind is STEM.kind:
+        assert why in c.reject_reason(problem)
+
+
+def test_static_rules():
+    c = config(STEM)
+    for change, why in [(dict(stages=2), "stages"), (dict(align_a=8), "align_a"), (dict(tile=(8, 16, 40)), "m16 x n8"),
+                        (dict(warps=(4, 4, 1), tile=(16, 16, 64)), "at most 8 warps"),
+                        (dict(activation=Activation.RELU6), "relu6"), (dict(schedule="rows"), "other families")]:
+        with pytest.raises(ValueError, match=why):
+            dataclasses.replace(c, **change)
+
+
+def test_shared_memory_limit_refuses_a_patch_too_large():
+    wide = Conv2dProblem.make("fprop", 1, 7, 512, 512, 64, 9, stride=4, padding=4)  # 9x9x7 = 567 taps: refused anyway
+    assert "taps" in config(STEM).reject_reason(wide)
+    huge = Conv2dProblem.make("fprop", 1, 5, 512, 512, 64, 5, stride=1, padding=2, dilation=40)
+    c = config(STEM)
+    assert smem_bytes(c, huge) > 227 * 1024 and "shared memory" in c.reject_reason(huge)
+
+
+def test_the_planner_times_the_unpadded_family_on_a_budget_of_its_own():
+    plan = plan_problem(STEM)
+    ours = [c.launch for c in plan.candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
+    assert len(ours) == SMEM_IM2COL_BUDGET
+    assert all(not l.padded for l in ours)  # its padded or folded twins only cost more
+    others = [c for c in plan.candidates if c.launch.kernel.family is not KernelFamily.SMEM_IM2COL]
+    assert len(others) == len(plan_problem(STEM, max_candidates=8).candidates) - SMEM_IM2COL_BUDGET
+    assert not [c for c in plan_problem(STEM.replace(c=8)).candidates
+                if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
+
+
+def test_rendered_source_names_the_config_and_reads_whole_taps():
+    c = config(STEM.replace(epilogue=Epilogue(Activation.SILU, SourceKind.BIAS)))
+    src = render(c, "nvcc ...")
+    assert src.startswith(f"// {c.name}\n") and "// Compile: nvcc ..." in src
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in src
+    assert "cutlass::epilogue::thread::SiLu<float>" in src
+    bf = config(STEM.replace(element_a=DType.BF16, element_b=DType.BF16, element_out=DType.BF16))
+    assert "row.col.f32.bf16.bf16.f32" in render(bf, "nvcc ...")
+
+
+#: Compiled once for the compile-only tests (with a bias + ReLU epilogue).
+BIAS_RELU = STEM.replace(n=4, h=64, w=64, epilogue=Epilogue(Activation.RELU, SourceKind.BIAS))
+
+
+@pytest.fixture(scope="module")
+def built(shared_cache):
+    cfg = config(BIAS_RELU)
+    return cfg, build([cfg], cache=shared_cache)[cfg]
+
+
+@pytest.mark.compile
+def test_kernel_compiles_and_checks_its_problem(built):
+    cfg, result = built
+    src, lib = loaded_kernel(result, cfg, BIAS_RELU)
+    assert lib.workspace_size(BIAS_RELU) == 0
+    assert raw_can_implement(lib, BIAS_RELU) is None
+    assert "output size" in raw_can_implement(lib, BIAS_RELU, fields={"p": 31})
+    assert "K=36" in raw_can_implement(lib, BIAS_RELU, fields={"k": 36})
+    assert "taps" in raw_can_implement(lib, BIAS_RELU, fields={"c": 11, "r": 7, "s": 7})
+    assert "split_k_slices" in raw_can_implement(lib, BIAS_RELU, slices=2)
+    assert "source_kind" in raw_can_implement(lib, BIAS_RELU, source_kind=3)
+    # the Python rules say the same before the library is asked
+    assert "alignment" in LaunchConfig(cfg).reject_reason(BIAS_RELU.replace(k=36))
