@@ -38,15 +38,22 @@ MAX_TAPS = 512
 #: Channel counts this family is for: C whose rows are not 16-byte multiples (those the implicit-GEMM families read
 #: whole, with their own iterators and TMA).
 ROW_BYTES = 16
-#: (rows, cols, channels, warps along M, warps along N): tiles of 64 or 128 output pixels x 32 or 64 channels.
+#: (rows, cols, channels, warps along M, warps along N): tiles of 64 to 256 output pixels x 32 or 64 channels. A warp
+#: tile of 2 x 8 or 4 x 4 mma tiles reads fewer shared-memory bytes per mma than 2 x 4 (A is gathered in 2-byte
+#: loads, B in 4-byte ones), at 64 sums per thread.
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 16, 64, 4, 2),
+    (8, 16, 64, 4, 1),
+    (16, 16, 64, 4, 2),
     (4, 32, 64, 4, 2),
     (16, 8, 64, 4, 2),
     (8, 8, 64, 2, 2),
     (4, 16, 64, 2, 2),
     (8, 16, 32, 4, 1),
 )
+#: Patch elements per thread the kernel loads into registers for the next tile while the current one computes (the
+#: stem's 8x16-pixel tile reads a patch of 21 x 37 x 3 = 2331 elements: 256 threads x 10).
+PATCH_REGS = 12
 #: Shared memory a CTA may have on sm_90 (opt-in).
 SMEM_LIMIT = 227 * 1024
 H200_SMS = 132
@@ -108,7 +115,7 @@ def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
     filt = r16(n * (r16(taps) + 8) * 2)
     table = r16(r16(taps) * 4)
     acc = rows * cols * (n + 4) * 4
-    return filt + table + acc + r16(ph * pw * p.c * 2)
+    return filt + table + acc + 2 * r16(ph * pw * p.c * 2)  # two patch buffers
 
 
 def problem_error(p: Conv2dProblem) -> Optional[str]:

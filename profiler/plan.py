@@ -52,7 +52,7 @@ WIDE_STRIP_BUDGET = 6
 #: overlap of loads and arithmetic the model does not see either.
 PIPELINED_BUDGET = 6
 #: The shared-memory im2col kernels (few input channels), timed on a budget of their own on top of the others.
-SMEM_IM2COL_BUDGET = 4
+SMEM_IM2COL_BUDGET = 8
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x

@@ -1,6 +1,7 @@
 """Time launches of one problem on the GPU, each split into its kernel and the operand rewrites around it.
 
     python scripts/time_launches.py LAYER [LAYER ...] [--batch 32] [--kinds fprop,dgrad,wgrad] [--extra]
+                                    [--only SUBSTRING ...]
 
 LAYER is a layer of the default workload as `cutlass-byoc bench` names it (l1_3x3_64_64, ...) or an alias (stem,
 down: the 1x1 stride-2 conv).
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kinds", default="fprop,dgrad,wgrad")
     ap.add_argument("--extra", action="store_true")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SUBSTRING",
+                    help="time only the launches whose name contains one of these (e.g. under ncu)")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     for layer, kind in [(la, k) for la in args.layers for k in args.kinds.split(",")]:
@@ -94,6 +97,8 @@ def main(argv=None) -> int:
         launches = list(dict.fromkeys(c.launch for c in plan_problem(p).candidates))
         if args.extra:
             launches += extra_launches(p)
+        if args.only:
+            launches = [l for l in launches if any(s in l.name for s in args.only)]
         sets = [operands(p, i) for i in range(3)]
         rot = rotation_count(sum(t.numel() * 2 for t in sets[0][3:]))
         sets = (sets * rot)[:rot]
