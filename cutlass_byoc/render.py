@@ -69,9 +69,9 @@ def render(config: KernelConfig, compile_command: str) -> str:
 
         extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)))
     elif config.family is KernelFamily.SMEM_IM2COL:
-        from .smem_im2col import MAX_TAPS, PATCH_REGS  # noqa: PLC0415
+        from .smem_im2col import MAX_TAPS  # noqa: PLC0415
 
-        extra = dict(max_taps=MAX_TAPS, patch_regs=PATCH_REGS)
+        extra = dict(max_taps=MAX_TAPS)
     return tmpl.render(
         c=config,
         version=__version__,

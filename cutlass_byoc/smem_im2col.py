@@ -38,22 +38,21 @@ MAX_TAPS = 512
 #: Channel counts this family is for: C whose rows are not 16-byte multiples (those the implicit-GEMM families read
 #: whole, with their own iterators and TMA).
 ROW_BYTES = 16
-#: (rows, cols, channels, warps along M, warps along N): tiles of 64 to 256 output pixels x 32 or 64 channels. A warp
-#: tile of 2 x 8 or 4 x 4 mma tiles reads fewer shared-memory bytes per mma than 2 x 4 (A is gathered in 2-byte
-#: loads, B in 4-byte ones), at 64 sums per thread.
+#: (rows, cols, channels, warps along M, warps along N): tiles of 64 to 256 output pixels x 32 or 64 channels. Each warp
+#: gathers its pixels' im2col rows (2-byte loads, the taps' offsets added per element) and reads the filter with
+#: ldmatrix: a warp spanning all 64 channels (warps along N = 1) gathers each row once per CTA and issues the fewest
+#: instructions per mma (ncu on the H200: the 4x2-warp 8x16x64 kernel issued 57M instructions for the stem, at 2.7
+#: per cycle and SM, 93 us), at 32 or 64 fp32 sums per thread.
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
-    (8, 16, 64, 4, 2),
+    (8, 16, 64, 8, 1),
+    (16, 16, 64, 8, 1),
     (8, 16, 64, 4, 1),
+    (16, 8, 64, 8, 1),
+    (8, 8, 64, 4, 1),
+    (8, 16, 64, 4, 2),
     (16, 16, 64, 4, 2),
-    (4, 32, 64, 4, 2),
-    (16, 8, 64, 4, 2),
-    (8, 8, 64, 2, 2),
-    (4, 16, 64, 2, 2),
     (8, 16, 32, 4, 1),
 )
-#: Patch elements per thread the kernel loads into registers for the next tile while the current one computes (the
-#: stem's 8x16-pixel tile reads a patch of 21 x 37 x 3 = 2331 elements: 256 threads x 10).
-PATCH_REGS = 12
 #: Shared memory a CTA may have on sm_90 (opt-in).
 SMEM_LIMIT = 227 * 1024
 H200_SMS = 132
@@ -75,6 +74,8 @@ def static_error(c: KernelConfig) -> Optional[str]:
     wm, wn, wk = c.warps
     if wk != 1 or wm < 1 or wn < 1 or (rows * cols) % (16 * wm) or n % (8 * wn):
         return f"tile {c.tile} / warps {c.warps}: each warp needs whole m16 x n8 tiles (warps (M, N, 1))"
+    if (n // wn // 8) % 2:
+        return f"tile {c.tile} / warps {c.warps}: a warp's channels must be an even number of n8 tiles (ldmatrix.x4 reads two)"
     if wm * wn > 8:
         return f"warps {c.warps}: at most 8 warps"
     if c.stages != 1:

@@ -52,7 +52,8 @@ def test_problems_the_family_refuses_name_the_parameter(problem, why):
 
 def test_static_rules():
     c = config(STEM)
-    for change, why in [(dict(stages=2), "stages"), (dict(align_a=8), "align_a"), (dict(tile=(8, 16, 40)), "m16 x n8"),
+    for change, why in [(dict(stages=2), "stages"), (dict(align_a=8), "align_a"), (dict(tile=(8, 16, 40)), "n8 tiles"),
+                        (dict(tile=(8, 12, 64)), "m16 x n8"),
                         (dict(warps=(4, 4, 1), tile=(16, 16, 64)), "at most 8 warps"),
                         (dict(activation=Activation.RELU6), "relu6"), (dict(schedule="rows"), "other families")]:
         with pytest.raises(ValueError, match=why):
