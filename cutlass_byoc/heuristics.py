@@ -142,7 +142,9 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     if c.stages == 2:
         eff *= 0.7
     align = min(c.align_a, c.align_b)
-    eff *= min(1.0, (align * c.element_a.nbytes / 16) ** 0.5)
+    # accesses under 16 bytes: linear in the access width (the square root of it had the stem's align-1 2.x kernels at
+    # 84-104 us, measured 487-1093, and the odd 7->33 fprop's at ~30, measured 66-151: H200, 2026-12-01)
+    eff *= min(1.0, align * c.element_a.nbytes / 16)
     rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
     per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
@@ -222,6 +224,8 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
     strided dgrad of C=3) runs padded or folded. (On the H200 the model's fold picks for the stem ran 136, 156 and
     145 us in fprop, dgrad and wgrad against 230, 565 and 329 us for its channel-padded picks, the previous
     defaults: 2026-11-30, scripts/time_launches.py.)
+    The shared-memory im2col kernels (fprop of few input channels) compete unpadded: on the H200 the model's pick for
+    the stem, 16x16x64 with 8x1 warps, ran 64 us against 136 us for the 2.x fold (2026-12-01).
     Depthwise problems (groups == C == K) get the best launch of the depthwise family, the only one that takes them."""
     if problem.is_depthwise:
         from .depthwise import default_depthwise_launch  # noqa: PLC0415
@@ -236,6 +240,10 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
             from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
 
             kernels += list(sm90_candidates(kp))
+        if (blk, pad_c, pad_k) == (1, 1, 1):  # few input channels, read as they are
+            from .smem_im2col import smem_im2col_candidates  # noqa: PLC0415
+
+            kernels += list(smem_im2col_candidates(kp))
         ranked = rank(kp, kernels, sms)
         if not ranked:
             continue

@@ -56,8 +56,10 @@ SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
 #: Shared memory a CTA may have on sm_90 (opt-in).
 SMEM_LIMIT = 227 * 1024
 H200_SMS = 132
-#: What the model assumes: mma.sync fp16 at this rate on the tile's (padded) reduction, DRAM at this speed.
-MMA_TFLOPS = 300.0
+#: What the model assumes: warp instructions issued per cycle and SM (ncu, H200: 1.9-2.7 on the stem's kernels), the
+#: SM clock, DRAM speed.
+ISSUE_RATE = 2.0
+CLOCK_GHZ = 1.75
 DRAM_GBS = 3000.0
 LAUNCH_US = 3.0
 
@@ -192,16 +194,24 @@ def smem_im2col_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
 
 
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
-    """Compulsory bytes (x read once per tile's patch, y written) at DRAM speed against the padded reduction at an
-    mma.sync rate, with wave quantisation over the tiles; it ranks the family's configs among themselves."""
+    """The kernel's instructions at the issue rate ncu measured (the stem's kernels were instruction- and latency-bound
+    on the H200, at 2-8% of DRAM bandwidth): per k-step and warp, 3 per gathered A element (8 per m16 tile), one
+    ldmatrix per two n8 tiles and one mma per tile pair; ~80 per 8-channel output vector in the epilogue; ~20 per
+    patch element (the halo counts); against the compulsory bytes at DRAM speed. It ranks the family's configs among
+    themselves (measured: 8x16x64 with 4x2 warps 76 us, 16x16x64 with 8x1 warps 64 us, on the stem)."""
     c, p = launch.kernel, problem
     rows, cols, n = c.tile
+    wm, wn, _ = c.warps
+    mt, nt = rows * cols // wm // 16, n // wn // 8
     tiles = p.n * math.ceil(p.p / rows) * math.ceil(p.q / cols)
     kblocks = math.ceil(p.k / n)
+    ksteps = math.ceil(p.r * p.s * p.c / 16)
     ph, pw = patch_dims(c, p)
-    read = tiles * ph * pw * p.c * p.element_a.nbytes * kblocks
+    warp_tiles = tiles * kblocks * wm * wn
+    kloop = warp_tiles * ksteps * (24 * mt + 2 * nt + mt * nt)
+    epilogue = tiles * kblocks * rows * cols * (n // c.align_c) * 80 / 32
+    patch = tiles * kblocks * ph * pw * p.c * 20 / 32
+    compute_us = (kloop + epilogue + patch) / (sms * ISSUE_RATE * CLOCK_GHZ * 1e3)
     written = p.n * p.p * p.q * p.k * p.element_out.nbytes * (2 if p.epilogue.source.has_residual else 1)
-    flops = 2 * tiles * rows * cols * kblocks * n * math.ceil(p.r * p.s * p.c / 16) * 16
-    memory_us = (read + written) / (DRAM_GBS * 1e9) * 1e6
-    compute_us = flops / (MMA_TFLOPS * 1e12) * 1e6
-    return max(memory_us, compute_us) + 0.25 * min(memory_us, compute_us) + LAUNCH_US
+    memory_us = (p.n * p.h * p.w * p.c * p.element_a.nbytes + written) / (DRAM_GBS * 1e9) * 1e6
+    return max(memory_us, compute_us) + LAUNCH_US

@@ -112,3 +112,15 @@ def test_kernel_compiles_and_checks_its_problem(built):
     assert "source_kind" in raw_can_implement(lib, BIAS_RELU, source_kind=3)
     # the Python rules say the same before the library is asked
     assert "alignment" in LaunchConfig(cfg).reject_reason(BIAS_RELU.replace(k=36))
+
+
+def test_the_model_ranks_the_measured_best_first():
+    """On the H200 (2026-12-01) the stem's kernels ran from 64 us (16x16x64, 8x1 warps) to 81 us (8x8x64, 4x1), with
+    the 4x2-warp ones at 71-76: the model, an instruction count, puts the 16x16x64 8x1 first and 2x4-mma warp tiles
+    after 2x8 ones."""
+    from cutlass_byoc.smem_im2col import estimate_us  # noqa: PLC0415
+
+    ranked = sorted(smem_im2col_candidates(STEM), key=lambda c: estimate_us(STEM, LaunchConfig(c)))
+    assert ranked[0].tile == (16, 16, 64) and ranked[0].warps == (8, 1, 1)
+    by_shape = {(c.tile, c.warps[:2]): i for i, c in enumerate(ranked)}
+    assert by_shape[((8, 16, 64), (4, 1))] < by_shape[((8, 16, 64), (4, 2))]
