@@ -20,8 +20,12 @@ align_c    elements per access of the output and the epilogue source (8 for 16-b
 =========  ================================================================================================
 
 x and w are read per element (align_a = align_b = 1): any C, any filter, stride, padding and dilation, chosen at
-launch (R*S*C at most MAX_TAPS). fprop only, with the conv families' epilogues (bias or residual as the source,
-the activations but ReLU6, any output type); no bias-vector epilogue, no split.
+launch (R*S*C at most MAX_TAPS). fprop with the conv families' epilogues (bias or residual as the source, the
+activations but ReLU6, any output type); no bias-vector epilogue, no split.
+
+dgrad of a stride-1 conv whose dy rows are not 16-byte multiples (the odd 7->33 layer's K=33) is the same kernel on
+`gathered(problem)`: the fprop of dy with the filter rotated 180 degrees and K and C swapped (gathered per element
+when a CTA stages its filter tile), padding dilation * (R - 1) - pad, written to dx; a residual source, no bias.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ MAX_TAPS = 512
 #: Channel counts this family is for: C whose rows are not 16-byte multiples (those the implicit-GEMM families read
 #: whole, with their own iterators and TMA).
 ROW_BYTES = 16
-#: (rows, cols, channels, warps along M, warps along N): tiles of 64 to 256 output pixels x 32 or 64 channels. Each warp
+#: (rows, cols, channels, warps along M, warps along N): tiles of 64 to 256 output pixels x 16 to 64 channels (16 for
+#: few output channels: the odd layer's dgrad writes C=7). Each warp
 #: gathers its pixels' im2col rows (2-byte loads, the taps' offsets added per element) and reads the filter with
 #: ldmatrix: a warp spanning all 64 channels (warps along N = 1) gathers each row once per CTA and issues the fewest
 #: instructions per mma (ncu on the H200: the 4x2-warp 8x16x64 kernel issued 57M instructions for the stem, at 2.7
@@ -52,6 +57,8 @@ SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 16, 64, 4, 2),
     (16, 16, 64, 4, 2),
     (8, 16, 32, 4, 1),
+    (8, 16, 16, 8, 1),
+    (16, 16, 16, 8, 1),
 )
 #: Shared memory a CTA may have on sm_90 (opt-in).
 SMEM_LIMIT = 227 * 1024
@@ -66,8 +73,8 @@ LAUNCH_US = 3.0
 
 def static_error(c: KernelConfig) -> Optional[str]:
     """Why an SMEM_IM2COL config cannot be a kernel (called from KernelConfig.static_error)."""
-    if c.kind is not ConvKind.FPROP:
-        return f"kind: the shared-memory im2col family is fprop only, got {c.kind.value}"
+    if c.kind not in (ConvKind.FPROP, ConvKind.DGRAD):
+        return f"kind: the shared-memory im2col family computes fprop and stride-1 dgrad, got {c.kind.value}"
     if c.element_a.bits != 16:
         return f"element_a: the shared-memory im2col family is built for f16/bf16 inputs (mma.sync), got {c.element_a.value}"
     if c.element_acc is not DType.F32:
@@ -100,8 +107,17 @@ def static_error(c: KernelConfig) -> Optional[str]:
     return None
 
 
+def gathered(p: Conv2dProblem) -> Conv2dProblem:
+    """The fprop the kernel computes for `p`: `p` itself, or for a stride-1 dgrad the fprop of dy (K channels in, C
+    out) with padding dilation * (R - 1) - pad (problem_error refuses a dgrad whose padding is past that)."""
+    if p.kind is not ConvKind.DGRAD:
+        return p
+    return p.replace(kind=ConvKind.FPROP, h=p.p, w=p.q, c=p.k, k=p.c,
+                     pad_h=p.dilation_h * (p.r - 1) - p.pad_h, pad_w=p.dilation_w * (p.s - 1) - p.pad_w)
+
+
 def patch_dims(c: KernelConfig, p: Conv2dProblem) -> tuple[int, int]:
-    """Input rows and columns the patch of one tile spans."""
+    """Input rows and columns the patch of one tile spans (`p` as the kernel computes it: `gathered`)."""
     rows, cols, _ = c.tile
     return ((rows - 1) * p.stride_h + (p.r - 1) * p.dilation_h + 1,
             (cols - 1) * p.stride_w + (p.s - 1) * p.dilation_w + 1)
@@ -112,6 +128,7 @@ def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
     def r16(v: int) -> int:
         return -(-v // 16) * 16
 
+    p = gathered(p)
     rows, cols, n = c.tile
     taps = p.r * p.s * p.c
     ph, pw = patch_dims(c, p)
@@ -123,15 +140,22 @@ def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
 
 def problem_error(p: Conv2dProblem) -> Optional[str]:
     """Why the family does not take `p` whatever the config (None if it does)."""
-    if p.kind is not ConvKind.FPROP:
-        return f"kind: the shared-memory im2col family is fprop only, got {p.kind.value}"
+    if p.kind not in (ConvKind.FPROP, ConvKind.DGRAD):
+        return f"kind: the shared-memory im2col family computes fprop and stride-1 dgrad, got {p.kind.value}"
+    dgrad = p.kind is ConvKind.DGRAD
+    if dgrad:
+        if (p.stride_h, p.stride_w) != (1, 1):
+            return f"stride: dgrad runs as the fprop of dy for stride 1 only, got {p.stride_h}x{p.stride_w}"
+        if p.pad_h > p.dilation_h * (p.r - 1) or p.pad_w > p.dilation_w * (p.s - 1):
+            return f"padding: {p.pad_h}x{p.pad_w} is past dilation * (R - 1), S - 1 (dgrad as an fprop of dy)"
+        p = gathered(p)
     if p.groups != 1:
         return f"groups: the shared-memory im2col family needs groups == 1, got {p.groups}"
     if p.element_a.bits != 16:
         return f"element_a: the shared-memory im2col family takes f16/bf16 inputs, got {p.element_a.value}"
     if (p.c * p.element_a.nbytes) % ROW_BYTES == 0:
-        return (f"channels: C={p.c} makes {ROW_BYTES}-byte rows, which the implicit-GEMM families read whole; this "
-                "family is for fewer")
+        return (f"channels: {'K' if dgrad else 'C'}={p.c} makes {ROW_BYTES}-byte rows, which the implicit-GEMM "
+                "families read whole; this family is for fewer")
     if p.r * p.s * p.c > MAX_TAPS:
         return f"filter: R*S*C = {p.r * p.s * p.c}, past the family's {MAX_TAPS} taps"
     return None
@@ -142,8 +166,10 @@ def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     why = problem_error(p)
     if why:
         return why
-    if p.k % c.align_c:
-        return f"alignment: the output's channel extent {p.k} is not a multiple of the kernel's alignment {c.align_c}"
+    out_channels = gathered(p).k
+    if out_channels % c.align_c:
+        return (f"alignment: the output's channel extent {out_channels} is not a multiple of the kernel's alignment "
+                f"{c.align_c}")
     overflow = p.int32_overflow
     if overflow:
         return overflow
@@ -166,16 +192,17 @@ def name(c: KernelConfig) -> str:
 
 
 def output_alignment(p: Conv2dProblem) -> int:
-    """The widest output access K allows (at most 16 bytes)."""
+    """The widest output access the output's channels allow (K for fprop, C for dgrad; at most 16 bytes)."""
+    out_channels = gathered(p).k
     return next(a for a in sorted(ALIGNMENTS, reverse=True)
-                if a * p.element_out.nbytes <= 16 and p.k % a == 0)
+                if a * p.element_out.nbytes <= 16 and out_channels % a == 0)
 
 
 def config(problem: Conv2dProblem, shape: tuple[int, int, int, int, int] = SHAPES[0], arch: int = 90) -> KernelConfig:
     rows, cols, n, wm, wn = shape
     p = problem
     return KernelConfig(
-        family=KernelFamily.SMEM_IM2COL, kind=ConvKind.FPROP, element_a=p.element_a, element_b=p.element_b,
+        family=KernelFamily.SMEM_IM2COL, kind=p.kind, element_a=p.element_a, element_b=p.element_b,
         element_out=p.element_out, element_acc=p.element_acc, tile=(rows, cols, n), warps=(wm, wn, 1), stages=1,
         align_a=1, align_b=1, align_c=min(output_alignment(p), n), activation=p.epilogue.activation, arch=arch,
     )
@@ -199,7 +226,7 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     ldmatrix per two n8 tiles and one mma per tile pair; ~80 per 8-channel output vector in the epilogue; ~20 per
     patch element (the halo counts); against the compulsory bytes at DRAM speed. It ranks the family's configs among
     themselves (measured: 8x16x64 with 4x2 warps 76 us, 16x16x64 with 8x1 warps 64 us, on the stem)."""
-    c, p = launch.kernel, problem
+    c, p = launch.kernel, gathered(problem)
     rows, cols, n = c.tile
     wm, wn, _ = c.warps
     mt, nt = rows * cols // wm // 16, n // wn // 8

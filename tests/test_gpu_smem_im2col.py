@@ -1,8 +1,9 @@
 """The shared-memory im2col family (issue 11, part 3: the stem and odd channels) on the H200: fprop of few input
 channels on every config the family has for the RGB stem, then across types (bf16, fp32 output), channel counts
 (C = 1, 3, 5, 7; K not a multiple of 8 or of the channel tile), filters, strides, paddings, dilation, odd image
-sizes and batch 1, and with the fused epilogues (bias, residual, the activations). Against the float64 reference on
-fresh random inputs, outputs poisoned (NaN) first.
+sizes and batch 1, and with the fused epilogues (bias, residual, the activations); stride-1 dgrad of few dy
+channels (the odd layer's, dilation, bf16 into fp32, a residual) as the fprop of dy. Against the float64 reference
+on fresh random inputs, outputs poisoned (NaN) first.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ CASES = {
     "c3_k96_two_blocks": Conv2dProblem.make("fprop", 2, 3, 33, 35, 96, 7, stride=2, padding=3),
     "c6_rect_s2x1": Conv2dProblem.make("fprop", 2, 6, 20, 23, 64, 3, 5, stride=(2, 1), padding=(1, 2)),
     "c3_stem_no_pad": Conv2dProblem.make("fprop", 2, 3, 45, 47, 64, 7, stride=2),
+    # stride-1 dgrad as the fprop of dy (K channels gathered, C written)
+    "dgrad_odd_33_7": layers.odd("dgrad", n=BATCH),
+    "dgrad_k12_c5_dil2": Conv2dProblem.make("dgrad", 2, 5, 23, 21, 12, 3, padding=2, dilation=2),
+    "dgrad_bf16_f32_out": Conv2dProblem.make("dgrad", 2, 24, 19, 17, 3, 5, padding=(2, 1), dtype="bf16",
+                                             out_dtype="f32"),
+    "dgrad_k20_c40_pad0": Conv2dProblem.make("dgrad", 2, 40, 15, 16, 20, 3),
+    "dgrad_residual": layers.odd("dgrad", n=2, epilogue=Epilogue(source=SourceKind.RESIDUAL)),
 }
 
 EPILOGUES = {

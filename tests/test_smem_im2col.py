@@ -38,12 +38,18 @@ def test_output_accesses_follow_k():
 @pytest.mark.parametrize("problem, why", [
     (STEM.replace(c=8), "channels: C=8"),
     (Conv2dProblem.make("fprop", 2, 3, 32, 32, 16, 7, dtype="f32"), "element_a"),
-    (Conv2dProblem.make("dgrad", 2, 3, 32, 32, 16, 7, stride=2, padding=3), "fprop only"),
+    (Conv2dProblem.make("dgrad", 2, 3, 32, 32, 16, 7, stride=2, padding=3), "stride 1 only"),
+    (Conv2dProblem.make("wgrad", 2, 3, 32, 32, 16, 7, padding=3), "fprop and stride-1 dgrad"),
+    (Conv2dProblem.make("dgrad", 2, 7, 32, 32, 33, 3, padding=3), "past dilation * (R - 1)"),
+    (Conv2dProblem.make("dgrad", 2, 7, 32, 32, 32, 3, padding=1), "channels: K=32"),
     (Conv2dProblem.make("fprop", 2, 7, 32, 32, 16, 9), f"past the family's {MAX_TAPS} taps"),
     (Conv2dProblem.make("fprop", 2, 6, 32, 32, 16, 3, groups=2), "groups"),
 ])
 def test_problems_the_family_refuses_name_the_parameter(problem, why):
     assert not list(smem_im2col_candidates(problem))
+    from cutlass_byoc.smem_im2col import problem_error  # noqa: PLC0415
+
+    assert why in problem_error(problem)
     c = dataclasses.replace(config(STEM), element_a=problem.element_a, element_b=problem.element_b,
                             element_out=problem.element_out) if problem.element_a.bits == 16 else None
     if c is not None and problem.kind is STEM.kind:
@@ -124,3 +130,33 @@ def test_the_model_ranks_the_measured_best_first():
     assert ranked[0].tile == (16, 16, 64) and ranked[0].warps == (8, 1, 1)
     by_shape = {(c.tile, c.warps[:2]): i for i, c in enumerate(ranked)}
     assert by_shape[((8, 16, 64), (4, 1))] < by_shape[((8, 16, 64), (4, 2))]
+
+
+def test_stride_1_dgrad_is_the_fprop_of_dy():
+    """The odd layer's dgrad (7 -> 33, 3x3, pad 1): dy's K=33 channels gathered, dx's C=7 written, padding R-1-pad."""
+    from cutlass_byoc.smem_im2col import gathered  # noqa: PLC0415
+
+    dgrad = ODD.replace(kind=ODD.kind.DGRAD)
+    g = gathered(dgrad)
+    assert (g.kind.value, g.c, g.k, g.h, g.w, g.p, g.q, g.pad_h) == ("fprop", 33, 7, 56, 56, 56, 56, 1)
+    dil = Conv2dProblem.make("dgrad", 2, 5, 23, 21, 12, 3, padding=2, dilation=2)
+    gd = gathered(dil)
+    assert (gd.pad_h, gd.pad_w, gd.p, gd.q) == (2, 2, 23, 21)  # 2 * (3 - 1) - 2
+    cs = list(smem_im2col_candidates(dgrad))
+    assert cs and all(c.kind is dgrad.kind and c.align_c == 1 and c.reject_reason(dgrad) is None for c in cs)
+    ours = [c for c in plan_problem(dgrad).candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
+    assert len(ours) == SMEM_IM2COL_BUDGET
+    assert {c.launch.kernel.tile[2] for c in ours[:2]} == {16}  # 7 output channels: the narrow tiles first
+
+
+@pytest.mark.compile
+def test_dgrad_kernel_compiles_and_checks_its_problem(shared_cache):
+    dgrad = ODD.replace(kind=ODD.kind.DGRAD, n=2, h=20, w=24)
+    cfg = config(dgrad)
+    result = build([cfg], cache=shared_cache)[cfg]
+    src, lib = loaded_kernel(result, cfg, dgrad)
+    assert "w[k][k0 + n][R-1-r][S-1-s]" in src
+    assert lib.workspace_size(dgrad) == 0
+    assert "stride" in raw_can_implement(lib, dgrad.replace(stride_h=2, stride_w=2, h=40, w=48))
+    assert "no bias" in raw_can_implement(lib, dgrad, source_kind=1, source=0x50000)
+    assert "padding" in raw_can_implement(lib, dgrad.replace(pad_h=3, pad_w=3, h=16, w=20))
