@@ -173,8 +173,9 @@ def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     overflow = p.int32_overflow
     if overflow:
         return overflow
-    if smem_bytes(c, p) > SMEM_LIMIT:
-        return f"shared memory: tile {c.tile} needs {smem_bytes(c, p)} bytes for this problem, past {SMEM_LIMIT}"
+    need = smem_bytes(c, p)
+    if need > SMEM_LIMIT:
+        return f"shared memory: tile {c.tile} needs {need} bytes for this problem, past {SMEM_LIMIT}"
     return None
 
 
