@@ -279,8 +279,8 @@ class KernelConfig:
                 return f"element_a: the sm90 family is built for f16/bf16 inputs, got {self.element_a.value}"
             if self.schedule not in (None, "implicit_tma_ws"):
                 return f"schedule: sm90 conv has only 'implicit_tma_ws' (KernelImplicitTmaWarpSpecializedSm90), got {self.schedule!r}"
-            if self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED:
-                return "stride_support: the 3.x dgrad kernel has no strided variant"
+            if self.stride_support is StrideSupport.STRIDED and self.kind is not ConvKind.DGRAD:
+                return f"stride_support: the 3.x {self.kind.value} kernel takes any stride itself (unity config)"
             m, n, k = self.tile
             if m % 64 or not 64 <= m <= 256 or n % 16 or not 16 <= n <= 256 or (k * self.element_a.nbytes) % 64:
                 return f"tile {self.tile}: wgmma needs M in 64..256 (multiple of 64), N in 16..256 (multiple of 16), 64-byte K"
@@ -357,7 +357,15 @@ class KernelConfig:
             return f"iterator few_channels: meant for small C, got C={problem.c}"
         if self.family is KernelFamily.SM90_TMA_WGMMA:
             if self.kind is ConvKind.DGRAD and strided:
-                return "stride: the 3.x dgrad kernel ignores stride; strided dgrad runs on 2.x"
+                # the 3.x dgrad collective ignores the stride: the STRIDED config launches the stride-1 kernel once
+                # per sub-pixel phase (sm90.subpixel_phases)
+                from .sm90 import subpixel_reject_reason  # noqa: PLC0415
+
+                why = subpixel_reject_reason(problem)
+                if why:
+                    return why
+            elif self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED:
+                return "stride: the sub-pixel dgrad config is for stride > 1; stride-1 dgrad runs on the unity config"
             if max(problem.pad_h, problem.pad_w) > 256:
                 return "padding: TMA im2col takes padding up to 256"
             if problem.epilogue.source.value == "bias" and self.kind is ConvKind.WGRAD:

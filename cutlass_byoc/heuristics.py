@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 from .candidates import rewrite_options, sm80_candidates
 from .config import KernelConfig, LaunchConfig
 from .problem import Conv2dProblem
-from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode
+from .types import ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
 H200_SMS = 132
 MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma.sync ceilings seen on H100-class
@@ -126,11 +126,46 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         from .smem_im2col import estimate_us as smem_im2col_estimate_us  # noqa: PLC0415
 
         return smem_im2col_estimate_us(problem, launch, sms)
-    slices = launch.split_k_slices
+    if c.family is KernelFamily.SM90_TMA_WGMMA and c.kind is ConvKind.DGRAD and c.stride_support is StrideSupport.STRIDED:
+        return _sm90_subpixel_estimate_us(problem, launch, sms)
     m, n, k = problem.gemm_mnk
-    tm, tn, tk = c.tile
     if c.family is KernelFamily.SM90_TMA_WGMMA:
         m, n, k = _sm90_tiled_mnk(problem, c.tile)
+    return _implicit_gemm_us(problem, launch, m, n, k, problem.bytes_moved, sms)
+
+
+def _sm90_subpixel_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int) -> float:
+    """The sub-pixel strided dgrad (sm90.subpixel_phases): one stride-1 launch per phase, each over the phase's dx
+    pixels (M) and only the filter taps that reach them (K = channels x taps), reading dy again (from L2 mostly) and
+    writing its share of dx; a memset of dx first where a phase no tap reaches exists."""
+    from .sm90 import subpixel_phases  # noqa: PLC0415
+
+    p = problem
+    chans = math.ceil(p.k / launch.kernel.tile[2]) * launch.kernel.tile[2]
+    total, empty = 0.0, False
+    dy_bytes = p.n * p.p * p.q * p.k * p.element_a.nbytes
+    for ra, ca in subpixel_phases(p):
+        if ra.extent == 0 or ca.extent == 0:
+            continue
+        if ra.taps == 0 or ca.taps == 0:
+            empty = True
+            continue
+        m = p.n * ra.extent * ca.extent
+        out_bytes = m * p.c * p.element_out.nbytes * (2 if p.epilogue.source.has_residual else 1)
+        w_bytes = p.k * ra.taps * ca.taps * p.c * p.element_b.nbytes
+        total += _implicit_gemm_us(p, launch, m, p.c, chans * ra.taps * ca.taps, dy_bytes + w_bytes + out_bytes, sms)
+    if empty:
+        total += p.n * p.h * p.w * p.c * p.element_out.nbytes / (DRAM_GBS * 1e9) * 1e6 + LAUNCH_US
+    return total
+
+
+def _implicit_gemm_us(problem: Conv2dProblem, launch: LaunchConfig, m: int, n: int, k: int, bytes_: int,
+                      sms: int) -> float:
+    """One implicit-GEMM launch of M x N x K moving `bytes_`: wave quantisation, tile efficiency, memory traffic,
+    split-k overhead."""
+    c = launch.kernel
+    slices = launch.split_k_slices
+    tm, tn, tk = c.tile
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * slices
     occupancy = max(1, min(3, (200 * 1024) // max(1, c.smem_bytes), 2048 // c.threads))
     waves = math.ceil(tiles / (sms * occupancy))
@@ -148,7 +183,6 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
     per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
-    bytes_ = problem.bytes_moved
     extra_us = 0.0
     if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch
         bytes_ += 2 * slices * m * n * 4

@@ -68,6 +68,10 @@ def render(config: KernelConfig, compile_command: str) -> str:
         from .depthwise import pad_groups  # noqa: PLC0415
 
         extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)))
+    elif config.family is KernelFamily.SM90_TMA_WGMMA:
+        from .sm90 import SUBPIXEL_MAX_PHASES  # noqa: PLC0415
+
+        extra = dict(subpixel_max_phases=SUBPIXEL_MAX_PHASES)
     elif config.family is KernelFamily.SMEM_IM2COL:
         from .smem_im2col import MAX_TAPS  # noqa: PLC0415
 

@@ -26,13 +26,14 @@ output type, BRIEF.md), so the element types are always the problem's own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Iterator, Optional
 
 from .config import KernelConfig, Shape3
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem
-from .types import ConvKind, DType, KernelFamily, SplitKMode, StrideSupport
+from .types import ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
 #: The only CUTLASS 3.x conv schedule on sm90 (cutlass::conv::KernelImplicitTmaWarpSpecializedSm90).
 SCHEDULE = "implicit_tma_ws"
@@ -113,14 +114,15 @@ def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: D
 def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1),
                 split_k_mode: SplitKMode = SplitKMode.SERIAL) -> KernelConfig:
     """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid).
-    `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials."""
+    `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials.
+    A strided dgrad gets the sub-pixel config (stride_support STRIDED: the same kernel, launched once per phase)."""
     p = problem
     kernel_out = p.element_acc if split_k_mode is SplitKMode.PARALLEL else p.element_out
     return KernelConfig(
         family=KernelFamily.SM90_TMA_WGMMA, kind=p.kind,
         element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
         tile=tile, warps=WARPS, stages=stage_count(tile, p.element_a, p.element_b, kernel_out),
-        stride_support=StrideSupport.UNITY,
+        stride_support=StrideSupport.STRIDED if is_subpixel(p) else StrideSupport.UNITY,
         align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // kernel_out.nbytes,
         split_k_mode=split_k_mode, activation=p.epilogue.activation,
         cluster=cluster, schedule=SCHEDULE, element_bias=p.element_bias if p.epilogue.bias_vector else None,
@@ -152,7 +154,9 @@ def sm90_applicable(problem: Conv2dProblem) -> Optional[str]:
     if problem.groups != 1:
         return f"groups: sm90 kernels need groups == 1, got {problem.groups}"
     if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
-        return "stride: the sm90 dgrad kernel ignores stride; strided dgrad runs on the sm80 family"
+        why = subpixel_reject_reason(problem)
+        if why:
+            return why
     for name, extent, dt in zip(("A", "B", "output"), problem.channel_dims,
                                 (problem.element_a, problem.element_b, problem.element_out)):
         if (extent * dt.nbytes) % 16:
@@ -183,3 +187,73 @@ def sm90_candidates(
                     continue
                 if cfg.reject_reason(problem) is None:
                     yield cfg
+
+
+# ------------------------------------------------------------------------------------------- sub-pixel dgrad
+#: Most launches one sub-pixel dgrad may take (stride_h x stride_w phases).
+SUBPIXEL_MAX_PHASES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SubpixelAxis:
+    """One spatial axis of one phase: output rows (or columns) phase + stride * i, i < extent, of which the filter
+    taps tap0 + stride * j, j < taps, reach dy rows i + pad_lo - j: a stride-1 dgrad with lower padding pad_lo and
+    upper padding pad_hi (which makes the stride-1 problem's own dy extent the real one)."""
+
+    phase: int
+    extent: int  # dx rows of this phase
+    tap0: int
+    taps: int
+    pad_lo: int
+    pad_hi: int
+
+
+def subpixel_axis(extent: int, out_extent: int, filt: int, pad: int, stride: int, phase: int) -> SubpixelAxis:
+    """Phase `phase` of one axis of a dgrad with dx extent `extent`, dy extent `out_extent`, filter `filt`, padding
+    `pad` and stride `stride` (dilation 1): dx[phase + stride*i] = sum_j dy[i + pad_lo - j] * w[tap0 + stride*j]."""
+    rows = max(0, -(-(extent - phase) // stride))
+    tap0 = (phase + pad) % stride
+    taps = max(0, -(-(filt - tap0) // stride))
+    pad_lo = (phase + pad) // stride
+    pad_hi = out_extent - rows - pad_lo + taps - 1
+    return SubpixelAxis(phase, rows, tap0, taps, pad_lo, pad_hi)
+
+
+def subpixel_phases(problem: Conv2dProblem) -> list[tuple[SubpixelAxis, SubpixelAxis]]:
+    """The (row, column) phases of a strided dgrad, row phase major (the template's order)."""
+    p = problem
+    rows = [subpixel_axis(p.h, p.p, p.r, p.pad_h, p.stride_h, a) for a in range(p.stride_h)]
+    cols = [subpixel_axis(p.w, p.q, p.s, p.pad_w, p.stride_w, b) for b in range(p.stride_w)]
+    return [(r, c) for r in rows for c in cols]
+
+
+def is_subpixel(problem: Conv2dProblem) -> bool:
+    """Whether an sm90 config of `problem` is the sub-pixel one (a dgrad with stride > 1)."""
+    return problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1)
+
+
+def subpixel_reject_reason(problem: Conv2dProblem) -> Optional[str]:
+    """Why the sub-pixel decomposition cannot compute this strided dgrad on the stride-1 kernel, or None. The
+    compiled kernel's cb_can_implement checks the same (and asks CUTLASS about each phase)."""
+    p = problem
+    if p.dilation_h != 1 or p.dilation_w != 1:
+        return f"dilation: the sub-pixel strided dgrad takes dilation 1, got {p.dilation_h}x{p.dilation_w}"
+    if p.stride_h * p.stride_w > SUBPIXEL_MAX_PHASES:
+        return f"stride: the sub-pixel dgrad launches one kernel per phase, at most {SUBPIXEL_MAX_PHASES}; got {p.stride_h}x{p.stride_w}"
+    empty = False
+    for r, c in subpixel_phases(p):
+        if r.extent == 0 or c.extent == 0:
+            continue
+        if r.taps == 0 or c.taps == 0:
+            empty = True
+            continue
+        for axis, name in ((r, "h"), (c, "w")):
+            if axis.pad_hi < 0 or axis.pad_lo > 256 or axis.pad_hi > 256:
+                return (f"padding: phase {r.phase},{c.phase} of the sub-pixel dgrad needs padding {axis.pad_lo}/"
+                        f"{axis.pad_hi} along {name} (TMA im2col: 0..256)")
+    # (a dgrad's epilogue is plain or a residual: Conv2dProblem allows no activation)
+    if empty and p.epilogue.source is not SourceKind.NONE:
+        return (f"epilogue: phases of dx that no filter tap reaches (stride {p.stride_h}x{p.stride_w} over a "
+                f"{p.r}x{p.s} filter) are zero-filled before the other phases run, which a {p.epilogue.tag} "
+                "epilogue would change")
+    return None

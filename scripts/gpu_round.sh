@@ -7,7 +7,8 @@
 # tests:    the gpu-marked tests but the offload ones (GPU_TESTS="test_a.py ..." narrows them, GPU_TESTS_K="expr" selects)
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
 #           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz;
-#           TUNE_JSON=1: the first tune's report, every candidate's time, to $OUT/tune.json)
+#           TUNE_JSON=1: the first tune's report, every candidate's time, to $OUT/tune.json; TUNE_WORKLOAD=FILE:
+#           a JSON workload instead of the default one, e.g. scripts/workloads/strided-dgrad.json)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
 #           when the cache is empty, e.g. on a fresh machine)
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
@@ -120,11 +121,11 @@ for step in "${steps[@]}"; do
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune --verbose --no-progress ${TUNE_JSON:+--json "$OUT/tune.json"} \
-        2>&1 | tee "$OUT/tune.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} --verbose --no-progress \
+        ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 | tee "$OUT/tune.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune 2>&1 | tee -a "$OUT/tune.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} 2>&1 | tee -a "$OUT/tune.log" || rc=1
       export_tuned "$TUNE_CACHE" ;;
     bench)
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then

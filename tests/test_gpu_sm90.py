@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.ops import UnsupportedConvError, run_problem  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
-from cutlass_byoc.sm90 import sm90_candidates, sm90_config  # noqa: E402
+from cutlass_byoc.sm90 import sm90_config  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, DType, SourceKind  # noqa: E402
 
 pytestmark = [
@@ -40,6 +40,11 @@ def _used_configs():
     p = Conv2dProblem.make("fprop", 2, 64, 16, 16, 128, 3, padding=1, dtype="bf16", out_dtype="f32")
     cfgs.append(sm90_config(p, (128, 128, 64)))
     p = Conv2dProblem.make("fprop", 2, 64, 16, 16, 128, 3, padding=1, epilogue=Epilogue(Activation.RELU))
+    cfgs.append(sm90_config(p, (128, 128, 64)))
+    # the sub-pixel strided dgrad (stride_support STRIDED), f16 and bf16 -> f32
+    p = Conv2dProblem.make("dgrad", 2, 64, 16, 16, 128, 3, padding=1, stride=2)
+    cfgs += [sm90_config(p, (128, 128, 64)), sm90_config(p, (64, 128, 64), (2, 1, 1))]
+    p = Conv2dProblem.make("dgrad", 2, 64, 16, 16, 128, 3, padding=1, stride=2, dtype="bf16", out_dtype="f32")
     cfgs.append(sm90_config(p, (128, 128, 64)))
     return cfgs
 
@@ -188,14 +193,67 @@ def test_wgrad_bias_is_refused():
     assert lib.cb_can_implement(ctypes.byref(args), msg, len(msg)) and b"bias" in msg.value
 
 
-def test_strided_dgrad_is_refused():
+@pytest.mark.parametrize("n, c, h, w, k, r, s, stride, pad", [
+    (2, 64, 16, 16, 128, 3, 3, 2, 1),     # ResNet's 3x3 stride 2: phases of 1, 2, 2, 4 taps
+    (3, 64, 17, 15, 64, 3, 3, 2, 1),      # odd H and W: phases of unequal rows
+    (2, 256, 14, 14, 128, 1, 1, 2, 0),    # 1x1 stride 2: one phase, three zero-filled
+    (2, 64, 13, 11, 64, 5, 5, 2, 2),
+    (2, 64, 13, 10, 64, 3, 3, 3, 1),      # stride 3: nine phases
+    (2, 64, 15, 14, 64, 3, 3, (2, 1), 1),  # stride 2 along H only
+    (4, 128, 7, 7, 64, 3, 3, 2, 1),       # ResNet's last stage: 7x7 dx
+])
+def test_subpixel_strided_dgrad(n, c, h, w, k, r, s, stride, pad):
+    """The 3.x dgrad kernel ignores the stride; the STRIDED config launches it once per phase of dx (sub-pixel)."""
+    p = Conv2dProblem.make("dgrad", n, c, h, w, k, r, s, stride=stride, padding=pad)
+    cfg = sm90_config(p, (128, 128, 64))
+    assert cfg.stride_support.value == "strided"
+    check(p)
+
+
+def test_subpixel_other_tile_cluster_and_bf16_fp32_output():
+    check(Conv2dProblem.make("dgrad", 2, 64, 16, 16, 128, 3, stride=2, padding=1), tile=(64, 128, 64), cluster=(2, 1, 1))
+    check(Conv2dProblem.make("dgrad", 2, 64, 17, 16, 128, 3, stride=2, padding=1, dtype="bf16", out_dtype="f32"))
+
+
+def test_subpixel_residual():
+    """Every phase reached (3x3 stride 2): the residual is read through the same strided view as dx."""
+    p = Conv2dProblem.make("dgrad", 2, 64, 15, 16, 128, 3, stride=2, padding=1,
+                           epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    res = tensor(nchw(p.out_shape), p.element_out.value)
+    out, a, b = run(p, source=res)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, reference(p, a, b) + res.double().cpu()) < 1e-2
+
+
+def test_subpixel_under_cuda_graph_capture():
+    """The phases' launches and the zero-fill are stream work only: captured once, replayed on new dy and w."""
+    p = Conv2dProblem.make("dgrad", 2, 256, 14, 14, 128, 1, stride=2)  # one phase and a memset
+    cfg = sm90_config(p, (128, 128, 64))
+    a = tensor(nchw(p.a_shape), "f16")
+    b = tensor(nchw(p.b_shape), "f16")
+    out = poisoned(nchw(p.out_shape), "f16")
+    run_problem(p, a, b, out, config=LaunchConfig(cfg))  # first call outside the capture (kernel attributes set)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        run_problem(p, a, b, out, config=LaunchConfig(cfg))
+    for _ in range(2):
+        a.copy_(tensor(nchw(p.a_shape), "f16"))
+        b.copy_(tensor(nchw(p.b_shape), "f16"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert rel_err(out, reference(p, a, b)) < 1e-2
+
+
+def test_unity_dgrad_kernel_refuses_a_stride():
     p = Conv2dProblem.make("dgrad", 2, 64, 16, 16, 64, 3, padding=1, stride=2)
-    assert list(sm90_candidates(p)) == []
     cfg = sm90_config(p.replace(stride_h=1, stride_w=1), (128, 128, 64))
     a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
     with pytest.raises(UnsupportedConvError, match="stride"):
         run_problem(p, a, b, poisoned(nchw(p.out_shape), "f16"), config=LaunchConfig(cfg))
-
 
 
 @pytest.mark.parametrize("dilation, pad", [(2, 2), (3, 3), (2, 0)])

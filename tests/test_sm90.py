@@ -68,7 +68,7 @@ def test_candidates_follow_the_activation():
     [
         (problem(c=4), "alignment"),  # 8 bytes of channels: TMA needs 16
         (problem(k=36), "alignment"),
-        (problem("dgrad", stride=2), "stride"),
+        (problem("dgrad", stride=2, dilation=2, padding=2), "dilation"),  # sub-pixel dgrad: dilation 1 only
         (problem(groups=2), "groups"),
         (problem(dtype="f32"), "element_a"),
     ],
@@ -110,8 +110,8 @@ def test_static_rules():
     for field, value in bad.items():
         with pytest.raises(ValueError):
             dataclasses.replace(cfg, **{field: value})
-    with pytest.raises(ValueError):
-        dataclasses.replace(one(problem("dgrad")), stride_support=StrideSupport.STRIDED)
+    with pytest.raises(ValueError, match="stride_support"):  # fprop and wgrad take any stride themselves
+        dataclasses.replace(cfg, stride_support=StrideSupport.STRIDED)
     with pytest.raises(ValueError):
         LaunchConfig(cfg, split_k_slices=2)
 
@@ -366,3 +366,142 @@ def test_split_k_is_offered_for_every_output_type():
         p = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype=out)
         assert any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(p)), out
     assert not any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(problem("fprop", n=32, h=56, w=56, c=64, k=64)))
+
+
+# ---------------------------------------------------------------------------------------------- sub-pixel dgrad
+def _subpixel_dgrad_f64(p: Conv2dProblem, dy, w):
+    """dx computed phase by phase exactly as the template's cb_run does (each phase a stride-1 dgrad over the taps
+    sm90.subpixel_phases gives it, with its lower padding), in float64 on the CPU."""
+    import torch  # noqa: PLC0415
+
+    dx = torch.zeros(p.n, p.c, p.h, p.w, dtype=torch.float64)
+    for ra, ca in sm90_mod.subpixel_phases(p):
+        if 0 in (ra.extent, ca.extent, ra.taps, ca.taps):
+            continue
+        assert ra.pad_hi >= 0 and ca.pad_hi >= 0
+        wsub = w[:, :, ra.tap0::p.stride_h, ca.tap0::p.stride_w][:, :, :ra.taps, :ca.taps]
+        # a stride-1 dgrad with padding (lo, hi) is a correlation of dy padded by (taps-1-lo, ...) with the rotated
+        # filter; written out directly here
+        out = torch.zeros(p.n, p.c, ra.extent, ca.extent, dtype=torch.float64)
+        for t in range(ra.taps):
+            for u in range(ca.taps):
+                for i in range(ra.extent):
+                    pi = i + ra.pad_lo - t
+                    if not 0 <= pi < p.p:
+                        continue
+                    for j in range(ca.extent):
+                        qj = j + ca.pad_lo - u
+                        if 0 <= qj < p.q:
+                            out[:, :, i, j] += dy[:, :, pi, qj] @ wsub[:, :, t, u]
+        dx[:, :, ra.phase::p.stride_h, ca.phase::p.stride_w] = out
+    return dx
+
+
+@pytest.mark.parametrize("h, w, r, s, stride, pad", [
+    (8, 8, 3, 3, 2, 1), (7, 9, 3, 3, 2, 1), (8, 8, 1, 1, 2, 0), (9, 7, 5, 5, 2, 2), (10, 11, 3, 3, 3, 1),
+    (8, 6, 5, 3, 2, 2), (6, 8, 7, 7, 2, 3), (10, 10, 2, 2, 2, 0), (11, 10, 1, 3, 3, (0, 1)), (7, 8, 3, 1, (2, 3), 1),
+])
+def test_subpixel_phases_compute_the_strided_dgrad(h, w, r, s, stride, pad):
+    """The decomposition itself, in float64: its phases add up to torch's dgrad of the strided conv."""
+    torch = pytest.importorskip("torch")
+    p = Conv2dProblem.make("dgrad", 2, 16, h, w, 8, r, s, stride=stride, padding=pad)
+    assert sm90_mod.subpixel_reject_reason(p) is None
+    torch.manual_seed(0)
+    dy = torch.randn(p.n, p.k, p.p, p.q, dtype=torch.float64)
+    wt = torch.randn(p.k, p.c, p.r, p.s, dtype=torch.float64)
+    ref = torch.nn.grad.conv2d_input((p.n, p.c, p.h, p.w), wt, dy, stride=stride, padding=pad)
+    assert torch.allclose(_subpixel_dgrad_f64(p, dy, wt), ref, atol=1e-10)
+
+
+def test_subpixel_phases_of_resnet_layers():
+    """3x3 stride 2 over an even image: four phases of 1, 2, 2 and 4 taps, each needing padding (0|1, 0) only; a
+    1x1 stride-2 conv reaches one phase, the other three are zeros."""
+    p = problem("dgrad", n=32, h=56, w=56, c=128, k=128, stride=2)
+    taps = [(r.taps, c.taps) for r, c in sm90_mod.subpixel_phases(p)]
+    assert taps == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert {(r.pad_lo, r.pad_hi) for r, _ in sm90_mod.subpixel_phases(p)} == {(0, 0), (1, 0)}
+    p1 = problem("dgrad", n=32, h=56, w=56, c=256, k=512, r=1, padding=0, stride=2)
+    assert [(r.taps, c.taps) for r, c in sm90_mod.subpixel_phases(p1)] == [(1, 1), (1, 0), (0, 1), (0, 0)]
+
+
+def test_strided_dgrad_gets_the_subpixel_configs():
+    p = problem("dgrad", stride=2)
+    cands = list(sm90_candidates(p))
+    assert cands and all(c.stride_support is StrideSupport.STRIDED for c in cands)
+    assert all("_strided_" in c.name for c in cands)
+    unity = one(problem("dgrad"))
+    assert unity.stride_support is StrideSupport.UNITY and "stride" in unity.reject_reason(p)
+    assert "stride > 1" in cands[0].reject_reason(problem("dgrad"))  # and the sub-pixel config not for stride 1
+    # the same tile's two configs are two kernels (the host code differs), with names telling them apart
+    assert cands[0].name != dataclasses.replace(cands[0], stride_support=StrideSupport.UNITY).name
+
+
+@pytest.mark.parametrize("p, why", [
+    # 3x3 stride 2 without padding over an even image: the last row's phase would need dy rows past P
+    (problem("dgrad", h=8, w=8, padding=0, stride=2), "padding"),
+    (problem("dgrad", stride=2, dilation=2, padding=2), "dilation"),
+    (problem("dgrad", stride=5), "stride"),  # 25 phases
+    # a 1x1 stride-2 conv leaves three phases of dx zero: a residual would change them
+    (problem("dgrad", r=1, padding=0, stride=2, epilogue=Epilogue(source=SourceKind.RESIDUAL)), "epilogue"),
+])
+def test_subpixel_refusals_name_the_parameter(p, why):
+    assert why in sm90_mod.subpixel_reject_reason(p)
+    assert list(sm90_candidates(p)) == []
+
+
+def test_subpixel_residual_where_every_phase_is_reached():
+    # 3x3 stride 2: every phase has taps, so a residual is added phase by phase
+    assert list(sm90_candidates(problem("dgrad", stride=2, epilogue=Epilogue(source=SourceKind.RESIDUAL))))
+
+
+def test_render_subpixel():
+    src = render(one(problem("dgrad", stride=2)), "nvcc")
+    assert "subpixel_can_implement" in src and "phase_arguments" in src and "cudaMemsetAsync" in src
+    assert "subpixel_can_implement" not in render(one(problem("dgrad")), "nvcc")
+
+
+def test_subpixel_model_counts_only_the_taps_that_reach():
+    """The model's estimate of the sub-pixel launch is the sum of its phases', each over the taps it uses: for a 3x3
+    stride-2 dgrad about a quarter of the unity-stride dgrad of the same dx (9 taps for every pixel)."""
+    from cutlass_byoc.heuristics import estimate_us  # noqa: PLC0415
+
+    p = problem("dgrad", n=32, h=56, w=56, c=128, k=128, stride=2)
+    unit = problem("dgrad", n=32, h=56, w=56, c=128, k=128)
+    sub = estimate_us(p, LaunchConfig(one(p, (128, 64, 64))))
+    full = estimate_us(unit, LaunchConfig(one(unit, (128, 64, 64))))
+    assert 0.2 * full < sub < 0.6 * full
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(900)
+def test_compile_subpixel_dgrad_kernel(shared_cache):
+    """The sub-pixel strided dgrad builds for sm_90a, and its host API takes the problems the rules take (asking
+    CUTLASS about each phase) and refuses the others with the reason."""
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.runtime import make_args  # noqa: PLC0415
+
+    p = problem("dgrad", n=32, h=56, w=56, c=128, k=128, stride=2)
+    cfg = one(p)
+    result = build([cfg], jobs=1, cache=shared_cache)[cfg]
+    assert result.ok, result.error_report()
+    raw = __import__("cutlass_byoc.runtime", fromlist=["open_library"]).open_library(result.library)
+    fake = dict(a=0x10000, b=0x20000, d=0x30000)
+
+    def why(q, **kw):
+        args = make_args(q, **{**fake, **kw})
+        buf = ctypes.create_string_buffer(512)
+        return raw.cb_can_implement(ctypes.byref(args), buf, len(buf)), buf.value.decode()
+
+    for q in (p, problem("dgrad", h=17, w=15, stride=2), problem("dgrad", r=1, padding=0, stride=2),
+              problem("dgrad", r=5, padding=2, h=9, w=11, stride=2), problem("dgrad", stride=3),
+              problem("dgrad", stride=(2, 1))):
+        assert sm90_mod.subpixel_reject_reason(q) is None
+        assert why(q) == (0, ""), q.name
+        assert raw.cb_workspace_size(ctypes.byref(make_args(q, **fake))) == 0
+    assert why(problem("dgrad", stride=2, epilogue=Epilogue(source=SourceKind.RESIDUAL)), source=0x40000) == (0, "")
+    for q, text in ((problem("dgrad"), "stride"), (problem("dgrad", h=8, w=8, padding=0, stride=2), "padding"),
+                    (problem("dgrad", stride=2, dilation=2, padding=2), "dilation"),
+                    (problem("dgrad", r=1, padding=0, stride=2, epilogue=Epilogue(source=SourceKind.RESIDUAL)), "epilogue"),
+                    (problem("dgrad", c=4, stride=2), "alignment")):
+        rc, msg = why(q, **({"source": 0x40000} if q.epilogue.source is not SourceKind.NONE else {}))
+        assert rc and text in msg, (q.name, msg)
