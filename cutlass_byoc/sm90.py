@@ -220,7 +220,7 @@ def subpixel_axis(extent: int, out_extent: int, filt: int, pad: int, stride: int
 
 
 def subpixel_phases(problem: Conv2dProblem) -> list[tuple[SubpixelAxis, SubpixelAxis]]:
-    """The (row, column) phases of a strided dgrad, row phase major (the template's order)."""
+    """The (row, column) phases of a strided dgrad, row phase major (the template launches them most taps first)."""
     p = problem
     rows = [subpixel_axis(p.h, p.p, p.r, p.pad_h, p.stride_h, a) for a in range(p.stride_h)]
     cols = [subpixel_axis(p.w, p.q, p.s, p.pad_w, p.stride_w, b) for b in range(p.stride_w)]
