@@ -196,7 +196,9 @@ def test_wgrad_bias_is_refused():
 @pytest.mark.parametrize("n, c, h, w, k, r, s, stride, pad", [
     (2, 64, 16, 16, 128, 3, 3, 2, 1),     # ResNet's 3x3 stride 2: phases of 1, 2, 2, 4 taps
     (3, 64, 17, 15, 64, 3, 3, 2, 1),      # odd H and W: phases of unequal rows
-    (2, 256, 14, 14, 128, 1, 1, 2, 0),    # 1x1 stride 2: one phase, three zero-filled
+    (2, 256, 14, 14, 128, 1, 1, 2, 0),    # 1x1 stride 2: one phase, a memset of dx for the three of zeros
+    (3, 128, 15, 13, 64, 1, 1, 2, 0),     # the same over odd H and W
+    (2, 64, 12, 12, 64, 1, 1, 3, 0),      # 1x1 stride 3: nine phases, one with taps, launched alone after the memset
     (2, 64, 13, 11, 64, 5, 5, 2, 2),
     (2, 64, 13, 10, 64, 3, 3, 3, 1),      # stride 3: nine phases
     (2, 64, 15, 14, 64, 3, 3, (2, 1), 1),  # stride 2 along H only
