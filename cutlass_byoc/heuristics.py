@@ -138,18 +138,14 @@ def _sm90_subpixel_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms
     """The sub-pixel strided dgrad (sm90.subpixel_phases): one stride-1 launch per phase, each over the phase's dx
     pixels (M) and only the filter taps that reach them (K = channels x taps), reading dy again (from L2 mostly) and
     writing its share of dx; a memset of dx first where a phase no tap reaches exists."""
-    from .sm90 import subpixel_phases  # noqa: PLC0415
+    from .sm90 import live_phases  # noqa: PLC0415
 
     p = problem
     chans = math.ceil(p.k / launch.kernel.tile[2]) * launch.kernel.tile[2]
-    total, empty = 0.0, False
+    total = 0.0
     dy_bytes = p.n * p.p * p.q * p.k * p.element_a.nbytes
-    for ra, ca in subpixel_phases(p):
-        if ra.extent == 0 or ca.extent == 0:
-            continue
-        if ra.taps == 0 or ca.taps == 0:
-            empty = True
-            continue
+    live, empty = live_phases(p)
+    for ra, ca in live:
         m = p.n * ra.extent * ca.extent
         out_bytes = m * p.c * p.element_out.nbytes * (2 if p.epilogue.source.has_residual else 1)
         w_bytes = p.k * ra.taps * ca.taps * p.c * p.element_b.nbytes

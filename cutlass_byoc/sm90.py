@@ -227,6 +227,20 @@ def subpixel_phases(problem: Conv2dProblem) -> list[tuple[SubpixelAxis, Subpixel
     return [(r, c) for r in rows for c in cols]
 
 
+def live_phases(problem: Conv2dProblem) -> tuple[list[tuple[SubpixelAxis, SubpixelAxis]], bool]:
+    """The phases the kernel launches (dx pixels and filter taps both present), and whether some phase holds dx
+    pixels that no tap reaches (zeros, written by a memset of dx before the launches)."""
+    live, zeros = [], False
+    for r, c in subpixel_phases(problem):
+        if r.extent == 0 or c.extent == 0:
+            continue
+        if r.taps == 0 or c.taps == 0:
+            zeros = True
+        else:
+            live.append((r, c))
+    return live, zeros
+
+
 def is_subpixel(problem: Conv2dProblem) -> bool:
     """Whether an sm90 config of `problem` is the sub-pixel one (a dgrad with stride > 1)."""
     return problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1)
@@ -240,13 +254,8 @@ def subpixel_reject_reason(problem: Conv2dProblem) -> Optional[str]:
         return f"dilation: the sub-pixel strided dgrad takes dilation 1, got {p.dilation_h}x{p.dilation_w}"
     if p.stride_h * p.stride_w > SUBPIXEL_MAX_PHASES:
         return f"stride: the sub-pixel dgrad launches one kernel per phase, at most {SUBPIXEL_MAX_PHASES}; got {p.stride_h}x{p.stride_w}"
-    empty = False
-    for r, c in subpixel_phases(p):
-        if r.extent == 0 or c.extent == 0:
-            continue
-        if r.taps == 0 or c.taps == 0:
-            empty = True
-            continue
+    live, empty = live_phases(p)
+    for r, c in live:
         for axis, name in ((r, "h"), (c, "w")):
             if axis.pad_hi < 0 or axis.pad_lo > 256 or axis.pad_hi > 256:
                 return (f"padding: phase {r.phase},{c.phase} of the sub-pixel dgrad needs padding {axis.pad_lo}/"
