@@ -34,7 +34,7 @@ import math
 from typing import Iterator, Optional
 
 from .config import KernelConfig, LaunchConfig
-from .problem import ALIGNMENTS, Conv2dProblem
+from .problem import ALIGNMENTS, Conv2dProblem, max_alignment
 from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 
 #: The most taps R*S*C a kernel reduces over (its filter tile, tile channels x this, stays in shared memory).
@@ -194,9 +194,7 @@ def name(c: KernelConfig) -> str:
 
 def output_alignment(p: Conv2dProblem) -> int:
     """The widest output access the output's channels allow (K for fprop, C for dgrad; at most 16 bytes)."""
-    out_channels = gathered(p).k
-    return next(a for a in sorted(ALIGNMENTS, reverse=True)
-                if a * p.element_out.nbytes <= 16 and out_channels % a == 0)
+    return max_alignment(gathered(p).k, p.element_out)
 
 
 def config(problem: Conv2dProblem, shape: tuple[int, int, int, int, int] = SHAPES[0], arch: int = 90) -> KernelConfig:
