@@ -52,6 +52,18 @@ def test_workload_and_modules_add_up():
     assert set(union) == set(work) | set(listed("--modules", "gemm1x1")) and len(union) == len(set(union))
 
 
+def test_workload_file_is_what_tune_plans():
+    """`--workload FILE` takes a workload file as the round's TUNE_WORKLOAD does, and lists what `cutlass-byoc tune
+    FILE` plans for it."""
+    from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
+    from cutlass_byoc.workloads import load_workload  # noqa: PLC0415
+
+    path = ROOT / "scripts" / "workloads" / "wgrad-split.json"
+    planned = [k.name for k in plan_workload([item.problem for item in load_workload(path)]).kernels]
+    work = listed("--workload", str(path))
+    assert work == list(dict.fromkeys(planned)) and any("_wgrad_" in n for n in work)
+
+
 def test_unknown_module_is_named():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "warm_cache.py"), "--modules", "nope", "--list"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
