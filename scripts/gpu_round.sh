@@ -8,7 +8,8 @@
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
 #           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz;
 #           TUNE_JSON=1: the first tune's report, every candidate's time, to $OUT/tune.json; TUNE_WORKLOAD=FILE:
-#           a JSON workload instead of the default one, e.g. scripts/workloads/strided-dgrad.json)
+#           a JSON workload instead of the default one, e.g. scripts/workloads/strided-dgrad.json; TUNE_MAX=N:
+#           --max-candidates N, a wider search than the default plan's)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
 #           when the cache is empty, e.g. on a fresh machine)
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
@@ -122,7 +123,7 @@ for step in "${steps[@]}"; do
       ;;
     tune)
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} --verbose --no-progress \
-        ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 | tee "$OUT/tune.log" || rc=1
+        ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 | tee "$OUT/tune.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} 2>&1 | tee -a "$OUT/tune.log" || rc=1
