@@ -303,14 +303,19 @@ def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, i
 
 def _take_budget(by_family: dict, max_candidates: int) -> list:
     """Up to `max_candidates` kernels (with their launches) across the families."""
-    # Budget: the families share max_candidates; 2.x first as the model is calibrated on it, the others get an
-    # equal share each (at least one kernel) because the model cannot rank them against 2.x.
+    # Budget: the families share max_candidates equally (at least one kernel each), because the model cannot rank
+    # them against each other. What an equal split leaves over goes one kernel each to the families other than 2.x:
+    # with three families (a 1x1 stride-1 conv: 2.x, 3.x conv and 3.x GEMM) 2.x used to take the remainder, four of
+    # eight kernels, and won none of those 18 ResNet-50 cells on the H200 (cold tune of 2026-12-01), while the wgrad
+    # cells' best 3.x split kernels were left out (a 64x128 tile for layer 3's: 15.8 against the plan's 16.5-17.6 us).
+    # With two families (2.x and one other) the split stays four and four.
     if len(by_family) == 1:  # one family (e.g. depthwise): its own order, which alternates its schedules
         return next(iter(by_family.values()))[:max_candidates]
     others = [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]
     if max_candidates < len(by_family):  # too few for one kernel per family: each family's best, best estimate first
         return sorted((lst[0] for lst in by_family.values() if lst), key=lambda t: t[0])[:max_candidates]
-    share = {f: max(1, max_candidates // (len(others) + 1)) for f in others} if others else {}
+    equal, extra = divmod(max_candidates, len(by_family))
+    share = {f: equal + (1 if f in others[:extra] else 0) for f in others}
     chosen: list[tuple[float, KernelConfig, list[tuple[float, LaunchConfig]]]] = []
     for f in others:
         chosen += by_family[f][: share[f]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 
 import pytest
@@ -165,10 +167,11 @@ def test_memory_bound_ties_spread_over_tile_shapes():
 
     p = Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 1)
     pp = plan_problem(p, 8)
-    sm80 = [k for k in pp.kernels if k.family is KernelFamily.SM80_IMPLICIT_GEMM]
-    shapes = {k.tile[:2] for k in sm80}
-    assert len(shapes) == len(sm80) >= 3
-    assert sum(1 for s in shapes if s[1] <= 64) >= 3
+    for family in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SM90_GEMM_1X1):
+        kernels = [k for k in pp.kernels if k.family is family]
+        shapes = {k.tile[:2] for k in kernels}
+        assert len(shapes) == len(kernels) >= 2, family
+        assert sum(1 for s in shapes if s[1] <= 64) >= 2, family
     d = default_launch(p).kernel
     assert d.tile[1] <= 64 and d.iterator is not IteratorAlgorithm.ANALYTIC
 
@@ -191,6 +194,19 @@ def test_hopeless_other_family_candidates_give_their_share_back():
     q = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
     fams = {k.family for k in plan_problem(q, 8).kernels}
     assert KernelFamily.SM90_TMA_WGMMA in fams or plan_mod._sm90_enumerator() is None
+
+
+def test_three_families_share_the_budget_equally_the_rest_to_3x():
+    """A 1x1 stride-1 conv has three families (2.x, 3.x conv, 3.x GEMM): 8 kernels split 2 + 3 + 3, the remainder of
+    an equal split going to the 3.x families (on the H200 2.x won none of ResNet-50's 18 such cells, cold tune of
+    2026-12-01); with two families (a 3x3 conv: 2.x and 3.x conv) the split stays 4 + 4."""
+    one = Conv2dProblem.make("wgrad", 32, 256, 14, 14, 1024, 1)
+    counts = collections.Counter(k.family for k in plan_problem(one, 8).kernels)
+    assert counts == {KernelFamily.SM80_IMPLICIT_GEMM: 2, KernelFamily.SM90_TMA_WGMMA: 3,
+                      KernelFamily.SM90_GEMM_1X1: 3}, counts
+    three = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
+    counts = collections.Counter(k.family for k in plan_problem(three, 8).kernels)
+    assert counts == {KernelFamily.SM80_IMPLICIT_GEMM: 4, KernelFamily.SM90_TMA_WGMMA: 4}, counts
 
 
 def test_a_budget_smaller_than_the_families_is_kept():
