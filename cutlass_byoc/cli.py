@@ -144,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _items_from_args(args) -> list:
     from .problem import Conv2dProblem, ProblemError  # noqa: PLC0415
-    from .workloads import NAMED_WORKLOADS, WorkloadError, WorkloadItem, default_workload, load_workload, \
-        named_workload  # noqa: PLC0415
+    from .workloads import WorkloadError, WorkloadItem, default_workload, workload  # noqa: PLC0415
 
     flags = {n: getattr(args, n) for n in ("n", "c", "h", "w", "k", "r", "s")}
     if args.workload and (args.kind or any(v is not None for v in flags.values())):
@@ -155,11 +154,9 @@ def _items_from_args(args) -> list:
             raise UsageError("give either --model or a workload file or problem flags")
         return _model_items(args)
     try:
-        if args.workload in NAMED_WORKLOADS and not Path(args.workload).exists():
-            kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-            return named_workload(args.workload, batch=args.batch, dtype=args.dtype, kinds=kinds, arch=args.arch)
         if args.workload:
-            return load_workload(args.workload)
+            kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+            return workload(args.workload, batch=args.batch, dtype=args.dtype, kinds=kinds, arch=args.arch)
         if args.kind or any(v is not None for v in flags.values()):
             missing = [f"--{n}" for n in ("c", "h", "k", "r") if flags[n] is None]
             if missing:

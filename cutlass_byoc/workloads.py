@@ -157,6 +157,14 @@ def named_workload(name: str, **kw) -> list[WorkloadItem]:
     return NAMED_WORKLOADS[name](**kw)
 
 
+def workload(name_or_path: str, **kw) -> list[WorkloadItem]:
+    """What `cutlass-byoc tune NAME_OR_PATH` tunes: the named workload (`kw`: its batch, dtype, kinds, arch) unless
+    a file of that name exists, else the workload file (which carries its own)."""
+    if name_or_path in NAMED_WORKLOADS and not Path(name_or_path).exists():
+        return named_workload(name_or_path, **kw)
+    return load_workload(name_or_path)
+
+
 def _layer_problems(entry: dict, defaults: dict, where: str) -> list[WorkloadItem]:
     e = {**defaults, **entry}
     try:

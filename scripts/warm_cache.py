@@ -91,10 +91,9 @@ def workload_kernels(name: str, max_candidates: int) -> list[KernelConfig]:
     """The kernels `cutlass-byoc tune NAME --max-candidates K` plans for a named workload (its defaults: batch 32,
     fp16, every kind) or a workload file (as the round's TUNE_WORKLOAD): carried to the GPU round as
     .tune-cache.tar.xz, its tune step then only times."""
-    from cutlass_byoc.workloads import NAMED_WORKLOADS, load_workload, named_workload  # noqa: PLC0415
+    from cutlass_byoc.workloads import workload  # noqa: PLC0415
 
-    items = named_workload(name) if name in NAMED_WORKLOADS and not Path(name).exists() else load_workload(name)
-    problems = [getattr(item, "problem", item) for item in items]
+    problems = [getattr(item, "problem", item) for item in workload(name)]
     kernels = list(_plan_kernels(problems, max_candidates))
     print(f"tune {name}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
     return kernels
