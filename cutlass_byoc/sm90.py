@@ -153,7 +153,7 @@ def sm90_applicable(problem: Conv2dProblem) -> Optional[str]:
         return f"element_a: the sm90 family is built for f16/bf16 inputs, got {problem.element_a.value}"
     if problem.groups != 1:
         return f"groups: sm90 kernels need groups == 1, got {problem.groups}"
-    if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+    if is_subpixel(problem):
         why = subpixel_reject_reason(problem)
         if why:
             return why
