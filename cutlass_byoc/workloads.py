@@ -162,6 +162,9 @@ def workload(name_or_path: str, **kw) -> list[WorkloadItem]:
     a file of that name exists, else the workload file (which carries its own)."""
     if name_or_path in NAMED_WORKLOADS and not Path(name_or_path).exists():
         return named_workload(name_or_path, **kw)
+    if not Path(name_or_path).exists():
+        raise WorkloadError(f"workload: expected a JSON file or one of {', '.join(NAMED_WORKLOADS)}, got "
+                            f"{name_or_path!r}: no such file")
     return load_workload(name_or_path)
 
 

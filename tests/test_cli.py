@@ -64,6 +64,7 @@ def test_workload_json_forms(tmp_path):
 # ---------------------------------------------------------------------------------------------- usage
 @pytest.mark.parametrize("argv,needle", [
     (["tune", "/nonexistent.json"], "no such file"),
+    (["bench", "resnet5"], "workload: expected a JSON file or one of default, resnet50, depthwise, all, got 'resnet5'"),
     (["tune", "--c", "64", "--h", "56"], "--k, --r"),
     (["tune", "--kind", "fprop", "--c", "64", "--h", "2", "--k", "8", "--r", "7", "--padding", "0"], "output size"),
     (["tune", "--max-candidates", "0"], "--max-candidates"),
