@@ -277,8 +277,18 @@ class KernelConfig:
                 return f"align_c: the TMA epilogue stores 16 bytes per access, got {self.align_c} x {self.element_out.value}"
             if self.element_a.bits != 16:
                 return f"element_a: the sm90 family is built for f16/bf16 inputs, got {self.element_a.value}"
-            if self.schedule not in (None, "implicit_tma_ws"):
-                return f"schedule: sm90 conv has only 'implicit_tma_ws' (KernelImplicitTmaWarpSpecializedSm90), got {self.schedule!r}"
+            if self.schedule not in (None, "implicit_tma_ws", "pingpong"):
+                return (f"schedule: sm90 conv has 'implicit_tma_ws' (CUTLASS's KernelImplicitTmaWarpSpecializedSm90) and "
+                        f"'pingpong' (the project's persistent kernel), got {self.schedule!r}")
+            if self.schedule == "pingpong":
+                # templates/conv2d_sm90_tma_wgmma.cu.j2, cb_pingpong: a plain launch (no split-k slices, no sub-pixel
+                # phases), two consumer warp groups each holding a whole tile's fp32 accumulators.
+                if self.split_k_mode is SplitKMode.PARALLEL:
+                    return "schedule: the ping-pong conv kernel has no split-k (the split-k wgrad is non-persistent)"
+                if self.stride_support is StrideSupport.STRIDED:
+                    return "schedule: the sub-pixel strided dgrad runs the non-persistent kernel, not ping-pong"
+                if self.tile[0] * self.tile[1] > 128 * 128:
+                    return f"tile {self.tile}: ping-pong keeps a whole tile per consumer warp group, at most 128x128"
             if self.stride_support is StrideSupport.STRIDED and self.kind is not ConvKind.DGRAD:
                 return f"stride_support: the 3.x {self.kind.value} kernel takes any stride itself (unity config)"
             m, n, k = self.tile

@@ -35,8 +35,16 @@ from .generators import Collector, generator_module
 from .problem import Conv2dProblem
 from .types import ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
-#: The only CUTLASS 3.x conv schedule on sm90 (cutlass::conv::KernelImplicitTmaWarpSpecializedSm90).
+#: The only CUTLASS 3.x conv schedule on sm90 (cutlass::conv::KernelImplicitTmaWarpSpecializedSm90): one CTA per
+#: output tile, its pipeline fill and epilogue exposed.
 SCHEDULE = "implicit_tma_ws"
+
+#: The project's persistent ping-pong kernel on the same collectives (templates/conv2d_sm90_tma_wgmma.cu.j2,
+#: cb_pingpong): one CTA per SM walking the tiles, two consumer warp groups taking turns, so one's epilogue and the
+#: next tile's loads overlap the other's wgmma. Plain launches only (no split-k, no sub-pixel phases); tiles up to
+#: 128x128 (each group holds a whole tile's accumulators).
+PINGPONG = "pingpong"
+SCHEDULES = (SCHEDULE, PINGPONG)
 
 #: One consumer warp group (4 warps) computes the whole CTA tile in this schedule; recorded in KernelConfig.warps.
 WARPS: Shape3 = (4, 1, 1)
@@ -112,7 +120,7 @@ def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: D
 
 
 def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1),
-                split_k_mode: SplitKMode = SplitKMode.SERIAL) -> KernelConfig:
+                split_k_mode: SplitKMode = SplitKMode.SERIAL, schedule: str = SCHEDULE) -> KernelConfig:
     """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid).
     `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials.
     A strided dgrad gets the sub-pixel config (stride_support STRIDED: the same kernel, launched once per phase)."""
@@ -125,7 +133,7 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
         stride_support=StrideSupport.STRIDED if is_subpixel(p) else StrideSupport.UNITY,
         align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // kernel_out.nbytes,
         split_k_mode=split_k_mode, activation=p.epilogue.activation,
-        cluster=cluster, schedule=SCHEDULE, element_bias=p.element_bias if p.epilogue.bias_vector else None,
+        cluster=cluster, schedule=schedule, element_bias=p.element_bias if p.epilogue.bias_vector else None,
     )
 
 
@@ -170,9 +178,11 @@ def sm90_candidates(
     tile_filter: Optional[Callable[[Shape3], bool]] = None,
     clusters: tuple[Shape3, ...] = CLUSTERS,
     split_k: bool = True,
+    schedules: tuple[str, ...] = SCHEDULES,
 ) -> Iterator[KernelConfig]:
     """Every sm90 config that can implement `problem` (before compiling): tiles x clusters x split-k modes (the
-    split-k kernel for wgrad only), pruned by reject_reason."""
+    split-k kernel for wgrad only) x schedules (the ping-pong kernel for plain launches), pruned by the config's
+    rules and reject_reason."""
     if sm90_applicable(problem) is not None:
         return
     modes = sm90_split_k_modes(problem) if split_k else (SplitKMode.SERIAL,)
@@ -181,12 +191,13 @@ def sm90_candidates(
             continue
         for cluster in clusters:
             for mode in modes:
-                try:
-                    cfg = sm90_config(problem, tile, cluster, mode)
-                except ValueError:
-                    continue
-                if cfg.reject_reason(problem) is None:
-                    yield cfg
+                for schedule in schedules:
+                    try:
+                        cfg = sm90_config(problem, tile, cluster, mode, schedule)
+                    except ValueError:
+                        continue
+                    if cfg.reject_reason(problem) is None:
+                        yield cfg
 
 
 # ------------------------------------------------------------------------------------------- sub-pixel dgrad

@@ -53,6 +53,12 @@ WIDE_STRIP_BUDGET = 6
 PIPELINED_BUDGET = 6
 #: The shared-memory im2col kernels (few input channels), timed on a budget of their own on top of the others.
 SMEM_IM2COL_BUDGET = 8
+#: The 3.x conv family's persistent ping-pong kernels (the project's own, sm90.PINGPONG), up to this many of the
+#: model's best (one per tile shape first) on top of the others: the model does not see the overlap of one tile's
+#: epilogue with the next one's mainloop, so it cannot rank them against CUTLASS's one-tile-per-CTA conv kernels, and
+#: sharing the 3.x conv budget with them would drop those kernels' winners from the plan. A problem's budget of K
+#: kernels adds K // 4 of them, at most this many (none for the quick budgets of 1-3).
+PINGPONG_BUDGET = 2
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
@@ -206,7 +212,7 @@ def plan_problem(
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
-        side = [t for key, budget in _SIDE_BUDGETS.items() for t in by_family.pop(key, [])[:budget]]
+        side = [t for key, budget in _side_budgets(max_candidates).items() for t in by_family.pop(key, [])[:budget]]
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
@@ -265,12 +271,22 @@ def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -
 #: from the family's others, and the budget of each (timed on top of the problem's own budget).
 _WIDE = "depthwise wide strips"
 _PIPELINED = "depthwise pipelined"
+_PINGPONG = "sm90 ping-pong"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET,
-                 KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET}
+                 KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET}
+#: Side budgets whose kernels are taken one per tile shape first (_spread_over_tiles), as the families' are.
+_SPREAD_SIDES = (_PINGPONG,)
+
+
+def _side_budgets(max_candidates: int) -> dict:
+    """The side budgets of a problem whose own budget is `max_candidates` kernels."""
+    return {**_SIDE_BUDGETS, _PINGPONG: min(PINGPONG_BUDGET, max_candidates // 4)}
 
 
 def _family_key(kernel: KernelConfig):
-    """The list _rank_families puts `kernel` in: its family, or a depthwise side budget's key."""
+    """The list _rank_families puts `kernel` in: its family, or a side budget's key."""
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.schedule == "pingpong":
+        return _PINGPONG
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
         if is_pipelined(kernel):
             return _PIPELINED
@@ -290,7 +306,8 @@ def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, i
     for t in ranked:  # (each family's order is the overall one)
         by_family.setdefault(_family_key(t[1]), []).append(t)
     for fam, lst in by_family.items():
-        by_family[fam] = _alternate_schedules(lst if fam in _SIDE_BUDGETS else _spread_over_tiles(lst))
+        spread = fam not in _SIDE_BUDGETS or fam in _SPREAD_SIDES
+        by_family[fam] = _alternate_schedules(_spread_over_tiles(lst) if spread else lst)
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
         best_2x = sm80[0][0]

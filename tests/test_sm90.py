@@ -17,7 +17,7 @@ import cutlass_byoc.sm90 as sm90_mod
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.render import render
-from cutlass_byoc.sm90 import CLUSTERS, SCHEDULE, sm90_applicable, sm90_candidates, sm90_config, sm90_tiles
+from cutlass_byoc.sm90 import CLUSTERS, PINGPONG, SCHEDULE, sm90_applicable, sm90_candidates, sm90_config, sm90_tiles
 from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
 KINDS = ("fprop", "dgrad", "wgrad")
@@ -42,7 +42,7 @@ def test_tiles_come_from_the_generator_filtered():
 @pytest.mark.parametrize("kind", KINDS)
 def test_candidates_are_valid_sm90_configs(kind):
     p = problem(kind)
-    cands = list(sm90_candidates(p, split_k=False))
+    cands = list(sm90_candidates(p, split_k=False, schedules=(SCHEDULE,)))
     assert len(cands) == len(sm90_tiles()) * len(CLUSTERS)
     for cfg in cands:
         assert cfg.family is KernelFamily.SM90_TMA_WGMMA
@@ -92,7 +92,7 @@ def test_bias_and_residual_have_candidates():
 
 def test_tile_filter():
     cands = list(sm90_candidates(problem(), tile_filter=lambda t: t == (64, 128, 64), clusters=((1, 1, 1),)))
-    assert [c.tile for c in cands] == [(64, 128, 64)]
+    assert [(c.tile, c.schedule) for c in cands] == [((64, 128, 64), SCHEDULE), ((64, 128, 64), PINGPONG)]
 
 
 # ---------------------------------------------------------------------------------------------- config rules
@@ -125,7 +125,7 @@ def split_one(p: Conv2dProblem, tile=(128, 128, 64), cluster=(1, 1, 1)) -> Kerne
 def test_split_k_candidates_are_wgrad_kernels_storing_fp32_partials(out, monkeypatch):
     monkeypatch.setattr(sm90_mod, "SPLIT_K_OUTPUTS", frozenset(DType))  # the generator's rules (see sm90.py)
     p = problem("wgrad", out_dtype=out)
-    cands = list(sm90_candidates(p))
+    cands = list(sm90_candidates(p, schedules=(SCHEDULE,)))
     split = [c for c in cands if c.split_k_mode is SplitKMode.PARALLEL]
     assert len(split) == len(cands) // 2 == len(sm90_tiles()) * len(CLUSTERS)
     for cfg in split:
@@ -261,6 +261,51 @@ def test_render_types():
 
 def test_render_cluster():
     assert "using ClusterShape = Shape<_2, _1, _1>;" in render(one(problem(), cluster=(2, 1, 1)), "nvcc")
+
+
+# ---------------------------------------------------------------------------------------------- ping-pong
+@pytest.mark.parametrize("kind", KINDS)
+def test_pingpong_candidates_for_every_tile_and_cluster(kind):
+    """The project's persistent ping-pong kernel joins every plain (unsplit, unity) config: each tile fits one
+    consumer warp group's accumulators, so every tile x cluster has its ping-pong twin."""
+    p = problem(kind)
+    cands = list(sm90_candidates(p, split_k=False))
+    pingpong = [c for c in cands if c.schedule == PINGPONG]
+    plain = [c for c in cands if c.schedule == SCHEDULE]
+    assert len(pingpong) == len(plain) == len(sm90_tiles()) * len(CLUSTERS)
+    assert {dataclasses.replace(c, schedule=SCHEDULE) for c in pingpong} == set(plain)
+    for cfg in pingpong:
+        assert cfg.name.endswith("_pingpong_sm90") and cfg.reject_reason(p) is None
+
+
+def test_pingpong_is_plain_launches_only():
+    """No split-k (the split kernel is CUTLASS's one-tile-per-CTA body over a grid z) and no sub-pixel strided dgrad
+    (its grouped launch runs CUTLASS's kernel per phase)."""
+    wgrad = problem("wgrad", n=32, h=56, w=56)
+    split = list(sm90_candidates(wgrad))
+    assert any(c.split_k_mode is SplitKMode.PARALLEL for c in split)
+    assert all(c.schedule == SCHEDULE for c in split if c.split_k_mode is SplitKMode.PARALLEL)
+    with pytest.raises(ValueError, match="split-k"):
+        sm90_config(wgrad, (64, 128, 64), split_k_mode=SplitKMode.PARALLEL, schedule=PINGPONG)
+    strided = problem("dgrad", stride=2)
+    assert all(c.schedule == SCHEDULE for c in sm90_candidates(strided))
+    with pytest.raises(ValueError, match="sub-pixel"):
+        sm90_config(strided, (128, 128, 64), schedule=PINGPONG)
+    with pytest.raises(ValueError, match="schedule"):
+        sm90_config(problem(), (128, 128, 64), schedule="cooperative")
+
+
+def test_render_pingpong():
+    """The ping-pong config renders the project's persistent kernel and launches it from cb_run; the plain config's
+    source has none of it (its cache key, and so every kernel compiled before, is unchanged)."""
+    src = render(sm90_config(problem(), (128, 64, 64), schedule=PINGPONG), "nvcc")
+    assert "namespace cb_pingpong" in src and "cb_pingpong_kernel" in src
+    assert "return cb_pingpong::run(x, static_cast<cudaStream_t>(stream), msg, len);" in src
+    assert "// Kernel: the project's persistent ping-pong kernel" in src
+    assert "//   schedule        pingpong" in src
+    assert "sa.max_swizzle_size = 1;" in src
+    plain = render(sm90_config(problem(), (128, 64, 64)), "nvcc")
+    assert "pingpong" not in plain and "reg_reconfig" not in plain
 
 
 # ---------------------------------------------------------------------------------------------- compile
@@ -505,3 +550,24 @@ def test_compile_subpixel_dgrad_kernel(shared_cache):
                     (problem("dgrad", c=4, stride=2), "alignment")):
         rc, msg = why(q, **({"source": 0x40000} if q.epilogue.source is not SourceKind.NONE else {}))
         assert rc and text in msg, (q.name, msg)
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(900)
+def test_compile_one_pingpong_kernel(shared_cache):
+    """The project's persistent ping-pong conv kernel builds for sm_90a without warnings; its host API (CUTLASS's
+    can_implement on the same collectives) takes the problem and refuses what TMA cannot load."""
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.runtime import KernelLibrary, make_args  # noqa: PLC0415
+
+    p = problem("fprop", n=32, h=56, w=56, c=64, k=64)
+    cfg = sm90_config(p, (128, 64, 64), schedule=PINGPONG)
+    result = build([cfg], jobs=1, cache=shared_cache)[cfg]
+    assert result.ok, result.error_report()
+    assert "warning" not in result.entry.log.lower()
+    lib = KernelLibrary(cfg, result.library)
+    assert lib.can_implement(p, 1) is None
+    assert lib.workspace_size(p, 1) == 0
+    args = make_args(p, 1, a=0x10000, b=0x20008, d=0x30000)
+    buf = ctypes.create_string_buffer(512)
+    assert lib._lib.cb_can_implement(ctypes.byref(args), buf, len(buf)) and b"alignment" in buf.value
