@@ -18,6 +18,11 @@ MMA_SYNC_TFLOPS = {DType.F16: 560.0, DType.BF16: 560.0, DType.F32: 280.0}  # mma
 WGMMA_TFLOPS = {DType.F16: 700.0, DType.BF16: 700.0}
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
+#: The project's persistent ping-pong 3.x conv kernel (sm90.PINGPONG) against CUTLASS's one-tile-per-CTA kernel of the
+#: same config: its math runs this much faster in the model. On the H200 (cold tune of 2026-12-01, 63 pairs of twins
+#: timed on the default workload) the ping-pong twin was at least 0.97x as fast everywhere, 1.24x in the geometric
+#: mean, 1.3-1.5x on the 3x3 layers of 64-128 channels.
+PINGPONG_SPEEDUP = 1.2
 MAX_SLICES = 256  # one 64x64 output tile (early wgrad) needs ~2 waves of 132 SMs
 
 
@@ -179,6 +184,8 @@ def _implicit_gemm_us(problem: Conv2dProblem, launch: LaunchConfig, m: int, n: i
     rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
     per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
+    if c.family is KernelFamily.SM90_TMA_WGMMA and c.schedule == "pingpong":
+        compute_us /= PINGPONG_SPEEDUP
     extra_us = 0.0
     if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch
         bytes_ += 2 * slices * m * n * 4
