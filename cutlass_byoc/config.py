@@ -281,12 +281,13 @@ class KernelConfig:
                 return (f"schedule: sm90 conv has 'implicit_tma_ws' (CUTLASS's KernelImplicitTmaWarpSpecializedSm90) and "
                         f"'pingpong' (the project's persistent kernel), got {self.schedule!r}")
             if self.schedule == "pingpong":
-                # templates/conv2d_sm90_tma_wgmma.cu.j2, cb_pingpong: a plain launch (no split-k slices, no sub-pixel
-                # phases), two consumer warp groups each holding a whole tile's fp32 accumulators.
+                # templates/conv2d_sm90_tma_wgmma.cu.j2, cb_pingpong: two consumer warp groups each holding a whole
+                # tile's fp32 accumulators; the sub-pixel strided dgrad's phases walked as one list of tiles.
                 if self.split_k_mode is SplitKMode.PARALLEL:
                     return "schedule: the ping-pong conv kernel has no split-k (the split-k wgrad is non-persistent)"
-                if self.stride_support is StrideSupport.STRIDED:
-                    return "schedule: the sub-pixel strided dgrad runs the non-persistent kernel, not ping-pong"
+                if self.stride_support is StrideSupport.STRIDED and self.cluster != (1, 1, 1):
+                    return (f"cluster {self.cluster}: the ping-pong sub-pixel dgrad walks its phases' tiles one CTA at a "
+                            "time (clusters of one)")
                 if self.tile[0] * self.tile[1] > 128 * 128:
                     return f"tile {self.tile}: ping-pong keeps a whole tile per consumer warp group, at most 128x128"
             if self.stride_support is StrideSupport.STRIDED and self.kind is not ConvKind.DGRAD:

@@ -21,7 +21,9 @@ LAUNCH_US = 3.0
 #: The project's persistent ping-pong 3.x conv kernel (sm90.PINGPONG) against CUTLASS's one-tile-per-CTA kernel of the
 #: same config: its math runs this much faster in the model. On the H200 (cold tune of 2026-12-01, 63 pairs of twins
 #: timed on the default workload) the ping-pong twin was at least 0.97x as fast everywhere, 1.24x in the geometric
-#: mean, 1.3-1.5x on the 3x3 layers of 64-128 channels.
+#: mean, 1.3-1.5x on the 3x3 layers of 64-128 channels. Not for the sub-pixel strided dgrad, where it ranged from 1.35x
+#: (layer 2's 3x3, 56x56 dx) to 0.84x (layer 4's, 14x14 dx) on ResNet-50's six (scripts/workloads/strided-dgrad.json):
+#: there the model leaves the two tied, and the tuner decides.
 PINGPONG_SPEEDUP = 1.2
 MAX_SLICES = 256  # one 64x64 output tile (early wgrad) needs ~2 waves of 132 SMs
 
@@ -184,7 +186,7 @@ def _implicit_gemm_us(problem: Conv2dProblem, launch: LaunchConfig, m: int, n: i
     rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
     per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
-    if c.family is KernelFamily.SM90_TMA_WGMMA and c.schedule == "pingpong":
+    if c.family is KernelFamily.SM90_TMA_WGMMA and c.schedule == "pingpong" and c.stride_support is StrideSupport.UNITY:
         compute_us /= PINGPONG_SPEEDUP
     extra_us = 0.0
     if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch

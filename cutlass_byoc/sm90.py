@@ -41,8 +41,8 @@ SCHEDULE = "implicit_tma_ws"
 
 #: The project's persistent ping-pong kernel on the same collectives (templates/conv2d_sm90_tma_wgmma.cu.j2,
 #: cb_pingpong): one CTA per SM walking the tiles, two consumer warp groups taking turns, so one's epilogue and the
-#: next tile's loads overlap the other's wgmma. Plain launches only (no split-k, no sub-pixel phases); tiles up to
-#: 128x128 (each group holds a whole tile's accumulators).
+#: next tile's loads overlap the other's wgmma. No split-k; the sub-pixel strided dgrad's phases (up to 4 per launch)
+#: as one list of tiles, with clusters of one CTA; tiles up to 128x128 (each group holds a whole tile's accumulators).
 PINGPONG = "pingpong"
 SCHEDULES = (SCHEDULE, PINGPONG)
 

@@ -57,8 +57,8 @@ SMEM_IM2COL_BUDGET = 8
 #: model's best (one per tile shape first) on top of the others: the model does not see the overlap of one tile's
 #: epilogue with the next one's mainloop, so it cannot rank them against CUTLASS's one-tile-per-CTA conv kernels, and
 #: sharing the 3.x conv budget with them would drop those kernels' winners from the plan. A problem's budget of K
-#: kernels adds K // 4 of them, at least one and at most this many (on the H200 they won 11 of the default workload's
-#: 48 cells, every stride-1 3x3 fprop and dgrad but layer 3's among them).
+#: kernels adds K // 4 of them, at least one and at most this many, none for a budget of 1 (which means one kernel).
+#: On the H200 they won 11 of the default workload's 48 cells, every stride-1 3x3 fprop and dgrad but layer 3's.
 PINGPONG_BUDGET = 2
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
@@ -281,7 +281,8 @@ _SPREAD_SIDES = (_PINGPONG,)
 
 def _side_budgets(max_candidates: int) -> dict:
     """The side budgets of a problem whose own budget is `max_candidates` kernels."""
-    return {**_SIDE_BUDGETS, _PINGPONG: min(PINGPONG_BUDGET, max(1, max_candidates // 4))}
+    pingpong = min(PINGPONG_BUDGET, max(1, max_candidates // 4)) if max_candidates > 1 else 0
+    return {**_SIDE_BUDGETS, _PINGPONG: pingpong}
 
 
 def _family_key(kernel: KernelConfig):

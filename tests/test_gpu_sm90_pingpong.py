@@ -64,6 +64,22 @@ CASES = [
     ("wgrad-f16-f32", _problem("wgrad", STAGE1, out_dtype="f32"), (64, 64, 64), (1, 1, 1)),
 ]
 
+#: Strided dgrads (the sub-pixel decomposition: one stride-1 phase per (row, column) offset of dx, their tiles walked as
+#: one list by the ping-pong kernel): ResNet's 3x3 stride 2 (4 phases of 1, 2, 2 and 4 taps), odd H and W, 1x1
+#: stride 2 (one live phase, dx zero-filled first), stride 3 (9 phases: three launches of up to 4), stride 2 along H
+#: only, and bf16 in / fp32 out.
+SUBPIXEL = [
+    ("3x3-s2", Conv2dProblem.make("dgrad", 8, 128, 56, 56, 128, 3, stride=2, padding=1)),
+    ("3x3-s2-odd", Conv2dProblem.make("dgrad", 3, 64, 17, 15, 64, 3, stride=2, padding=1)),
+    ("1x1-s2", Conv2dProblem.make("dgrad", 8, 256, 56, 56, 512, 1, stride=2)),
+    ("3x3-s3", Conv2dProblem.make("dgrad", 2, 64, 13, 10, 64, 3, stride=3, padding=1)),
+    ("3x3-s2x1", Conv2dProblem.make("dgrad", 2, 64, 15, 14, 64, 3, stride=(2, 1), padding=1)),
+    ("bf16-f32", Conv2dProblem.make("dgrad", 4, 64, 28, 28, 128, 3, stride=2, padding=1, dtype="bf16",
+                                    out_dtype="f32")),
+]
+SUBPIXEL_RESIDUAL = Conv2dProblem.make("dgrad", 4, 128, 29, 28, 128, 3, stride=2, padding=1,
+                                       epilogue=Epilogue(source=SourceKind.RESIDUAL))
+
 RELU = _problem("fprop", STAGE1, epilogue=Epilogue(Activation.RELU))
 RESIDUAL = {kind: _problem(kind, STAGE1, epilogue=Epilogue(source=SourceKind.RESIDUAL)) for kind in ("fprop", "dgrad")}
 BIAS = _problem("fprop", STAGE1, epilogue=Epilogue(Activation.RELU, SourceKind.BIAS))
@@ -74,6 +90,8 @@ def used_configs():
     cfgs = [sm90_config(p, tile, cluster, schedule=PINGPONG) for _, p, tile, cluster in CASES]
     cfgs += [sm90_config(p, (128, 64, 64), schedule=PINGPONG) for p in (RELU, BIAS, *RESIDUAL.values())]
     cfgs += [sm90_config(_problem(kind, STAGE2), (128, 128, 64), schedule=SCHEDULE) for kind in ("fprop", "dgrad")]
+    cfgs += [sm90_config(p, (128, 128, 64), schedule=PINGPONG) for _, p in SUBPIXEL]
+    cfgs += [sm90_config(SUBPIXEL[0][1], (128, 128, 64), schedule=SCHEDULE)]
     return list(dict.fromkeys(cfgs))
 
 
@@ -150,6 +168,59 @@ def test_under_cuda_graph_capture():
     a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
     out = poisoned(nchw(p.out_shape), "f16")
     run_problem(p, a, b, out, config=LaunchConfig(cfg))  # first call outside the capture (kernel attributes set)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        run_problem(p, a, b, out, config=LaunchConfig(cfg))
+    for _ in range(2):
+        a.copy_(tensor(nchw(p.a_shape), "f16"))
+        b.copy_(tensor(nchw(p.b_shape), "f16"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        assert rel_err(out, reference(p, a, b)) < 1e-2
+
+
+@pytest.mark.parametrize("case", SUBPIXEL, ids=[c[0] for c in SUBPIXEL])
+def test_subpixel_strided_dgrad(case):
+    _, p = case
+    cfg = sm90_config(p, (128, 128, 64), schedule=PINGPONG)
+    assert cfg.stride_support.value == "strided"
+    out, a, b = run(p, (128, 128, 64))
+    assert not torch.isnan(out).any(), "the kernel left output elements unwritten"
+    err = rel_err(out, reference(p, a, b))
+    assert err < TOL[p.element_out.value], f"{p.name}: relative error {err:.2e}"
+
+
+def test_subpixel_same_bits_as_cutlass_grouped_kernel():
+    """The phases' tiles on the persistent kernel sum in the same order as on CUTLASS's kernel in the grouped
+    one-tile-per-CTA launch: the same dx bit for bit."""
+    p = SUBPIXEL[0][1]
+    out, a, b = run(p, (128, 128, 64))
+    ref, _, _ = run(p, (128, 128, 64), schedule=SCHEDULE, inputs=(a, b))
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, ref)
+
+
+def test_subpixel_residual():
+    """Every phase reached (3x3 stride 2): each phase's C through its own view of the residual, loaded by the epilogue
+    warp for the tiles of every phase."""
+    p = SUBPIXEL_RESIDUAL
+    res = tensor(nchw(p.out_shape), p.element_out.value)
+    out, a, b = run(p, (128, 128, 64), source=res)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, reference(p, a, b) + res.double().cpu()) < 1e-2
+
+
+def test_subpixel_under_cuda_graph_capture():
+    """The zero-fill and the grouped launch are stream work only: captured once, replayed on new dy and w."""
+    p = SUBPIXEL[2][1]  # 1x1 stride 2: a memset, then one phase
+    cfg = sm90_config(p, (128, 128, 64), schedule=PINGPONG)
+    a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
+    out = poisoned(nchw(p.out_shape), "f16")
+    run_problem(p, a, b, out, config=LaunchConfig(cfg))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

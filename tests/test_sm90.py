@@ -279,9 +279,9 @@ def test_pingpong_candidates_for_every_tile_and_cluster(kind):
         assert cfg.name.endswith("_pingpong_sm90") and cfg.reject_reason(p) is None
 
 
-def test_pingpong_is_plain_launches_only():
-    """No split-k (the split kernel is CUTLASS's one-tile-per-CTA body over a grid z) and no sub-pixel strided dgrad
-    (its grouped launch runs CUTLASS's kernel per phase)."""
+def test_pingpong_rules():
+    """No split-k (the split kernel is CUTLASS's one-tile-per-CTA body over a grid z); the sub-pixel strided dgrad
+    (its phases' tiles walked as one list) with clusters of one CTA only."""
     wgrad = problem("wgrad", n=32, h=56, w=56)
     split = list(sm90_candidates(wgrad))
     assert any(c.split_k_mode is SplitKMode.PARALLEL for c in split)
@@ -289,11 +289,25 @@ def test_pingpong_is_plain_launches_only():
     with pytest.raises(ValueError, match="split-k"):
         sm90_config(wgrad, (64, 128, 64), split_k_mode=SplitKMode.PARALLEL, schedule=PINGPONG)
     strided = problem("dgrad", stride=2)
-    assert all(c.schedule == SCHEDULE for c in sm90_candidates(strided))
-    with pytest.raises(ValueError, match="sub-pixel"):
-        sm90_config(strided, (128, 128, 64), schedule=PINGPONG)
+    pingpong = [c for c in sm90_candidates(strided) if c.schedule == PINGPONG]
+    assert len(pingpong) == len(sm90_tiles())
+    assert all(c.stride_support is StrideSupport.STRIDED and c.cluster == (1, 1, 1) for c in pingpong)
+    with pytest.raises(ValueError, match="clusters of one"):
+        sm90_config(strided, (128, 128, 64), (2, 1, 1), schedule=PINGPONG)
     with pytest.raises(ValueError, match="schedule"):
         sm90_config(problem(), (128, 128, 64), schedule="cooperative")
+
+
+def test_render_pingpong_subpixel():
+    """The sub-pixel config's ping-pong kernel takes the phases' Params (a group) and walks their tiles as one list;
+    cb_run zero-fills and launches it through run_subpixel; CUTLASS's grouped one-tile-per-CTA kernel is not built."""
+    src = render(sm90_config(problem("dgrad", stride=2), (128, 128, 64), schedule=PINGPONG), "nvcc")
+    assert "cb_pingpong_kernel(CUTLASS_GRID_CONSTANT GroupParams const group)" in src
+    assert "return cb_pingpong::run_subpixel(x, static_cast<cudaStream_t>(stream), msg, len);" in src
+    assert "group_tile(group, first_tile)" in src and "cudaMemsetAsync" in src
+    assert "cb_subpixel_kernel" not in src and "Params make_params(" not in src
+    plain = render(sm90_config(problem("dgrad", stride=2), (128, 128, 64)), "nvcc")
+    assert "cb_subpixel_kernel" in plain and "pingpong" not in plain
 
 
 def test_render_pingpong():
