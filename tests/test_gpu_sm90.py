@@ -227,14 +227,12 @@ def test_subpixel_residual():
     assert rel_err(out, reference(p, a, b) + res.double().cpu()) < 1e-2
 
 
-def test_subpixel_under_cuda_graph_capture():
-    """The phases' launches and the zero-fill are stream work only: captured once, replayed on new dy and w."""
-    p = Conv2dProblem.make("dgrad", 2, 256, 14, 14, 128, 1, stride=2)  # one phase and a memset
-    cfg = sm90_config(p, (128, 128, 64))
-    a = tensor(nchw(p.a_shape), "f16")
-    b = tensor(nchw(p.b_shape), "f16")
+def replays_under_cuda_graph(p: Conv2dProblem, cfg):
+    """`cfg` on `p` captured once (after one call outside the capture, which sets the kernel's attributes) and
+    replayed twice on new inputs into a poisoned output, against the float64 reference each time."""
+    a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
     out = poisoned(nchw(p.out_shape), "f16")
-    run_problem(p, a, b, out, config=LaunchConfig(cfg))  # first call outside the capture (kernel attributes set)
+    run_problem(p, a, b, out, config=LaunchConfig(cfg))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -248,6 +246,12 @@ def test_subpixel_under_cuda_graph_capture():
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
         assert rel_err(out, reference(p, a, b)) < 1e-2
+
+
+def test_subpixel_under_cuda_graph_capture():
+    """The phases' launches and the zero-fill are stream work only: captured once, replayed on new dy and w."""
+    p = Conv2dProblem.make("dgrad", 2, 256, 14, 14, 128, 1, stride=2)  # one phase and a memset
+    replays_under_cuda_graph(p, sm90_config(p, (128, 128, 64)))
 
 
 def test_unity_dgrad_kernel_refuses_a_stride():

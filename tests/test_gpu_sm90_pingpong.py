@@ -19,16 +19,10 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.sm90 import PINGPONG, SCHEDULE, sm90_config  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from test_gpu_sm90 import nchw, poisoned, reference, rel_err, tensor, TOL  # noqa: E402
+import test_gpu_sm90  # noqa: E402
+from test_gpu_sm90 import nchw, poisoned, reference, rel_err, replays_under_cuda_graph, tensor, TOL  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the sm90 kernels need an H100/H200"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 TMA + wgmma kernels are built for sm_90a and run only on compute capability 9.0",
-    ),
-]
+pytestmark = test_gpu_sm90.pytestmark  # gpu, and skipped without an sm_90 device
 
 #: ResNet-50's first-stage 3x3 conv at batch 16: 50176 output pixels, 392 tiles of 128x64 (fprop, dgrad), about three
 #: per CTA of the persistent grid (132 SMs on an H200), so both consumer groups take several turns.
@@ -164,23 +158,7 @@ def test_bias_relu():
 def test_under_cuda_graph_capture():
     """One launch, no host sync, no allocation: captured once, replayed on new inputs."""
     p = _problem("fprop", STAGE1)
-    cfg = sm90_config(p, (128, 64, 64), schedule=PINGPONG)
-    a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
-    out = poisoned(nchw(p.out_shape), "f16")
-    run_problem(p, a, b, out, config=LaunchConfig(cfg))  # first call outside the capture (kernel attributes set)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        run_problem(p, a, b, out, config=LaunchConfig(cfg))
-    for _ in range(2):
-        a.copy_(tensor(nchw(p.a_shape), "f16"))
-        b.copy_(tensor(nchw(p.b_shape), "f16"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not torch.isnan(out).any()
-        assert rel_err(out, reference(p, a, b)) < 1e-2
+    replays_under_cuda_graph(p, sm90_config(p, (128, 64, 64), schedule=PINGPONG))
 
 
 @pytest.mark.parametrize("case", SUBPIXEL, ids=[c[0] for c in SUBPIXEL])
@@ -217,20 +195,4 @@ def test_subpixel_residual():
 def test_subpixel_under_cuda_graph_capture():
     """The zero-fill and the grouped launch are stream work only: captured once, replayed on new dy and w."""
     p = SUBPIXEL[2][1]  # 1x1 stride 2: a memset, then one phase
-    cfg = sm90_config(p, (128, 128, 64), schedule=PINGPONG)
-    a, b = tensor(nchw(p.a_shape), "f16"), tensor(nchw(p.b_shape), "f16")
-    out = poisoned(nchw(p.out_shape), "f16")
-    run_problem(p, a, b, out, config=LaunchConfig(cfg))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        run_problem(p, a, b, out, config=LaunchConfig(cfg))
-    for _ in range(2):
-        a.copy_(tensor(nchw(p.a_shape), "f16"))
-        b.copy_(tensor(nchw(p.b_shape), "f16"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not torch.isnan(out).any()
-        assert rel_err(out, reference(p, a, b)) < 1e-2
+    replays_under_cuda_graph(p, sm90_config(p, (128, 128, 64), schedule=PINGPONG))
