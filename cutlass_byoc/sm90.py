@@ -6,8 +6,9 @@ wgmma; the Cooperative and Pingpong schedules hit a ``static_assert`` for conv),
 load (16-byte aligned channel extents, so C and K multiples of 8 for 16-bit types), groups == 1, padding <= 256, and
 no strided dgrad (the collective ignores the stride). Split-k is the project's own, for wgrad only (`split_k_mode`
 PARALLEL: one launch whose grid z slices the N*P*Q reduction's k tiles into fp32 partials, then a reduction kernel of
-the template's own; see templates/conv2d_sm90_tma_wgmma.cu.j2). This module only proposes configs; the rules are in
-``KernelConfig.static_error`` / ``reject_reason`` and in the compiled kernel's ``cb_can_implement``.
+the template's own; see templates/conv2d_sm90_tma_wgmma.cu.j2), and so is the persistent ping-pong kernel (schedule
+PINGPONG below: CUTLASS's GEMM ping-pong kernel body on these conv collectives). This module only proposes configs;
+the rules are in ``KernelConfig.static_error`` / ``reject_reason`` and in the compiled kernel's ``cb_can_implement``.
 
 Tile shapes come from ``cutlass_library.generator.GenerateSM90_Conv3x`` (the tiles CUTLASS generates and tests for
 sm90 conv with 16-bit inputs), restricted to:
