@@ -90,6 +90,12 @@ class KernelConfig:
 
     # ------------------------------------------------------------------ derived
     @property
+    def is_conv_pingpong(self) -> bool:
+        """The 3.x conv family's persistent ping-pong kernel (sm90.PINGPONG), the project's own; the GEMM 1x1 family's
+        "pingpong" schedule is CUTLASS's GEMM kernel."""
+        return self.family is KernelFamily.SM90_TMA_WGMMA and self.schedule == "pingpong"
+
+    @property
     def math(self) -> MathOp:
         return math_op_for(self.element_a)
 
@@ -280,7 +286,7 @@ class KernelConfig:
             if self.schedule not in (None, "implicit_tma_ws", "pingpong"):
                 return (f"schedule: sm90 conv has 'implicit_tma_ws' (CUTLASS's KernelImplicitTmaWarpSpecializedSm90) and "
                         f"'pingpong' (the project's persistent kernel), got {self.schedule!r}")
-            if self.schedule == "pingpong":
+            if self.is_conv_pingpong:
                 # templates/conv2d_sm90_tma_wgmma.cu.j2, cb_pingpong: two consumer warp groups each holding a whole
                 # tile's fp32 accumulators; the sub-pixel strided dgrad's phases walked as one list of tiles.
                 if self.split_k_mode is SplitKMode.PARALLEL:

@@ -186,7 +186,7 @@ def _implicit_gemm_us(problem: Conv2dProblem, launch: LaunchConfig, m: int, n: i
     rates = WGMMA_TFLOPS if c.family is KernelFamily.SM90_TMA_WGMMA else MMA_SYNC_TFLOPS
     per_sm = rates[c.element_a] * 1e12 / sms
     compute_us = waves * occupancy * 2 * tm * tn * k_slice / (per_sm * eff) * 1e6
-    if c.family is KernelFamily.SM90_TMA_WGMMA and c.schedule == "pingpong" and c.stride_support is StrideSupport.UNITY:
+    if c.is_conv_pingpong and c.stride_support is StrideSupport.UNITY:
         compute_us /= PINGPONG_SPEEDUP
     extra_us = 0.0
     if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch

@@ -124,7 +124,8 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
                 split_k_mode: SplitKMode = SplitKMode.SERIAL, schedule: str = SCHEDULE) -> KernelConfig:
     """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid).
     `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials.
-    A strided dgrad gets the sub-pixel config (stride_support STRIDED: the same kernel, launched once per phase)."""
+    A strided dgrad gets the sub-pixel config (stride_support STRIDED: the same kernel, launched once per phase).
+    `schedule` PINGPONG gives the project's persistent ping-pong kernel on the same collectives."""
     p = problem
     kernel_out = p.element_acc if split_k_mode is SplitKMode.PARALLEL else p.element_out
     return KernelConfig(

@@ -287,7 +287,7 @@ def _side_budgets(max_candidates: int) -> dict:
 
 def _family_key(kernel: KernelConfig):
     """The list _rank_families puts `kernel` in: its family, or a side budget's key."""
-    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.schedule == "pingpong":
+    if kernel.is_conv_pingpong:
         return _PINGPONG
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
         if is_pipelined(kernel):

@@ -48,7 +48,8 @@ FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "groupe
 #: each GPU test module's kernels, by the module's name without test_gpu_ (--modules; all of them: --tests-only)
 MODULE_KERNELS = {
     "conv": lambda m: m.all_configs(), "splitk": lambda m: m.used_configs(), "sm90": lambda m: m._used_configs(),
-    "sm90_splitk": lambda m: m.used_configs(), "sm90_pingpong": lambda m: m.used_configs(), "padding": lambda m: m.used_configs(),
+    "sm90_splitk": lambda m: m.used_configs(), "sm90_pingpong": lambda m: m.used_configs(),
+    "padding": lambda m: m.used_configs(),
     "epilogues": lambda m: m.all_configs(), "gemm1x1": lambda m: list(m.KERNELS.values()),
     "im2col": lambda m: list(m.KERNELS.values()),
     "tune": lambda m: list(_plan_kernels(m.PROBLEMS, 2)), "depthwise": lambda m: m.all_kernels(),

@@ -16,10 +16,6 @@ from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitK
 from cutlass_byoc.workloads import default_workload
 
 
-def _is_pingpong(k: KernelConfig) -> bool:
-    return k.family is KernelFamily.SM90_TMA_WGMMA and k.schedule == "pingpong"
-
-
 @pytest.fixture(scope="module")
 def workload_plan():
     return plan_workload([it.problem for it in default_workload()], 8)
@@ -35,7 +31,7 @@ def test_default_workload_plan_fits_budget(workload_plan):
         # and the 3.x conv ping-pong kernels one of PINGPONG_BUDGET for the problem as it is and for each of its
         # channel-padded or folded twins
         lowered = [k for k in pp.kernels if k.lowering]
-        pingpong = {k for k in pp.kernels if _is_pingpong(k)}
+        pingpong = {k for k in pp.kernels if k.is_conv_pingpong}
         folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1} - pingpong
         gathered = [k for k in pp.kernels if k.family is KernelFamily.SMEM_IM2COL]
         assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) - len(pingpong) <= 8 \
@@ -210,11 +206,11 @@ def test_three_families_share_the_budget_equally_the_rest_to_3x():
     an equal split going to the 3.x families (on the H200 2.x won none of ResNet-50's 18 such cells, cold tune of
     2026-12-01); with two families (a 3x3 conv: 2.x and 3.x conv) the split stays 4 + 4."""
     one = Conv2dProblem.make("wgrad", 32, 256, 14, 14, 1024, 1)
-    counts = collections.Counter(k.family for k in plan_problem(one, 8).kernels if not _is_pingpong(k))
+    counts = collections.Counter(k.family for k in plan_problem(one, 8).kernels if not k.is_conv_pingpong)
     assert counts == {KernelFamily.SM80_IMPLICIT_GEMM: 2, KernelFamily.SM90_TMA_WGMMA: 3,
                       KernelFamily.SM90_GEMM_1X1: 3}, counts
     three = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
-    counts = collections.Counter(k.family for k in plan_problem(three, 8).kernels if not _is_pingpong(k))
+    counts = collections.Counter(k.family for k in plan_problem(three, 8).kernels if not k.is_conv_pingpong)
     assert counts == {KernelFamily.SM80_IMPLICIT_GEMM: 4, KernelFamily.SM90_TMA_WGMMA: 4}, counts
 
 
@@ -224,7 +220,7 @@ def test_a_budget_smaller_than_the_families_is_kept():
     p = Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 1)
     for budget in (1, 2):
         pp = plan_problem(p, budget)
-        assert len([k for k in pp.kernels if not _is_pingpong(k)]) == budget, [c.name for c in pp.candidates]
+        assert len([k for k in pp.kernels if not k.is_conv_pingpong]) == budget, [c.name for c in pp.candidates]
 
 
 def test_3x_wgrad_times_split_and_unsplit_kernels():
@@ -251,16 +247,16 @@ def test_pingpong_kernels_have_a_budget_on_top():
               Conv2dProblem.make("dgrad", 32, 256, 14, 14, 1024, 1),
               Conv2dProblem.make("wgrad", 32, 512, 7, 7, 512, 3, padding=1)):
         kernels = plan_problem(p, 8).kernels
-        pingpong = [k for k in kernels if _is_pingpong(k)]
+        pingpong = [k for k in kernels if k.is_conv_pingpong]
         assert len(pingpong) == PINGPONG_BUDGET, [k.name for k in kernels]
-        assert len([k for k in plan_problem(p, 2).kernels if _is_pingpong(k)]) == 1  # at least one
+        assert len([k for k in plan_problem(p, 2).kernels if k.is_conv_pingpong]) == 1  # at least one
         assert len({k.tile[:2] for k in pingpong}) == PINGPONG_BUDGET
         assert all(k.split_k_mode is SplitKMode.SERIAL for k in pingpong)
         plain = {dataclasses.replace(k, schedule=sm90.SCHEDULE) for k in pingpong}
         assert plain <= set(enumerate_kernels(p)[0])
     # without the ping-pong kernels, the same plan otherwise
     p = Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 3, padding=1)
-    with_pp = [k for k in plan_problem(p, 8).kernels if not _is_pingpong(k)]
+    with_pp = [k for k in plan_problem(p, 8).kernels if not k.is_conv_pingpong]
     import unittest.mock as mock  # noqa: PLC0415
 
     only_plain = lambda q: sm90.sm90_candidates(q, schedules=(sm90.SCHEDULE,))  # noqa: E731
