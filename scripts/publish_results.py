@@ -109,10 +109,11 @@ def offload_tables(data: dict) -> list[str]:
                 "replay without their ops, so their columns apply only without graphs; the GPU timeline: busy = the union of the "
                 "kernels, launch gaps = gaps between kernels up to 10 µs, host gaps = longer ones, the GPU waiting "
                 "for the host):", "",
-                "| model | batch | mode | wall ms | GPU kernels ms | kernels | GPU busy ms | launch gaps ms | "
+                "| model | batch | mode | wall ms | GPU kernels ms | GPU ms: ours, cuDNN+cuBLAS, Triton, aten, other | "
+                "kernels | GPU busy ms | launch gaps ms | "
                 "host gaps: ms, count | graph replays, launches outside graphs | "
                 "offloaded convs: calls, host ms, GPU ms | aten convs: calls, host ms, GPU ms |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in prof:
             q = r["profile"]
             split = [f"{q[t + '_calls']:.0f}, {q[t + '_cpu_ms']:.2f}, {q[t + '_gpu_ms']:.2f}"
@@ -121,8 +122,10 @@ def offload_tables(data: dict) -> list[str]:
             timeline = (f"{_f(q.get('kernels'), '.0f')} | {_f(q.get('busy_ms'), '.2f')} | "
                         f"{_f(q.get('launch_gap_ms'), '.2f')} | {_f(q.get('host_gap_ms'), '.2f')}, "
                         f"{_f(q.get('host_gaps'), '.0f')}")
+            src = q.get("gpu_ms_by_source")  # (profiles of earlier runs have none)
+            by_source = ", ".join(f"{v:.2f}" for v in src.values()) if src else "-"
             out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
-                       f"{q['gpu_kernel_ms']:.2f} | {timeline} | {launches} | {split[0]} | {split[1]} |")
+                       f"{q['gpu_kernel_ms']:.2f} | {by_source} | {timeline} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")
     if host:
         out += ["", "Host time per call on a tiny problem (µs; the GPU idle, so this is the launch path's cost; one row "

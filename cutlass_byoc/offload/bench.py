@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import logging
 import math
+import re
 import statistics
 import time
 from pathlib import Path
@@ -201,31 +202,59 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
     """Per-step split of the GPU's timeline from the recorded kernels' (start us, end us, name): kernels per step,
     busy ms (the union of the kernels' intervals), the idle ms between the first and the last kernel split into
     short gaps (<= HOST_GAP_US: launch latency) and long gaps (the GPU waiting for the host), the long gaps' count,
-    and the `top` longest gaps with the kernel that ended the wait (what the host was late with)."""
+    and the `top` longest gaps as [us, the kernel that ended the wait (what the host was late with), the kernel
+    before it] (under CUDA graphs a long gap between two kernels of one graph points at those two)."""
     ks = sorted(kernels)
     busy = short = long_ = 0.0
     n_long = 0
-    gaps: list[tuple[float, str]] = []
+    gaps: list[tuple[float, str, str]] = []
     end = None  # the end of the busy time so far
+    last = ""  # the kernel that ended last so far
     for start, stop, name in ks:
         if end is not None and start > end:
             gap = start - end
             if gap > HOST_GAP_US:
                 long_ += gap
                 n_long += 1
-                gaps.append((gap, name))
+                gaps.append((gap, name, last))
             else:
                 short += gap
         if end is None or start >= end:  # a new busy interval
             busy += stop - start
             end = stop
+            last = name
         elif stop > end:  # overlaps the busy time and extends it
             busy += stop - end
             end = stop
+            last = name
     gaps.sort(key=lambda g: -g[0])
     return {"kernels": len(ks) / steps, "busy_ms": busy / steps / 1e3, "launch_gap_ms": short / steps / 1e3,
             "host_gap_ms": long_ / steps / 1e3, "host_gaps": n_long / steps,
-            "longest_gaps": [[round(g, 1), name[:80]] for g, name in gaps[:top]]}
+            "longest_gaps": [[round(g, 1), name[:80], before[:80]] for g, name, before in gaps[:top]]}
+
+
+#: Where a GPU kernel comes from, by its name (first match wins): this project's kernels (its templates' cb_
+#: namespaces, and CUTLASS's kernel wrappers around this project's kernel types; cuBLAS's and cuDNN's CUTLASS kernels
+#: carry their own cutlass_80_... / cutlass3x_... names), cuDNN's and cuBLAS's (their xmma / nvjet / cudnn / CUTLASS
+#: kernels), Inductor's Triton kernels, and PyTorch's own (aten) kernels.
+KERNEL_SOURCES = (("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))")),
+                  ("cudnn/cublas", re.compile(r"xmma|cudnn|nvjet|cutlass|gemm|conv", re.IGNORECASE)),
+                  ("triton", re.compile(r"^triton_")),
+                  ("aten", re.compile(r"at::native|at::cuda|^void at::")))
+
+
+def kernel_source(name: str) -> str:
+    """The KERNEL_SOURCES tag of a kernel name ("other" when none matches)."""
+    return next((tag for tag, rx in KERNEL_SOURCES if rx.search(name)), "other")
+
+
+def gpu_ms_by_source(kernels: Sequence[tuple[float, float, str]], steps: int) -> dict:
+    """GPU ms per step of each kernel source (kernel_source), the convolutions' split between this project's
+    kernels and cuDNN's included; holds under CUDA graphs too (replayed kernels are recorded)."""
+    out = {tag: 0.0 for tag, _ in KERNEL_SOURCES} | {"other": 0.0}
+    for start, stop, name in kernels:
+        out[kernel_source(name)] += stop - start
+    return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
 
 
 def top_kernels(kernels: Sequence[tuple[float, float, str]], steps: int, top: int = 10) -> list:
@@ -251,7 +280,8 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
     outside graphs are host work)."""
     out = {"steps": steps, "wall_ms": wall_ms,
            "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
-           **kernel_timeline(kernels, steps), "top_kernels": top_kernels(kernels, steps)}
+           **kernel_timeline(kernels, steps), "top_kernels": top_kernels(kernels, steps),
+           "gpu_ms_by_source": gpu_ms_by_source(kernels, steps)}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
@@ -525,6 +555,9 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
                          f"{q['offloaded_gpu_ms']:.2f} ms, host {q['offloaded_cpu_ms']:.2f} ms; aten convs "
                          f"{q['aten_conv_calls']:.0f} calls, GPU {q['aten_conv_gpu_ms']:.2f} ms, host "
                          f"{q['aten_conv_cpu_ms']:.2f} ms")
+            src = q.get("gpu_ms_by_source")
+            if src:
+                lines.append(f"  {r.mode} GPU ms per step by source: " + ", ".join(f"{k} {v:.3f}" for k, v in src.items()))
             for ms, n, name in q.get("top_kernels", []):
                 lines.append(f"  {r.mode} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
     return "\n".join(lines)
