@@ -50,7 +50,7 @@ def default_stride_support(problem: Conv2dProblem, iterator: IteratorAlgorithm) 
     if iterator in (IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.FIXED_CHANNELS):
         return StrideSupport.STRIDED  # the only instantiation CUTLASS has of these fprop iterators
     if problem.kind is ConvKind.DGRAD:
-        return StrideSupport.STRIDED if (problem.stride_h > 1 or problem.stride_w > 1) else StrideSupport.UNITY
+        return StrideSupport.STRIDED if problem.is_strided else StrideSupport.UNITY
     if problem.kind is ConvKind.WGRAD:
         return StrideSupport.STRIDED  # what CUTLASS instantiates for wgrad; it handles any stride
     return StrideSupport.UNITY  # fprop's analytic/optimized iterators handle any stride
@@ -81,7 +81,7 @@ def operand_alignments(problem: Conv2dProblem, kernel_out: Optional[DType] = Non
 
 
 def split_k_modes(problem: Conv2dProblem) -> list[SplitKMode]:
-    strided_dgrad = problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1)
+    strided_dgrad = problem.is_strided_dgrad
     return [SplitKMode.SERIAL] if strided_dgrad else [SplitKMode.SERIAL, SplitKMode.PARALLEL]
 
 
@@ -212,15 +212,14 @@ def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
     if problem.epilogue.activation is Activation.RELU6:
         return ("activation relu6: the implicit-GEMM epilogues have no clamp (only the depthwise kernels fuse "
                 "ReLU6); the clamp stays in PyTorch")
-    if problem.kind is ConvKind.DGRAD and (problem.dilation_h > 1 or problem.dilation_w > 1) and \
-            (problem.stride_h > 1 or problem.stride_w > 1):
+    if problem.is_strided_dgrad and (problem.dilation_h > 1 or problem.dilation_w > 1):
         return (f"dilation: dgrad with stride {problem.stride_h}x{problem.stride_w} takes dilation 1 only (strided-"
                 f"dgrad kernels ignore dilation), got {problem.dilation_h}x{problem.dilation_w}")
     for pad_c, pad_k in channel_pad_options(problem):
         padded = problem.replace(c=round_up(problem.c, pad_c), k=round_up(problem.k, pad_k))
         if next(sm80_candidates(padded, split_k=False), None) is not None:
             return None
-    if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+    if problem.is_strided_dgrad:
         a, b, c = operand_alignments(problem)
         if min(a * problem.element_a.nbytes, b * problem.element_b.nbytes, c * problem.element_out.nbytes) < 4:
             return "alignment: strided dgrad needs channel counts giving >= 4-byte accesses (ops pads them)"

@@ -96,6 +96,18 @@ class KernelConfig:
         return self.family is KernelFamily.SM90_TMA_WGMMA and self.schedule == "pingpong"
 
     @property
+    def is_strided_dgrad(self) -> bool:
+        """A dgrad kernel for stride > 1 (stride_support STRIDED): 2.x's strided-dgrad iterators and swizzle; in the 3.x
+        conv family the sub-pixel dgrad (the stride-1 kernel launched once per phase of dx, or the ping-pong kernel
+        walking the phases' tiles in one launch)."""
+        return self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED
+
+    @property
+    def is_subpixel_dgrad(self) -> bool:
+        """The 3.x conv family's sub-pixel strided dgrad (is_strided_dgrad in that family)."""
+        return self.family is KernelFamily.SM90_TMA_WGMMA and self.is_strided_dgrad
+
+    @property
     def math(self) -> MathOp:
         return math_op_for(self.element_a)
 
@@ -259,7 +271,7 @@ class KernelConfig:
             if self.iterator in (IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.FIXED_CHANNELS):
                 if self.kind is not ConvKind.FPROP:
                     return f"iterator {self.iterator.value} exists for fprop only"
-            if self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED:
+            if self.is_strided_dgrad:
                 if self.split_k_mode is SplitKMode.PARALLEL:
                     return "strided dgrad has no split-k"
             narrow = min(self.align_a * self.element_a.nbytes, self.align_b * self.element_b.nbytes)
@@ -353,7 +365,7 @@ class KernelConfig:
         for name, extent, a in (("A", ca, self.align_a), ("B", cb, self.align_b), ("output", cc, self.align_c)):
             if extent % a:
                 return f"alignment: {name}'s channel extent {extent} is not a multiple of the kernel's alignment {a}"
-        strided = problem.stride_h > 1 or problem.stride_w > 1
+        strided = problem.is_strided
         dilated = problem.dilation_h > 1 or problem.dilation_w > 1
         if self.kind is ConvKind.DGRAD:
             if dilated and strided:
@@ -381,7 +393,7 @@ class KernelConfig:
                 why = subpixel_reject_reason(problem)
                 if why:
                     return why
-            elif self.kind is ConvKind.DGRAD and self.stride_support is StrideSupport.STRIDED:
+            elif self.is_strided_dgrad:
                 return "stride: the sub-pixel dgrad config is for stride > 1; stride-1 dgrad runs on the unity config"
             if max(problem.pad_h, problem.pad_w) > 256:
                 return "padding: TMA im2col takes padding up to 256"
@@ -538,8 +550,7 @@ class LaunchConfig:
             return None
         if self.split_k_slices > 1:
             k = self.kernel
-            if k.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1) \
-                    and k.family is KernelFamily.SM80_IMPLICIT_GEMM:
+            if problem.is_strided_dgrad and k.family is KernelFamily.SM80_IMPLICIT_GEMM:
                 # CUTLASS 2.x's strided dgrad; the GEMM family's lowered dgrad splits its plain GEMM whatever the stride
                 return "split_k_slices: strided dgrad has no split-k"
             if k.split_k_mode is SplitKMode.SERIAL and k.family is not KernelFamily.SM90_GEMM_1X1:

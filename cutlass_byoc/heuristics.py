@@ -32,7 +32,7 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
     """Slice counts worth trying: powers of two from 1 until the output tiles x slices fill the GPU about twice, each
     slice keeping at least 4 main-loop iterations of the tile's K."""
     m, n, k = problem.gemm_mnk
-    if problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1):
+    if problem.is_strided_dgrad:
         return [1]
     if problem.epilogue.bias_vector:
         return [1]  # the bias-vector epilogue runs unsplit
@@ -133,7 +133,7 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
         from .smem_im2col import estimate_us as smem_im2col_estimate_us  # noqa: PLC0415
 
         return smem_im2col_estimate_us(problem, launch, sms)
-    if c.family is KernelFamily.SM90_TMA_WGMMA and c.kind is ConvKind.DGRAD and c.stride_support is StrideSupport.STRIDED:
+    if c.is_subpixel_dgrad:
         return _sm90_subpixel_estimate_us(problem, launch, sms)
     m, n, k = problem.gemm_mnk
     if c.family is KernelFamily.SM90_TMA_WGMMA:

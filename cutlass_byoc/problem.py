@@ -190,6 +190,17 @@ class Conv2dProblem:
         return self.epilogue.bias_dtype or self.element_out
 
     @property
+    def is_strided(self) -> bool:
+        """A stride above 1 in either direction."""
+        return self.stride_h > 1 or self.stride_w > 1
+
+    @property
+    def is_strided_dgrad(self) -> bool:
+        """The dgrad of a strided conv: every dx pixel takes only the taps its phase meets (strided-dgrad kernels; the
+        3.x family's sub-pixel launches; channel padding to give them wide accesses)."""
+        return self.kind is ConvKind.DGRAD and self.is_strided
+
+    @property
     def is_depthwise(self) -> bool:
         return self.groups > 1 and self.groups == self.c == self.k
 

@@ -9,7 +9,7 @@ import jinja2
 
 from . import __version__
 from .config import KernelConfig
-from .types import Activation, ConvKind, KernelFamily, SplitKMode, StrideSupport
+from .types import Activation, KernelFamily, SplitKMode
 
 #: Version of the extern "C" API in templates/conv2d_api.h.j2 (must match runtime.CbConv2dArgs).
 ABI_VERSION = 1
@@ -47,7 +47,7 @@ def template_text(name: str) -> str:
 
 
 def _swizzle(c: KernelConfig) -> str:
-    if c.kind is ConvKind.DGRAD and c.stride_support is StrideSupport.STRIDED:
+    if c.is_strided_dgrad:
         return f"cutlass::conv::threadblock::StridedDgradIdentityThreadblockSwizzle<{c.swizzle}>"
     # GemmSplitKIdentityThreadblockSwizzle does not compile with conv; the identity swizzle handles split-k.
     return f"cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<{c.swizzle}>"

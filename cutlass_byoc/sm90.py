@@ -132,7 +132,7 @@ def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1
         family=KernelFamily.SM90_TMA_WGMMA, kind=p.kind,
         element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
         tile=tile, warps=WARPS, stages=stage_count(tile, p.element_a, p.element_b, kernel_out),
-        stride_support=StrideSupport.STRIDED if is_subpixel(p) else StrideSupport.UNITY,
+        stride_support=StrideSupport.STRIDED if p.is_strided_dgrad else StrideSupport.UNITY,
         align_a=16 // p.element_a.nbytes, align_b=16 // p.element_b.nbytes, align_c=16 // kernel_out.nbytes,
         split_k_mode=split_k_mode, activation=p.epilogue.activation,
         cluster=cluster, schedule=schedule, element_bias=p.element_bias if p.epilogue.bias_vector else None,
@@ -163,7 +163,7 @@ def sm90_applicable(problem: Conv2dProblem) -> Optional[str]:
         return f"element_a: the sm90 family is built for f16/bf16 inputs, got {problem.element_a.value}"
     if problem.groups != 1:
         return f"groups: sm90 kernels need groups == 1, got {problem.groups}"
-    if is_subpixel(problem):
+    if problem.is_strided_dgrad:
         why = subpixel_reject_reason(problem)
         if why:
             return why
@@ -252,11 +252,6 @@ def live_phases(problem: Conv2dProblem) -> tuple[list[tuple[SubpixelAxis, Subpix
         else:
             live.append((r, c))
     return live, zeros
-
-
-def is_subpixel(problem: Conv2dProblem) -> bool:
-    """Whether an sm90 config of `problem` is the sub-pixel one (a dgrad with stride > 1)."""
-    return problem.kind is ConvKind.DGRAD and (problem.stride_h > 1 or problem.stride_w > 1)
 
 
 def subpixel_reject_reason(problem: Conv2dProblem) -> Optional[str]:
