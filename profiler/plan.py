@@ -60,6 +60,10 @@ SMEM_IM2COL_BUDGET = 8
 #: kernels adds K // 4 of them, at least one and at most this many, none for a budget of 1 (which means one kernel).
 #: On the H200 they won 11 of the default workload's 48 cells, every stride-1 3x3 fprop and dgrad but layer 3's.
 PINGPONG_BUDGET = 2
+#: ... and one more for a strided dgrad (the ping-pong kernel walking the sub-pixel phases' tiles in one launch), where
+#: the model is least sure: against the same tile launched once per phase it ran 0.84-1.35x on the H200, and the
+#: 128x128 twin of layer 2's 3x3 winner (CUTLASS's kernel, 33.0 us) came third by the model, outside a budget of 2.
+SUBPIXEL_PINGPONG_EXTRA = 1
 DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
@@ -213,7 +217,7 @@ def plan_problem(
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
-        side = [t for key, budget in _side_budgets(max_candidates).items() for t in by_family.pop(key, [])[:budget]]
+        side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
@@ -279,9 +283,11 @@ _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET,
 _SPREAD_SIDES = (_PINGPONG,)
 
 
-def _side_budgets(max_candidates: int) -> dict:
-    """The side budgets of a problem whose own budget is `max_candidates` kernels."""
+def _side_budgets(max_candidates: int, problem: Conv2dProblem) -> dict:
+    """The side budgets of `problem` when its own budget is `max_candidates` kernels."""
     pingpong = min(PINGPONG_BUDGET, max(1, max_candidates // 4)) if max_candidates > 1 else 0
+    if pingpong and problem.is_strided_dgrad:
+        pingpong += SUBPIXEL_PINGPONG_EXTRA
     return {**_SIDE_BUDGETS, _PINGPONG: pingpong}
 
 

@@ -10,7 +10,7 @@ import pytest
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import plan as plan_mod
-from cutlass_byoc.profiler.plan import (PINGPONG_BUDGET, SMEM_IM2COL_BUDGET, enumerate_kernels, plan_problem,
+from cutlass_byoc.profiler.plan import (PINGPONG_BUDGET, SMEM_IM2COL_BUDGET, SUBPIXEL_PINGPONG_EXTRA, enumerate_kernels, plan_problem,
                                        plan_workload)
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 from cutlass_byoc.workloads import default_workload
@@ -28,8 +28,8 @@ def test_default_workload_plan_fits_budget(workload_plan):
         # the stem's im2col lowering and its space-to-depth fold: a budget of its own each (4 of 8); the
         # shared-memory im2col kernels (the stem's and the odd layer's fprop, the odd layer's dgrad) one of
         # SMEM_IM2COL_BUDGET
-        # and the 3.x conv ping-pong kernels one of PINGPONG_BUDGET for the problem as it is and for each of its
-        # channel-padded or folded twins
+        # and the 3.x conv ping-pong kernels one of PINGPONG_BUDGET (+ SUBPIXEL_PINGPONG_EXTRA for a strided dgrad)
+        # for the problem as it is and for each of its channel-padded or folded twins
         lowered = [k for k in pp.kernels if k.lowering]
         pingpong = {k for k in pp.kernels if k.is_conv_pingpong}
         folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1} - pingpong
@@ -37,7 +37,7 @@ def test_default_workload_plan_fits_budget(workload_plan):
         assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) - len(pingpong) <= 8 \
             and len(lowered) <= 4 and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
         ways = {(c.launch.s2d, c.launch.pad_c, c.launch.pad_k) for c in pp.candidates}
-        assert len(pingpong) <= PINGPONG_BUDGET * len(ways)
+        assert len(pingpong) <= (PINGPONG_BUDGET + SUBPIXEL_PINGPONG_EXTRA * pp.problem.is_strided_dgrad) * len(ways)
         assert not gathered or (pp.problem.kind.value, pp.problem.c) in (("fprop", 3), ("fprop", 7), ("dgrad", 7))
         assert not lowered or (pp.problem.c, pp.problem.r) == (3, 7)
         # the fold: the stem's, and the subsample of the strided 1x1 layer
@@ -262,3 +262,19 @@ def test_pingpong_kernels_have_a_budget_on_top():
     only_plain = lambda q: sm90.sm90_candidates(q, schedules=(sm90.SCHEDULE,))  # noqa: E731
     with mock.patch.object(plan_mod, "_sm90_enumerator", lambda: only_plain):
         assert plan_problem(p, 8).kernels == tuple(with_pp)
+
+
+def test_strided_dgrad_times_one_more_pingpong_kernel():
+    """A strided dgrad's ping-pong kernels (the sub-pixel phases in one launch) get SUBPIXEL_PINGPONG_EXTRA more: layer
+    2's 3x3 stride-2 dgrad then times the 128x128 tile, whose CUTLASS twin won the cell, beside the model's first two."""
+    if plan_mod._sm90_enumerator() is None:
+        pytest.skip("no 3.x conv family in this build")
+    p = Conv2dProblem.make("dgrad", 32, 128, 56, 56, 128, 3, stride=2, padding=1)
+    pingpong = [k for k in plan_problem(p, 8).kernels if k.is_conv_pingpong]
+    assert len(pingpong) == PINGPONG_BUDGET + SUBPIXEL_PINGPONG_EXTRA
+    assert all(k.is_subpixel_dgrad for k in pingpong) and (128, 128) in {k.tile[:2] for k in pingpong}
+    assert len([k for k in plan_problem(p, 2).kernels if k.is_conv_pingpong]) == 1 + SUBPIXEL_PINGPONG_EXTRA
+    assert not [k for k in plan_problem(p, 1).kernels if k.is_conv_pingpong]  # a budget of one: one kernel
+    # a stride-1 dgrad: no extra
+    stride1 = p.replace(stride_h=1, stride_w=1)
+    assert len([k for k in plan_problem(stride1, 8).kernels if k.is_conv_pingpong]) == PINGPONG_BUDGET
