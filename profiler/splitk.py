@@ -1,8 +1,9 @@
 """Split-k study (issue 3's benchmark): for each wgrad layer, the best split-k launch against the best unsplit
 launch against cuDNN, all timed in one process on the same operands with the same timer.
 
-The launches compared are the model's top few of each side (`per_side`), each verified before it is timed; a
-wrong or failing launch is reported and never counts as best.
+The launches compared are the model's top few of each side (`per_side`) and the tuned decision's launch (the
+tune's winner, where the cache has one) on its own side, each verified before it is timed; a wrong or failing
+launch is reported and never counts as best.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ class SplitKReport:
         return json.dumps([dataclasses.asdict(r) for r in self.rows], indent=1)
 
 
+def _with_decision(split: list[LaunchConfig], unsplit: list[LaunchConfig],
+                   decided: Optional[LaunchConfig]) -> tuple[list[LaunchConfig], list[LaunchConfig]]:
+    """The sides with the tuned decision's launch added to its own (split when it has more than one slice), unless
+    the model's picks hold it already. A channel-padded or folded decision is left out: the study compares kernels on
+    the problem as it is."""
+    if decided is None or decided.pad_c != 1 or decided.pad_k != 1 or decided.s2d != 1 or decided in split + unsplit:
+        return split, unsplit
+    if decided.split_k_slices > 1:
+        return [*split, decided], unsplit
+    return split, [*unsplit, decided]
+
+
 def _sides(problem, per_side: int) -> tuple[list[LaunchConfig], list[LaunchConfig]]:
     kernels, _ = enumerate_kernels(problem)
     ranked = sorted(((est, l) for k in kernels for est, l in launches_for(problem, k)), key=lambda t: (t[0], t[1].name))
@@ -95,8 +108,10 @@ def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Opt
     from .timing import time_gpu  # noqa: PLC0415
     from .worker import WorkerSettings, evaluate_candidate, make_problem_sets  # noqa: PLC0415
 
+    from ..decisions import lookup_decision  # noqa: PLC0415
+
     items = [it for it in items if it.problem.kind is ConvKind.WGRAD]
-    plans = {it: _sides(it.problem, per_side) for it in items}
+    plans = {it: _with_decision(*_sides(it.problem, per_side), lookup_decision(it.problem)) for it in items}
     build([l.kernel for s, u in plans.values() for l in s + u], jobs=jobs, progress=progress)
     torch.backends.cudnn.benchmark = True
     ws = WorkerSettings()

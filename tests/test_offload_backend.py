@@ -228,14 +228,16 @@ def test_kernel_timeline_splits_busy_time_launch_gaps_and_host_gaps():
     assert t["launch_gap_ms"] * 1e3 == short and t["host_gaps"] == 2
     assert t["host_gap_ms"] * 1e3 == 300 + 1000
     # each with the kernel that ended the wait and the one before it (the last to end, not the last to start)
-    assert t["longest_gaps"] == [[1000.0, "after a long wait", "back to back"], [300.0, "after the host", "after a launch gap"]]
+    assert t["longest_gaps"] == [[1000.0, "after a long wait", "back to back"],
+                                 [300.0, "after the host", "after a launch gap"]]
 
 
 def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
     from cutlass_byoc.offload.bench import gpu_ms_by_source, kernel_source
 
     ours = ["cb_pingpong::cb_pingpong_kernel(cb_pingpong::Params)", "_ZN9cb_splitk21cb_split_wgrad_kernelEN7cutlass",
-            "_ZN7cutlass13device_kernelINS_4conv6kernel13ConvUniversalI", "void (anonymous namespace)::cb_dw_fprop<8>()"]
+            "_ZN7cutlass13device_kernelINS_4conv6kernel13ConvUniversalI",
+            "void (anonymous namespace)::cb_dw_fprop<8>()"]
     vendor = ["sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", "nvjet_sm90_hsh_64x64_64x13_2x1_v_bz",
               "void cutlass::Kernel2<cutlass_80_wmma_tensorop_f16_s161616gemm_f16_16x16_128x2_nn_align8>(Params)",
               "cutlass3x_sm90_tensorop_h64x128x16gemm_f16_f16_f16_void_f16_128x64x64_2x1x1_0_tnn_align8"]
@@ -276,7 +278,8 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     assert out["aten_conv_calls"] == 4 and out["aten_conv_cpu_ms"] == 0.09 and out["aten_conv_gpu_ms"] == 0.7
     assert out["graph_launches"] == 3 and out["kernel_launches"] == 20
     assert out["top_kernels"][0] == [0.5, 0.5, "k0"] and len(out["top_kernels"]) == 10
-    assert out["gpu_ms_by_source"] == {"cutlass_byoc": 0.0, "cudnn/cublas": 0.0, "triton": 0.0, "aten": 0.0, "other": 10.0}
+    assert out["gpu_ms_by_source"] == {"cutlass_byoc": 0.0, "cudnn/cublas": 0.0, "triton": 0.0, "aten": 0.0,
+                                       "other": 10.0}
 
 
 def test_top_kernels_ranks_names_by_summed_gpu_time():

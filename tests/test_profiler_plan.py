@@ -10,8 +10,8 @@ import pytest
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import plan as plan_mod
-from cutlass_byoc.profiler.plan import (PINGPONG_BUDGET, SMEM_IM2COL_BUDGET, SUBPIXEL_PINGPONG_EXTRA, enumerate_kernels, plan_problem,
-                                       plan_workload)
+from cutlass_byoc.profiler.plan import (PINGPONG_BUDGET, SMEM_IM2COL_BUDGET, SUBPIXEL_PINGPONG_EXTRA, enumerate_kernels,
+                                       plan_problem, plan_workload)
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 from cutlass_byoc.workloads import default_workload
 
@@ -37,7 +37,8 @@ def test_default_workload_plan_fits_budget(workload_plan):
         assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) - len(pingpong) <= 8 \
             and len(lowered) <= 4 and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
         ways = {(c.launch.s2d, c.launch.pad_c, c.launch.pad_k) for c in pp.candidates}
-        assert len(pingpong) <= (PINGPONG_BUDGET + SUBPIXEL_PINGPONG_EXTRA * pp.problem.is_strided_dgrad) * len(ways)
+        budget = PINGPONG_BUDGET + SUBPIXEL_PINGPONG_EXTRA * pp.problem.is_strided_dgrad
+        assert len(pingpong) <= budget * len(ways)
         assert not gathered or (pp.problem.kind.value, pp.problem.c) in (("fprop", 3), ("fprop", 7), ("dgrad", 7))
         assert not lowered or (pp.problem.c, pp.problem.r) == (3, 7)
         # the fold: the stem's, and the subsample of the strided 1x1 layer
@@ -265,8 +266,9 @@ def test_pingpong_kernels_have_a_budget_on_top():
 
 
 def test_strided_dgrad_times_one_more_pingpong_kernel():
-    """A strided dgrad's ping-pong kernels (the sub-pixel phases in one launch) get SUBPIXEL_PINGPONG_EXTRA more: layer
-    2's 3x3 stride-2 dgrad then times the 128x128 tile, whose CUTLASS twin won the cell, beside the model's first two."""
+    """A strided dgrad's ping-pong kernels (the sub-pixel phases in one launch) get SUBPIXEL_PINGPONG_EXTRA more:
+    layer 2's 3x3 stride-2 dgrad then times the 128x128 tile, whose CUTLASS twin won the cell, beside the model's
+    first two."""
     if plan_mod._sm90_enumerator() is None:
         pytest.skip("no 3.x conv family in this build")
     p = Conv2dProblem.make("dgrad", 32, 128, 56, 56, 128, 3, stride=2, padding=1)
@@ -278,3 +280,22 @@ def test_strided_dgrad_times_one_more_pingpong_kernel():
     # a stride-1 dgrad: no extra
     stride1 = p.replace(stride_h=1, stride_w=1)
     assert len([k for k in plan_problem(stride1, 8).kernels if k.is_conv_pingpong]) == PINGPONG_BUDGET
+
+
+def test_split_k_study_times_the_tuned_decision_on_its_side():
+    """bench --split-k (profiler/splitk.py): beside the model's picks, the decision's launch (the tune's winner) is
+    timed on its own side, once; padded or folded decisions are not (the study compares kernels on the problem as
+    it is)."""
+    from cutlass_byoc.profiler.splitk import _sides, _with_decision
+
+    p = Conv2dProblem.make("wgrad", 32, 1024, 14, 14, 256, 1)
+    split, unsplit = _sides(p, 1)
+    assert split and unsplit and all(l.split_k_slices > 1 for l in split)
+    others = [l for k in enumerate_kernels(p)[0] for _, l in plan_mod.launches_for(p, k)]
+    won_split = next(l for l in others if l.split_k_slices > 1 and l not in split)
+    won_unsplit = next(l for l in others if l.split_k_slices == 1 and l not in unsplit)
+    assert _with_decision(split, unsplit, won_split) == ([*split, won_split], unsplit)
+    assert _with_decision(split, unsplit, won_unsplit) == (split, [*unsplit, won_unsplit])
+    assert _with_decision(split, unsplit, split[0]) == (split, unsplit)  # the model's pick already
+    assert _with_decision(split, unsplit, None) == (split, unsplit)
+    assert _with_decision(split, unsplit, dataclasses.replace(won_unsplit, pad_c=8)) == (split, unsplit)

@@ -557,7 +557,8 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
                          f"{q['aten_conv_cpu_ms']:.2f} ms")
             src = q.get("gpu_ms_by_source")
             if src:
-                lines.append(f"  {r.mode} GPU ms per step by source: " + ", ".join(f"{k} {v:.3f}" for k, v in src.items()))
+                lines.append(f"  {r.mode} GPU ms per step by source: "
+                             + ", ".join(f"{k} {v:.3f}" for k, v in src.items()))
             for ms, n, name in q.get("top_kernels", []):
                 lines.append(f"  {r.mode} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
     return "\n".join(lines)
