@@ -280,6 +280,11 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     assert out["top_kernels"][0] == [0.5, 0.5, "k0"] and len(out["top_kernels"]) == 10
     assert out["gpu_ms_by_source"] == {"cutlass_byoc": 0.0, "cudnn/cublas": 0.0, "triton": 0.0, "aten": 0.0,
                                        "other": 10.0}
+    assert out["triton_kernels"] == []
+    long = "triton_poi_fused__native_batch_norm_legit_functional_add_native_batch_norm_backward_threshold_backward_17"
+    both = profile_breakdown(avg, [(0.0, 1000.0, long), (1000.0, 3000.0, long[:-2] + "23"), (3000.0, 4000.0, "k")],
+                             steps=1, wall_ms=4.0)
+    assert both["triton_kernels"] == [[2.0, 1.0, long[:-2] + "23"], [1.0, 1.0, long]]  # whole names, all of them
 
 
 def test_top_kernels_ranks_names_by_summed_gpu_time():

@@ -257,16 +257,18 @@ def gpu_ms_by_source(kernels: Sequence[tuple[float, float, str]], steps: int) ->
     return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
 
 
-def top_kernels(kernels: Sequence[tuple[float, float, str]], steps: int, top: int = 10) -> list:
-    """The `top` kernel names by summed GPU time: [ms per step, launches per step, name (first 100 characters)].
-    Unlike the ops' split this holds under CUDA graphs too (replayed kernels are recorded; their ops are not)."""
+def top_kernels(kernels: Sequence[tuple[float, float, str]], steps: int, top: Optional[int] = 10,
+                width: Optional[int] = 100) -> list:
+    """The `top` kernel names (None: all) by summed GPU time: [ms per step, launches per step, name (its first `width`
+    characters; None: whole)]. Unlike the ops' split this holds under CUDA graphs too (replayed kernels are recorded;
+    their ops are not)."""
     by: dict[str, list[float]] = {}
     for start, stop, name in kernels:
         acc = by.setdefault(name, [0.0, 0.0])
         acc[0] += stop - start
         acc[1] += 1
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
-    return [[round(us / steps / 1e3, 4), n / steps, name[:100]] for name, (us, n) in ranked]
+    return [[round(us / steps / 1e3, 4), n / steps, name[:width]] for name, (us, n) in ranked]
 
 
 def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], steps: int, wall_ms: float) -> dict:
@@ -281,7 +283,11 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
     out = {"steps": steps, "wall_ms": wall_ms,
            "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
            **kernel_timeline(kernels, steps), "top_kernels": top_kernels(kernels, steps),
-           "gpu_ms_by_source": gpu_ms_by_source(kernels, steps)}
+           "gpu_ms_by_source": gpu_ms_by_source(kernels, steps),
+           # every Inductor kernel, whole names (their numeric suffixes tell apart the fused groups), so two modes'
+           # Triton kernels can be compared one by one
+           "triton_kernels": [k for k in top_kernels(kernels, steps, top=None, width=None)
+                              if kernel_source(k[2]) == "triton"]}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
