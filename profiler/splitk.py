@@ -75,7 +75,7 @@ def _with_decision(split: list[LaunchConfig], unsplit: list[LaunchConfig],
     """The sides with the tuned decision's launch added to its own (split when it has more than one slice), unless
     the model's picks hold it already. A channel-padded or folded decision is left out: the study compares kernels on
     the problem as it is."""
-    if decided is None or decided.pad_c != 1 or decided.pad_k != 1 or decided.s2d != 1 or decided in split + unsplit:
+    if decided is None or decided.padded or decided in split + unsplit:
         return split, unsplit
     if decided.split_k_slices > 1:
         return [*split, decided], unsplit
@@ -107,7 +107,6 @@ def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Opt
     from ..build import build  # noqa: PLC0415
     from .timing import time_gpu  # noqa: PLC0415
     from .worker import WorkerSettings, evaluate_candidate, make_problem_sets  # noqa: PLC0415
-
     from ..decisions import lookup_decision  # noqa: PLC0415
 
     items = [it for it in items if it.problem.kind is ConvKind.WGRAD]

@@ -280,14 +280,14 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
     launches outside graphs per step. Under CUDA graphs the kernels replay without their ops, so the op split means
     nothing there, and the launch counts say how the step was captured (one replay per graph or partition; launches
     outside graphs are host work)."""
+    every = top_kernels(kernels, steps, top=None, width=None)
     out = {"steps": steps, "wall_ms": wall_ms,
            "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
-           **kernel_timeline(kernels, steps), "top_kernels": top_kernels(kernels, steps),
+           **kernel_timeline(kernels, steps), "top_kernels": [[ms, n, name[:100]] for ms, n, name in every[:10]],
            "gpu_ms_by_source": gpu_ms_by_source(kernels, steps),
            # every Inductor kernel, whole names (their numeric suffixes tell apart the fused groups), so two modes'
            # Triton kernels can be compared one by one
-           "triton_kernels": [k for k in top_kernels(kernels, steps, top=None, width=None)
-                              if kernel_source(k[2]) == "triton"]}
+           "triton_kernels": [k for k in every if kernel_source(k[2]) == "triton"]}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
