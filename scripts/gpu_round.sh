@@ -25,6 +25,9 @@
 #           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
 #           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
+# inductor-kernels: scripts/inductor_kernels.py -> inductor-kernels.json, .log and inductor-code-<mode>.tar.xz:
+#           Inductor's Triton kernels under inductor-cudagraphs and cutlass_byoc-cudagraphs, by name, time and code
+#           (IK_CASE, IK_SELECT; IK_REFERENCE=1: offloaded convs on the PyTorch reference, nothing to compile)
 # time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; any default-workload layer as bench names it,
 #           or stem / down) --extra -> $OUT/time-launches.log: each launch of the layers' plans (and the stem fold's
 #           sm90 variants; TIME_EXTRA=0: not those) timed whole and kernel alone (TIME_KINDS=fprop,wgrad narrows the
@@ -168,6 +171,13 @@ for step in "${steps[@]}"; do
         ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
         ${BENCH_MODES:+--modes $BENCH_MODES} ${BENCH_PROFILE:+--profile} \
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
+    inductor-kernels)
+      # Inductor's Triton kernels of a training step under plain Inductor and under this backend, one by one, with
+      # their generated code (IK_CASE, default resnet50:32; IK_REFERENCE=1: the offloaded convs on the PyTorch
+      # reference, so no kernel is needed; IK_SELECT, default heuristic)
+      python3 scripts/inductor_kernels.py "$OUT" --case "${IK_CASE:-resnet50:32}" --select "${IK_SELECT:-heuristic}" \
+        $([ -n "${IK_REFERENCE:-}" ] && echo --reference) 2>&1 | grep -v "^W[0-9]" | tee "$OUT/inductor-kernels.log" \
+        || rc=1 ;;
     time-launches)
       python3 scripts/time_launches.py ${TIME_LAYERS:-stem} ${TIME_KINDS:+--kinds $TIME_KINDS} \
         $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;

@@ -244,6 +244,10 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
     assert {kernel_source(n) for n in ours} == {"cutlass_byoc"}
     assert {kernel_source(n) for n in vendor} == {"cudnn/cublas"}
     assert kernel_source("triton_poi_fused_add_relu_3") == "triton"
+    # Inductor names its kernels after the aten ops they fuse: those next to a convolution are still Triton's
+    for name in ("triton_poi_fused_convolution_backward_threshold_backward_12", "triton_poi_fused_convolution_0",
+                 "triton_red_fused_convolution_backward_native_batch_norm_backward_7", "triton_tem_fused_addmm_gemm_1"):
+        assert kernel_source(name) == "triton", name
     assert kernel_source("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >") == "aten"
     assert kernel_source("Memset (Device)") == "other"
     ks = [(0.0, 400.0, ours[0]), (400.0, 500.0, vendor[0]), (500.0, 800.0, "triton_red_fused_1"),

@@ -233,13 +233,15 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
             "longest_gaps": [[round(g, 1), name[:80], before[:80]] for g, name, before in gaps[:top]]}
 
 
-#: Where a GPU kernel comes from, by its name (first match wins): this project's kernels (its templates' cb_
-#: namespaces, and CUTLASS's kernel wrappers around this project's kernel types; cuBLAS's and cuDNN's CUTLASS kernels
-#: carry their own cutlass_80_... / cutlass3x_... names), cuDNN's and cuBLAS's (their xmma / nvjet / cudnn / CUTLASS
-#: kernels), Inductor's Triton kernels, and PyTorch's own (aten) kernels.
-KERNEL_SOURCES = (("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))")),
+#: Where a GPU kernel comes from, by its name (first match wins): Inductor's Triton kernels (first: Inductor names a
+#: fused kernel after the aten ops it computes, so a pointwise or reduction kernel next to a convolution is called
+#: e.g. triton_poi_fused_convolution_backward_12 and must not count as cuDNN's), this project's kernels (its
+#: templates' cb_ namespaces, and CUTLASS's kernel wrappers around this project's kernel types; cuBLAS's and cuDNN's
+#: CUTLASS kernels carry their own cutlass_80_... / cutlass3x_... names), cuDNN's and cuBLAS's (their xmma / nvjet /
+#: cudnn / CUTLASS kernels), and PyTorch's own (aten) kernels.
+KERNEL_SOURCES = (("triton", re.compile(r"^triton_")),
+                  ("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))")),
                   ("cudnn/cublas", re.compile(r"xmma|cudnn|nvjet|cutlass|gemm|conv", re.IGNORECASE)),
-                  ("triton", re.compile(r"^triton_")),
                   ("aten", re.compile(r"at::native|at::cuda|^void at::")))
 
 
