@@ -212,7 +212,7 @@ def unsupported_reason(problem: Conv2dProblem) -> Optional[str]:
     if problem.epilogue.activation is Activation.RELU6:
         return ("activation relu6: the implicit-GEMM epilogues have no clamp (only the depthwise kernels fuse "
                 "ReLU6); the clamp stays in PyTorch")
-    if problem.is_strided_dgrad and (problem.dilation_h > 1 or problem.dilation_w > 1):
+    if problem.is_strided_dgrad and problem.is_dilated:
         return (f"dilation: dgrad with stride {problem.stride_h}x{problem.stride_w} takes dilation 1 only (strided-"
                 f"dgrad kernels ignore dilation), got {problem.dilation_h}x{problem.dilation_w}")
     for pad_c, pad_k in channel_pad_options(problem):

@@ -366,7 +366,7 @@ class KernelConfig:
             if extent % a:
                 return f"alignment: {name}'s channel extent {extent} is not a multiple of the kernel's alignment {a}"
         strided = problem.is_strided
-        dilated = problem.dilation_h > 1 or problem.dilation_w > 1
+        dilated = problem.is_dilated
         if self.kind is ConvKind.DGRAD:
             if dilated and strided:
                 # CUTLASS's strided-dgrad iterators do not apply dilation; the unity-stride ones (analytic and
@@ -435,7 +435,7 @@ def s2d_reject_reason(problem: Conv2dProblem, block: int) -> Optional[str]:
         return f"s2d: space-to-depth is for groups == 1, got groups={problem.groups}"
     if (problem.stride_h, problem.stride_w) != (block, block):
         return f"s2d: a block of {block} needs stride {block}x{block}, got {problem.stride_h}x{problem.stride_w}"
-    if problem.dilation_h > 1 or problem.dilation_w > 1:
+    if problem.is_dilated:
         return f"s2d: space-to-depth needs dilation 1, got {problem.dilation_h}x{problem.dilation_w}"
     ep = problem.epilogue
     if problem.kind is ConvKind.DGRAD and (ep.source is not SourceKind.NONE or ep.activation is not Activation.IDENTITY):

@@ -346,7 +346,7 @@ def depthwise_problem_error(problem: Conv2dProblem) -> Optional[str]:
     """Why no depthwise kernel computes `problem` whatever its config (naming the parameter), or None."""
     if not problem.is_depthwise:
         return f"groups: depthwise kernels need groups == C == K, got groups={problem.groups} C={problem.c} K={problem.k}"
-    if problem.dilation_h != 1 or problem.dilation_w != 1:
+    if problem.is_dilated:
         return f"dilation: depthwise kernels take dilation 1 only, got {problem.dilation_h}x{problem.dilation_w}"
     if max(problem.r, problem.s) > MAX_FILTER:
         return f"filter: depthwise kernels take R, S <= {MAX_FILTER}, got {problem.r}x{problem.s}"

@@ -195,6 +195,11 @@ class Conv2dProblem:
         return self.stride_h > 1 or self.stride_w > 1
 
     @property
+    def is_dilated(self) -> bool:
+        """A dilation above 1 in either direction."""
+        return self.dilation_h > 1 or self.dilation_w > 1
+
+    @property
     def is_strided_dgrad(self) -> bool:
         """The dgrad of a strided conv: every dx pixel takes only the taps its phase meets (strided-dgrad kernels; the
         3.x family's sub-pixel launches; channel padding to give them wide accesses)."""

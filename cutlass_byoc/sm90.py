@@ -258,7 +258,7 @@ def subpixel_reject_reason(problem: Conv2dProblem) -> Optional[str]:
     """Why the sub-pixel decomposition cannot compute this strided dgrad on the stride-1 kernel, or None. The
     compiled kernel's cb_can_implement checks the same (and asks CUTLASS about each phase)."""
     p = problem
-    if p.dilation_h != 1 or p.dilation_w != 1:
+    if p.is_dilated:
         return f"dilation: the sub-pixel strided dgrad takes dilation 1, got {p.dilation_h}x{p.dilation_w}"
     if p.stride_h * p.stride_w > SUBPIXEL_MAX_PHASES:
         return f"stride: the sub-pixel dgrad launches one kernel per phase, at most {SUBPIXEL_MAX_PHASES}; got {p.stride_h}x{p.stride_w}"

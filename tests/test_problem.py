@@ -25,6 +25,9 @@ def test_stem_and_dilation_output_size():
     assert (stem.p, stem.q) == (112, 112)
     dil = Conv2dProblem.make("fprop", 1, 8, 20, 20, 8, 3, padding=2, dilation=2)
     assert (dil.p, dil.q) == (20, 20)
+    assert dil.is_dilated and not stem.is_dilated and stem.is_strided and not dil.is_strided
+    assert dil.replace(dilation_w=1).is_dilated and not dil.replace(dilation_h=1, dilation_w=1).is_dilated
+    assert stem.replace(kind=ConvKind.DGRAD).is_strided_dgrad and not stem.is_strided_dgrad
 
 
 def test_bytes_moved_counts_each_tensor_once():
