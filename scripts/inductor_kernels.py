@@ -33,6 +33,25 @@ import tempfile
 from pathlib import Path
 
 
+def triton_by_ops(a: list, b: list) -> list[dict]:
+    """Two modes' Triton kernels ([ms per step, launches per step, name] each) summed by the aten ops they fuse (the
+    name without Inductor's counter, which differs between two compiles), largest difference first: [{"ops", "a":
+    [ms, launches], "b": [ms, launches], "ms_diff": b - a}]."""
+    def by_ops(kernels: list) -> dict:
+        acc: dict = {}
+        for ms, n, name in kernels:
+            head, _, tail = name.rpartition("_")
+            t = acc.setdefault(head if tail.isdigit() else name, [0.0, 0.0])
+            t[0] += ms
+            t[1] += n
+        return acc
+    x, y = by_ops(a), by_ops(b)
+    zero = [0.0, 0.0]
+    rows = [{"ops": k, "a": [round(v, 4) for v in x.get(k, zero)], "b": [round(v, 4) for v in y.get(k, zero)],
+             "ms_diff": round(y.get(k, zero)[0] - x.get(k, zero)[0], 4)} for k in sorted(set(x) | set(y))]
+    return sorted(rows, key=lambda r: -abs(r["ms_diff"]))
+
+
 def child(mode: str, case: str, reference: bool, select: str, out: Path) -> None:
     import torch  # noqa: PLC0415
 
@@ -88,23 +107,15 @@ def main() -> int:
                   f"{len(q['triton_kernels'])} Triton kernels, {sum(k[0] for k in q['triton_kernels']):.3f} ms; "
                   f"{len(code)} generated modules; {row['offload']}", flush=True)
     names = [m for m in a.modes if m in result["modes"]]
-    if len(names) == 2:  # the Triton kernels by the aten ops they fuse (the name without its counter)
-        def by_ops(mode: str) -> dict:
-            acc: dict = {}
-            for ms, n, name in result["modes"][mode]["profile"]["triton_kernels"]:
-                ops = name.rsplit("_", 1)[0] if name.rsplit("_", 1)[-1].isdigit() else name
-                t = acc.setdefault(ops, [0.0, 0.0])
-                t[0] += ms
-                t[1] += n
-            return acc
-        x, y = by_ops(names[0]), by_ops(names[1])
-        diff = sorted(((y.get(k, [0, 0])[0] - x.get(k, [0, 0])[0], k, x.get(k, [0, 0]), y.get(k, [0, 0]))
-                       for k in set(x) | set(y)), key=lambda d: -abs(d[0]))
-        result["triton_by_ops"] = [{"ops": k, names[0]: a_, names[1]: b_, "ms_diff": round(d, 4)}
-                                   for d, k, a_, b_ in diff]
+    if len(names) == 2:
+        kernels = [result["modes"][m]["profile"]["triton_kernels"] for m in names]
+        diff = triton_by_ops(*kernels)
+        result["triton_by_ops"] = [{"ops": d["ops"], names[0]: d["a"], names[1]: d["b"], "ms_diff": d["ms_diff"]}
+                                   for d in diff]
         print(f"Triton kernels by the ops they fuse, {names[1]} minus {names[0]} (ms per step, launches):")
-        for d, k, a_, b_ in diff[:40]:
-            print(f"  {d:+8.4f}  {a_[0]:7.4f} x{a_[1]:<4.0f} {b_[0]:7.4f} x{b_[1]:<4.0f} {k}")
+        for d in diff[:40]:
+            (ma, na), (mb, nb) = d["a"], d["b"]
+            print(f"  {d['ms_diff']:+8.4f}  {ma:7.4f} x{na:<4.0f} {mb:7.4f} x{nb:<4.0f} {d['ops']}")
     (a.out / "inductor-kernels.json").write_text(json.dumps(result, indent=1) + "\n")
     return rc
 

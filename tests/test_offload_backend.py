@@ -297,3 +297,25 @@ def test_top_kernels_ranks_names_by_summed_gpu_time():
     ks = [(0.0, 300.0, "conv"), (400.0, 500.0, "relu"), (600.0, 800.0, "relu"), (900.0, 1000.0, "sgd"),
           (1000.0, 1400.0, "conv")]
     assert top_kernels(ks, steps=2, top=2) == [[0.35, 1.0, "conv"], [0.15, 1.0, "relu"]]
+
+
+def test_inductor_kernels_groups_triton_kernels_by_the_ops_they_fuse():
+    """scripts/inductor_kernels.py compares two compiles' Triton kernels by name without Inductor's counter."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "inductor_kernels.py"
+    spec = importlib.util.spec_from_file_location("inductor_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a = [[0.5, 2.0, "triton_red_fused__native_batch_norm_legit_functional_3"],
+         [0.25, 1.0, "triton_red_fused__native_batch_norm_legit_functional_9"],
+         [0.1, 1.0, "triton_poi_fused__to_copy_4"]]
+    b = [[0.7, 3.0, "triton_red_fused__native_batch_norm_legit_functional_11"], [0.2, 1.0, "triton_poi_fused_add"]]
+    rows = mod.triton_by_ops(a, b)
+    assert rows[0] == {"ops": "triton_poi_fused_add", "a": [0.0, 0.0], "b": [0.2, 1.0], "ms_diff": 0.2}
+    by = {r["ops"]: r for r in rows}
+    assert by["triton_red_fused__native_batch_norm_legit_functional"] == {
+        "ops": "triton_red_fused__native_batch_norm_legit_functional", "a": [0.75, 3.0], "b": [0.7, 3.0],
+        "ms_diff": -0.05}
+    assert by["triton_poi_fused__to_copy"]["ms_diff"] == -0.1 and len(rows) == 3
