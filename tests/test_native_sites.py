@@ -183,6 +183,21 @@ def _child() -> None:
     assert len(rec4.calls) == 1 and gw.dtype == torch.float32 and gw.shape == (32, 16, 3, 3)
     assert gw.is_contiguous(memory_format=CL) and rec4.calls[0]["d"] == gw.data_ptr()
 
+    # the host-overhead benchmark's split: the fast path and cb_run alone in C++ loops, on operands of the spec
+    # (20 warm-up calls, then the timed ones)
+    n2 = len(rec2.calls)
+    assert nat.time_site(i2, None, 30, nat.LAUNCH) > 0 and len(rec2.calls) == n2 + 50
+    c = rec2.calls[-1]
+    assert c["source"] and c["bias"] and c["d"] and c["source"] != c["bias"], c
+    assert nat.time_site(i4, None, 30, nat.RUN) > 0 and len(rec4.calls) == 1 + 50
+    assert len({call["d"] for call in rec4.calls[1:]}) == 1  # one prepared argument block
+    for index, words in ((i, "not bound"), (i3, "planted launch failure")):  # cleared; a failing kernel
+        try:
+            nat.time_site(index, None, 5, nat.RUN)
+            raise AssertionError(f"site {index} timed")
+        except RuntimeError as e:
+            assert words in str(e), e
+
     # malformed specs are refused by name
     for field, value, words in (("abi", 99, "ABI"), ("off_d", 10_000, "offset"), ("source_dim", 3, "source_dim")):
         bad = native.SiteSpec.from_buffer_copy(spec)  # a good spec, one field spoilt

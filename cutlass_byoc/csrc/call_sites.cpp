@@ -30,7 +30,9 @@
 #include <torch/library.h>
 
 #include <array>
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -277,5 +279,74 @@ void cb_sites_reset_calls() {
 
 // 0: every call takes the Python twin (debugging, A/B checks); 1: the fast path runs.
 void cb_sites_enable(int on) { g_enabled.store(on != 0); }
+
+// Host microseconds per call of a bound site's fast path, without the dispatcher and Python in front of it (the
+// host-overhead benchmark's split of a call): what = 0 times launch() (the checks, the output and workspace
+// allocations, the argument block and cb_run), what = 1 cb_run alone on one prepared argument block. Operands of
+// the spec's shapes and dtypes are allocated here (channels_last, the allocator's alignment) on `device_index`
+// (-1: the CPU, for the CPU test build). The time runs from the first call to the stream's drain after the last.
+// Returns -1 with `msg` set when the site is not bound or a call fails.
+double cb_site_time(int64_t index, int64_t device_index, int64_t iters, int what, char* msg, int msg_len) {
+  auto fail = [&](const std::string& why) {
+    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
+    return -1.0;
+  };
+  auto site = find_site(index);
+  if (!site) return fail("site not bound");
+  const SiteSpec& sp = site->spec;
+  const at::Device dev = device_index < 0 ? at::Device(at::kCPU) : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+  std::optional<c10::DeviceGuard> guard;
+  if (!kCpu) guard.emplace(dev);
+  auto operand = [&](const int64_t* shape, int64_t dim, c10::ScalarType dt) {
+    auto t = at::empty(c10::IntArrayRef(shape, static_cast<size_t>(dim)), at::TensorOptions().dtype(dt).device(dev));
+    return dim == 4 ? t.contiguous(at::MemoryFormat::ChannelsLast) : t;
+  };
+  at::Tensor a = operand(sp.a_shape, 4, site->dt_a), b = operand(sp.b_shape, 4, site->dt_b);
+  std::optional<at::Tensor> source, bias;
+  if (sp.source_dim > 0) source = operand(sp.source_shape, sp.source_dim, site->dt_source);
+  if (sp.bias_len >= 0) bias = operand(&sp.bias_len, 1, site->dt_bias);
+  // (as launch() takes them: the epilogue source, i.e. the residual or else the bias, then the second pointer)
+  void* stream = nullptr;
+  std::optional<c10::Stream> cstream;
+  if (!kCpu) {
+    cstream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev);
+    stream = cstream->native_handle();
+  }
+  // cb_run alone: the argument block of one launch, filled once
+  std::array<uint8_t, kMaxArgsBytes> args = site->args;
+  at::Tensor out, workspace;
+  if (what == 1) {
+    out = at::empty_strided(c10::IntArrayRef(sp.out_size, 4), c10::IntArrayRef(sp.out_stride, 4),
+                            at::TensorOptions().dtype(site->dt_out).device(dev));
+    auto put = [&](int64_t off, const void* p) { std::memcpy(args.data() + off, &p, sizeof(void*)); };
+    put(sp.off_a, a.const_data_ptr());
+    put(sp.off_b, b.const_data_ptr());
+    put(sp.off_d, out.data_ptr());
+    put(sp.off_source, source ? source->const_data_ptr() : nullptr);
+    if (bias) put(sp.off_bias, bias->const_data_ptr());
+    if (sp.workspace_bytes > 0)
+      workspace = at::empty({sp.workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(dev));
+  }
+  char err[256] = {0};
+  auto one = [&]() -> bool {
+    if (what == 1)
+      return reinterpret_cast<RunFn>(sp.run)(args.data(), sp.workspace_bytes > 0 ? workspace.data_ptr() : nullptr,
+                                             sp.workspace_bytes, stream, err, sizeof(err)) == 0;
+    return launch(*site, a, b, source, bias).has_value();
+  };
+  try {
+    for (int i = 0; i < 20; ++i)  // warm-up
+      if (!one()) return fail(std::string("a call failed or was refused: ") + err);
+    if (cstream) cstream->synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iters; ++i)
+      if (!one()) return fail(std::string("a call failed or was refused: ") + err);
+    if (cstream) cstream->synchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    return std::chrono::duration<double, std::micro>(t1 - t0).count() / static_cast<double>(std::max<int64_t>(iters, 1));
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
 
 }  // extern "C"

@@ -533,6 +533,12 @@ def host_overhead(calls: int = 3000, warmup: int = 200,
             rows.append({"pass": kind, "path": "cutlass_byoc call site (Python)",
                          "us_per_call": per_call(lambda: py[kind](s))})
             assert nat.calls(s) == before, f"{kind}: the Python twin went through the C++ path"
+            # the C++ call split: the fast path alone in a C++ loop (its checks, the output's and workspace's
+            # allocations, the argument block, cb_run), and cb_run alone (the kernel library's launch: CUTLASS's
+            # arguments, initialize, the launch); the rest of a call is the dispatcher and Python in front of it
+            for path, what in (("call site: C++ fast path alone", nat.LAUNCH), ("call site: cb_run alone", nat.RUN)):
+                rows.append({"pass": kind, "path": path,
+                             "us_per_call": nat.time_site(s, x.device, calls, what)})
         rows.append({"pass": kind, "path": "cutlass_byoc general path", "us_per_call": per_call(lambda: ours(-1))})
         rows.append({"pass": kind, "path": "aten (cuDNN)", "us_per_call": per_call(theirs)})
         assert library.site(s).launches > 0, f"{kind}: the call site never launched (it fell back to the general path)"

@@ -120,6 +120,9 @@ class Native:
         lib.cb_site_calls.argtypes = [ctypes.c_int64]
         lib.cb_site_calls.restype = ctypes.c_int64
         lib.cb_sites_enable.argtypes = [ctypes.c_int]
+        lib.cb_site_time.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p,
+                                     ctypes.c_int]
+        lib.cb_site_time.restype = ctypes.c_double
         self.path = path
         self._lib = lib
 
@@ -139,6 +142,20 @@ class Native:
 
     def enable(self, on: bool) -> None:
         self._lib.cb_sites_enable(1 if on else 0)
+
+    #: what time_site times
+    LAUNCH, RUN = 0, 1
+
+    def time_site(self, index: int, device: Optional[torch.device], iters: int, what: int) -> float:
+        """Host microseconds per call of a bound site's fast path on operands of its spec, in a C++ loop (no
+        dispatcher, no Python): what=LAUNCH the checks, allocations and cb_run of a call, what=RUN cb_run alone.
+        device None: the CPU (the CPU test build)."""
+        msg = ctypes.create_string_buffer(256)
+        index_ = -1 if device is None else (device.index if device.index is not None else torch.cuda.current_device())
+        us = float(self._lib.cb_site_time(index, index_, iters, what, msg, 256))
+        if us < 0:
+            raise RuntimeError(f"call site {index}: {msg.value.decode()}")
+        return us
 
 
 _lock = threading.Lock()
