@@ -123,7 +123,8 @@ def offload_tables(data: dict) -> list[str]:
                         f"{_f(q.get('launch_gap_ms'), '.2f')} | {_f(q.get('host_gap_ms'), '.2f')}, "
                         f"{_f(q.get('host_gaps'), '.0f')}")
             src = q.get("gpu_ms_by_source")  # (profiles of earlier runs have none)
-            by_source = ", ".join(f"{v:.2f}" for v in src.values()) if src else "-"
+            by_source = (", ".join(f"{src.get(k, 0.0):.2f}" for k in ("cutlass_byoc", "cudnn/cublas", "triton", "aten", "other"))
+                         if src else "-")  # the header's order, whatever the file's
             out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
                        f"{q['gpu_kernel_ms']:.2f} | {by_source} | {timeline} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")

@@ -254,6 +254,7 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
           (900.0, 1000.0, ours[1]), (1000.0, 1200.0, "Memset (Device)")]
     assert gpu_ms_by_source(ks, steps=2) == {"cutlass_byoc": 0.25, "cudnn/cublas": 0.05, "triton": 0.15, "aten": 0.0,
                                              "other": 0.1}
+    assert list(gpu_ms_by_source(ks, steps=2)) == ["cutlass_byoc", "cudnn/cublas", "triton", "aten", "other"]
 
 
 def test_profile_breakdown_splits_the_conv_ops_per_step():

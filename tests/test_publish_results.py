@@ -139,3 +139,17 @@ def test_merge_offload_replaces_only_the_rerun_cases(pr, tmp_path):
     # without the flag the given folders' rows alone are published, as before
     pr.publish([rerun], results)
     assert len(json.loads((results / "offload.json").read_text())["rows"]) == 2
+
+
+def test_profile_table_lists_the_sources_in_the_headers_order(pr):
+    """gpu_ms_by_source is rendered as the header names it (ours, cuDNN+cuBLAS, Triton, aten, other), whatever order
+    the file's dict has (the bench classifies Triton first)."""
+    row = offload_row("resnet50", 32, True, "cutlass_byoc-cudagraphs", 10.0)
+    row["profile"] = {"wall_ms": 11.0, "gpu_kernel_ms": 6.5, "offloaded_calls": 0, "offloaded_cpu_ms": 0.0,
+                      "offloaded_gpu_ms": 0.0, "aten_conv_calls": 0, "aten_conv_cpu_ms": 0.0, "aten_conv_gpu_ms": 0.0,
+                      "gpu_ms_by_source": {"triton": 3.0, "cutlass_byoc": 1.5, "cudnn/cublas": 0.5, "aten": 0.25,
+                                           "other": 0.125}}
+    lines = pr.offload_tables(offload_file([row], []))
+    header = next(line for line in lines if "GPU ms: ours, cuDNN+cuBLAS, Triton, aten, other" in line)
+    body = next(line for line in lines if line.startswith("| resnet50 | 32 | cutlass_byoc-cudagraphs | 11.00"))
+    assert header and "| 1.50, 0.50, 3.00, 0.25, 0.12 |" in body, body
