@@ -294,7 +294,8 @@ double cb_site_time(int64_t index, int64_t device_index, int64_t iters, int what
   auto site = find_site(index);
   if (!site) return fail("site not bound");
   const SiteSpec& sp = site->spec;
-  const at::Device dev = device_index < 0 ? at::Device(at::kCPU) : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+  const at::Device dev = device_index < 0 ? at::Device(at::kCPU)
+                                          : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
   std::optional<c10::DeviceGuard> guard;
   if (!kCpu) guard.emplace(dev);
   auto operand = [&](const int64_t* shape, int64_t dim, c10::ScalarType dt) {
@@ -343,7 +344,8 @@ double cb_site_time(int64_t index, int64_t device_index, int64_t iters, int what
       if (!one()) return fail(std::string("a call failed or was refused: ") + err);
     if (cstream) cstream->synchronize();
     const auto t1 = std::chrono::steady_clock::now();
-    return std::chrono::duration<double, std::micro>(t1 - t0).count() / static_cast<double>(std::max<int64_t>(iters, 1));
+    const double us = std::chrono::duration<double, std::micro>(t1 - t0).count();
+    return us / static_cast<double>(std::max<int64_t>(iters, 1));
   } catch (const std::exception& e) {
     return fail(e.what());
   }
