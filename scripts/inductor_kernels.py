@@ -13,9 +13,10 @@ exactly the same graph either way (the partitioner does not look at the kernels'
 so the Triton kernels and their times are what they are with the kernels, and no kernel needs to be compiled.
 
 Writes DIR/inductor-kernels.json: per mode, the profile's split (``profile_breakdown``: ``gpu_ms_by_source``,
-``triton_kernels`` with whole names, ms and launches per step) and, for every Triton kernel run, the aten ops it
-fuses (from its name) and its size; DIR/inductor-code-<mode>.tar.xz: the generated Python/Triton modules of the
-mode's graphs, to read the kernels' index expressions.
+``triton_kernels`` with whole names, ms and launches per step) and, with two modes, ``triton_by_ops``: both modes'
+Triton time summed by the aten ops the kernels fuse (their names without Inductor's counter), largest difference
+first; DIR/inductor-code-<mode>.tar.xz: the generated Python/Triton modules of the mode's graphs, to read the
+kernels' index expressions.
 
     python scripts/inductor_kernels.py OUT_DIR [--case resnet50:32] [--modes inductor-cudagraphs
         cutlass_byoc-cudagraphs] [--reference] [--select heuristic]

@@ -34,6 +34,10 @@ MULTIGPU = "multigpu"  # benchmarks/h200/multigpu/: scripts/multigpu_round.sh's 
 TUNE_GPUS = "tune-gpus-*.json"  # copied as they are
 CONCATENATED = ("ddp.jsonl", "fleet.log")  # several calls' text, in the given order
 TUNE_ORDER = {"tune-gpus-cold.json": 0, "tune-gpus-1.json": 1, "tune-gpus-n.json": 2}
+#: the profile table's GPU-time columns: the offload bench's gpu_ms_by_source keys (bench.SOURCE_ORDER; this script
+#: stays free of torch) and their titles, in the header's order whatever the file's
+SOURCE_COLUMNS = (("cutlass_byoc", "ours"), ("cudnn/cublas", "cuDNN+cuBLAS"), ("triton", "Triton"), ("aten", "aten"),
+                  ("other", "other"))
 BEGIN, END = "<!-- results:begin (scripts/publish_results.py) -->", "<!-- results:end -->"
 
 
@@ -109,7 +113,8 @@ def offload_tables(data: dict) -> list[str]:
                 "replay without their ops, so their columns apply only without graphs; the GPU timeline: busy = the union of the "
                 "kernels, launch gaps = gaps between kernels up to 10 µs, host gaps = longer ones, the GPU waiting "
                 "for the host):", "",
-                "| model | batch | mode | wall ms | GPU kernels ms | GPU ms: ours, cuDNN+cuBLAS, Triton, aten, other | "
+                "| model | batch | mode | wall ms | GPU kernels ms | GPU ms: "
+                f"{', '.join(title for _, title in SOURCE_COLUMNS)} | "
                 "kernels | GPU busy ms | launch gaps ms | "
                 "host gaps: ms, count | graph replays, launches outside graphs | "
                 "offloaded convs: calls, host ms, GPU ms | aten convs: calls, host ms, GPU ms |",
@@ -123,8 +128,7 @@ def offload_tables(data: dict) -> list[str]:
                         f"{_f(q.get('launch_gap_ms'), '.2f')} | {_f(q.get('host_gap_ms'), '.2f')}, "
                         f"{_f(q.get('host_gaps'), '.0f')}")
             src = q.get("gpu_ms_by_source")  # (profiles of earlier runs have none)
-            by_source = (", ".join(f"{src.get(k, 0.0):.2f}" for k in ("cutlass_byoc", "cudnn/cublas", "triton", "aten", "other"))
-                         if src else "-")  # the header's order, whatever the file's
+            by_source = ", ".join(f"{src.get(k, 0.0):.2f}" for k, _ in SOURCE_COLUMNS) if src else "-"
             out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
                        f"{q['gpu_kernel_ms']:.2f} | {by_source} | {timeline} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")

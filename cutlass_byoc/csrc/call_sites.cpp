@@ -112,6 +112,20 @@ bool operand_ok(const at::Tensor& t, const at::Device& dev, const int64_t* shape
          t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t.const_data_ptr(), align);
 }
 
+// The site's argument block with one call's pointers filled in (bias: the second pointer, only where the site has one).
+std::array<uint8_t, kMaxArgsBytes> args_for(const Site& site, const void* a, const void* b, void* d,
+                                            const void* source, const void* bias) {
+  const SiteSpec& sp = site.spec;
+  std::array<uint8_t, kMaxArgsBytes> args = site.args;
+  auto put = [&](int64_t off, const void* p) { std::memcpy(args.data() + off, &p, sizeof(void*)); };
+  put(sp.off_a, a);
+  put(sp.off_b, b);
+  put(sp.off_d, d);
+  put(sp.off_source, source);
+  if (bias) put(sp.off_bias, bias);
+  return args;
+}
+
 // The launch of one call, or nullopt when the operands do not match the site's spec.
 std::optional<at::Tensor> launch(Site& site, const at::Tensor& a, const at::Tensor& b,
                                  const std::optional<at::Tensor>& source, const std::optional<at::Tensor>& bias) {
@@ -148,13 +162,7 @@ std::optional<at::Tensor> launch(Site& site, const at::Tensor& a, const at::Tens
 
   const auto options = at::TensorOptions().dtype(site.dt_out).device(dev);
   at::Tensor out = at::empty_strided(c10::IntArrayRef(sp.out_size, 4), c10::IntArrayRef(sp.out_stride, 4), options);
-  std::array<uint8_t, kMaxArgsBytes> args = site.args;
-  auto put = [&](int64_t off, const void* p) { std::memcpy(args.data() + off, &p, sizeof(void*)); };
-  put(sp.off_a, a.const_data_ptr());
-  put(sp.off_b, b.const_data_ptr());
-  put(sp.off_d, out.data_ptr());
-  put(sp.off_source, p_source);
-  if (p_bias) put(sp.off_bias, p_bias);
+  const auto args = args_for(site, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(), p_source, p_bias);
   // the workspace comes from the caching allocator and is dead after the call: safe under CUDA graph capture
   at::Tensor workspace;
   void* ws = nullptr;
@@ -314,17 +322,13 @@ double cb_site_time(int64_t index, int64_t device_index, int64_t iters, int what
     stream = cstream->native_handle();
   }
   // cb_run alone: the argument block of one launch, filled once
-  std::array<uint8_t, kMaxArgsBytes> args = site->args;
+  std::array<uint8_t, kMaxArgsBytes> args{};
   at::Tensor out, workspace;
   if (what == 1) {
     out = at::empty_strided(c10::IntArrayRef(sp.out_size, 4), c10::IntArrayRef(sp.out_stride, 4),
                             at::TensorOptions().dtype(site->dt_out).device(dev));
-    auto put = [&](int64_t off, const void* p) { std::memcpy(args.data() + off, &p, sizeof(void*)); };
-    put(sp.off_a, a.const_data_ptr());
-    put(sp.off_b, b.const_data_ptr());
-    put(sp.off_d, out.data_ptr());
-    put(sp.off_source, source ? source->const_data_ptr() : nullptr);
-    if (bias) put(sp.off_bias, bias->const_data_ptr());
+    args = args_for(*site, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(),
+                    source ? source->const_data_ptr() : nullptr, bias ? bias->const_data_ptr() : nullptr);
     if (sp.workspace_bytes > 0)
       workspace = at::empty({sp.workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(dev));
   }
