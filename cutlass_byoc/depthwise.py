@@ -69,6 +69,16 @@ Kernels:
   fp32 output; 3 of them faster than cuDNN) and on none of the fp16-output `depthwise` workload; on 5x5 it ran
   60-70 us where "taprows" ran 41 us (the staging's per-copy index arithmetic costs more than the load latency it
   hides there). So it is timed, never the untuned default.
+- wgrad, schedule "cols" (`COLS`): the work is column strips of dy, `stages` rows x `tile[1]` columns of one image.
+  A thread owns a channel vector and one strip at a time and walks it down row by row, the row loop unrolled: each
+  input row the strip reads ((columns - 1) * stride + S vectors) is loaded once, converted to fp32 once, and kept in
+  registers for the up to R dy rows that read it, and the loads of the next dy row and of the input rows it adds are
+  issued before the current row's multiply-adds. So a thread reads its input once, where "rows" and "taprows" read
+  each input row once per filter row, and always has the next row's loads in flight. The R*S*vector sums and R
+  input rows in fp32 stay in registers, which bounds the vector and the strip's columns (`cols_registers`,
+  COLS_MAX_REGS): 3x3 at vector 4, 5x5 at vector 2. `tile[0]` threads (slots) per channel vector take the split's
+  strips in turn, neighbouring strips on neighbouring slots; partials and reduction as the other wgrad schedules.
+  For this schedule `tile` is (slots, strip columns, channels) and `stages` the strip's rows.
 """
 
 from __future__ import annotations
@@ -90,9 +100,14 @@ MAX_STRIDE = 4
 #: The wgrad schedules whose work is dy row segments (see the module docstring); None is the pixel-tile schedule.
 ROWS = "rows"
 TAPROWS = "taprows"
+#: The wgrad schedule whose work is dy column strips walked down (see the module docstring).
+COLS = "cols"
 #: Registers a "rows" wgrad thread may need (accumulators, the step's dy in fp32 and its input window); past this the
 #: kernel spills or runs one CTA per SM.
 ROWS_MAX_REGS = 192
+#: Registers a "cols" wgrad thread may need (`cols_registers`): past this it runs fewer than 4 CTAs of 128 threads per
+#: SM, or spills.
+COLS_MAX_REGS = 128
 H200_SMS = 132
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
@@ -127,12 +142,32 @@ def strip(c: KernelConfig) -> int:
 
 def is_wide_strip(c: KernelConfig) -> bool:
     """Whether a pixel-tile config's threads compute strips of at least WIDE_STRIP columns."""
-    return not is_rows(c) and strip(c) >= WIDE_STRIP
+    return not is_rows(c) and not is_cols(c) and strip(c) >= WIDE_STRIP
 
 
 def is_rows(c: KernelConfig) -> bool:
     """Whether the config is a "rows" or "taprows" wgrad schedule (work: dy row segments; see the module docstring)."""
     return c.schedule in (ROWS, TAPROWS)
+
+
+def is_cols(c: KernelConfig) -> bool:
+    """Whether the config is a "cols" wgrad schedule (work: dy column strips walked down; see the module docstring)."""
+    return c.schedule == COLS
+
+
+def cols_window(c: KernelConfig) -> int:
+    """Input vectors of each input row a "cols" strip reads: (strip columns - 1) * stride + S."""
+    return (c.tile[1] - 1) * c.conv_stride[1] + c.filter_rs[1]
+
+
+def cols_registers(c: KernelConfig) -> int:
+    """32-bit registers a "cols" thread needs for its data at a dy row (a lower bound: addresses and loop state come
+    on top): the R*S*vector fp32 sums, the R input rows the row reads in fp32, the next row's new input rows and dy
+    as loaded, and the row's dy in fp32."""
+    vec, (r, s), (sh, _) = c.align_a, c.filter_rs, c.conv_stride
+    loaded = vec * c.element_a.nbytes / 4  # registers of one vector as loaded
+    window = cols_window(c)
+    return math.ceil(r * s * vec + r * window * vec + min(sh, r) * window * loaded + c.tile[1] * (vec + loaded))
 
 
 def row_groups(c: KernelConfig) -> int:
@@ -186,7 +221,7 @@ def halo_shape(c: KernelConfig) -> tuple[int, int]:
 def is_pipelined(c: KernelConfig) -> bool:
     """Whether a pixel-tile config walks its tiles with a double-buffered halo (stages 2): fprop and stride-1 dgrad
     with resident CTAs, wgrad one CTA per split and channel block."""
-    return not is_rows(c) and c.stages > 1
+    return not is_rows(c) and not is_cols(c) and c.stages > 1
 
 
 def is_pipelined_wgrad(c: KernelConfig) -> bool:
@@ -231,7 +266,7 @@ def depthwise_name(c: KernelConfig) -> str:
         "cb_dw", c.kind.value,
         f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
         f"t{rows}x{cols}x{ch}_v{c.align_a}_w{c.warps[0]}",
-        f"{c.schedule}{c.stages}" if is_rows(c) else
+        f"{c.schedule}{c.stages}" if is_rows(c) or is_cols(c) else
         ("l1" if not c.halo_smem else "smem" if c.stages == 1 else f"smem{c.stages}"),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
@@ -258,10 +293,17 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return f"conv_stride: expected (stride_h, stride_w) in 1..{MAX_STRIDE}, got {c.conv_stride}"
     if c.halo_smem is None:
         return "halo_smem: expected True or False for the depthwise family"
-    if c.schedule not in (None, ROWS, TAPROWS):
-        return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r} or {TAPROWS!r} (wgrad only), "
-                f"got {c.schedule!r}")
-    if is_rows(c):
+    if c.schedule not in (None, ROWS, TAPROWS, COLS):
+        return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r}, {TAPROWS!r} or {COLS!r} (wgrad "
+                f"only), got {c.schedule!r}")
+    if is_cols(c):
+        if c.kind is not ConvKind.WGRAD:
+            return f"schedule {COLS!r}: wgrad only"
+        if c.halo_smem:
+            return f"halo_smem: the {COLS!r} schedule keeps its input rows in registers (halo_smem False)"
+        if not 1 <= c.stages <= 16:
+            return f"stages: a {COLS!r} strip has 1..16 rows (its row loop unrolls), got {c.stages}"
+    elif is_rows(c):
         if c.kind is not ConvKind.WGRAD and not (c.schedule == ROWS and runs_window_loop(c)):
             return (f"schedule {c.schedule!r}: wgrad, and for {ROWS!r} also fprop and stride-1 dgrad (strided dgrad "
                     f"gathers its taps)")
@@ -310,6 +352,19 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return f"tile {c.tile}: expected positive rows, cols and channels a multiple of the vector {vec}"
     if c.warps[1:] != (1, 1) or not 1 <= c.warps[0] <= 32:
         return f"warps {c.warps}: expected (1..32, 1, 1)"
+    if is_cols(c):
+        if not 1 <= cols <= 8:
+            return f"tile {c.tile}: a {COLS!r} strip has 1..8 columns, got {cols}"
+        if rows * lanes(c) != c.threads:
+            return f"tile {c.tile}: {rows} slots x {lanes(c)} channel vectors must be the CTA's {c.threads} threads"
+        if lanes(c) % 32 and 32 % lanes(c):
+            return f"tile {c.tile}: {lanes(c)} channel vectors must divide 32 or be a multiple of it (the CTA's sum)"
+        if cols_registers(c) > COLS_MAX_REGS:
+            return (f"tile {c.tile}: a thread would hold {cols_registers(c)} registers of sums, input rows and dy (at "
+                    f"most {COLS_MAX_REGS}); fewer strip columns or a narrower vector")
+        if smem_bytes(c) > SMEM_LIMIT:
+            return f"{smem_bytes(c)} bytes of shared memory, past the {SMEM_LIMIT} of static shared memory"
+        return None
     if is_rows(c):
         groups = row_groups(c)
         if groups * rows * lanes(c) != c.threads:
@@ -377,8 +432,11 @@ def depthwise_reject_reason(c: KernelConfig, problem: Conv2dProblem) -> Optional
 
 def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
     """How many CTA pixel tiles cover the kernel's output (wgrad: dy), i.e. the most splits a wgrad can use. For the
-    "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread)."""
+    "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread); for
+    "cols" its column strips likewise."""
     rows, cols, _ = c.tile
+    if is_cols(c):  # the column strips over the CTA's slots
+        return math.ceil(problem.n * math.ceil(problem.p / c.stages) * math.ceil(problem.q / cols) / rows)
     if is_rows(c):
         ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
         return math.ceil(problem.n * ph * math.ceil(pw / cols) / rows)
@@ -450,6 +508,32 @@ PIPELINED_WGRAD_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
+#: The "cols" wgrad schedule's CTA shapes: (slots, strip columns, channel vectors per CTA, warps), slots x channel
+#: vectors = the CTA's threads; neighbouring slots walk neighbouring strips. 4 channel vectors at vector 4 are 16
+#: channels, which divide every MobileNetV2 / EfficientNet-B0 depthwise layer's C (144, 240, 672, ...).
+COLS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (32, 2, 4, 4),    # 128 threads, 4 vectors
+    (16, 2, 8, 4),    # 128 threads, 8 vectors
+    (64, 2, 4, 8),    # 256 threads, 4 vectors
+    (32, 4, 4, 4),    # strips of 4 columns (narrow vectors)
+    (8, 2, 16, 4),    # many channels, small images
+    (32, 1, 4, 4),    # strips of 1 column: 5x5 stride 2 (its 2-column input rows take too many registers)
+    (64, 1, 4, 8),
+)
+#: The strips' rows tried (the row loop unrolls over them), each where it leaves at most COLS_IDLE of the dy rows
+#: idle past the image's bottom edge (7 divides every MobileNetV2 / EfficientNet-B0 layer's P).
+COLS_RUNS = (7, 8, 14, 4)
+COLS_IDLE = 0.15
+
+
+def _cols_runs(problem: Conv2dProblem) -> list[int]:
+    """COLS_RUNS within COLS_IDLE of the problem's dy rows, or else the one leaving the fewest rows idle."""
+    def rows(run):
+        return math.ceil(problem.p / run) * run
+    runs = [run for run in COLS_RUNS if rows(run) <= (1 + COLS_IDLE) * problem.p]
+    return runs or [min(COLS_RUNS, key=lambda run: (rows(run), -run))]
+
+
 def _pipelined_wgrad_shapes(problem: Conv2dProblem) -> tuple[tuple[int, int, int, int], ...]:
     """PIPELINED_WGRAD_SHAPES as (rows, cols, channel vectors, warps) for the problem's R filter-row groups."""
     out = []
@@ -514,6 +598,10 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
         taps = problem.s if schedule == TAPROWS or tap_split else problem.r * problem.s
         while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
+        if schedule == COLS:  # the sums and the R input rows in fp32 (cols_registers): the widest that fits
+            window = problem.s + problem.stride_w  # of a 2-column strip
+            while widest > 1 and taps * widest + problem.r * window * widest > COLS_MAX_REGS:
+                widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
 
 
@@ -533,6 +621,7 @@ def _schedule_variants(problem: Conv2dProblem):
                        if problem.r * seg * nvec <= 1024)
         yield shapes, [(False, TAPROWS, steps) for steps in ROWS_STEPS]
         yield _pipelined_wgrad_shapes(problem), [(True, None, 2)]
+        yield COLS_SHAPES, [(False, COLS, run) for run in _cols_runs(problem)]
 
 
 def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
@@ -586,7 +675,7 @@ def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SM
     tiles = pixel_tiles(c, problem)
     ctiles = math.ceil(problem.c / c.tile[2])
     per_sm = 2  # resident CTAs per SM a wgrad CTA can count on (its R*S*vector accumulators take registers)
-    rows = is_rows(c)
+    rows = is_rows(c) or is_cols(c)
     out = []
     for waves in ((1, 2, 4, 8) if rows else (1, 2, 4)):
         want = max(1, waves * sms * per_sm // ctiles)
@@ -605,13 +694,17 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     rows, cols, ch = c.tile
     waste = math.ceil(problem.c / ch) * ch / problem.c
     ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
-    if is_rows(c):  # segments past the image's right edge
+    if is_cols(c):  # strips past the image's right and bottom edges
+        idle = math.ceil(pw / cols) * cols / pw * math.ceil(ph / c.stages) * c.stages / ph
+    elif is_rows(c):  # segments past the image's right edge
         idle = math.ceil(pw / cols) * cols / pw
     else:
         idle = math.ceil(ph / rows) * rows * math.ceil(pw / cols) * cols / (ph * pw)  # threads past the image's edge
     waste *= idle ** 0.5
     sh, sw = (1, 1) if is_flipped(c) else c.conv_stride
-    if is_rows(c):  # each segment reads R input rows of its window: from L2 after the first
+    if is_cols(c):  # a strip reads its input rows once, its window's overlap with the next strip's from L1
+        reread = ((c.stages - 1) * sh + c.filter_rs[0]) / (c.stages * sh) * cols_window(c) / (cols * sw)
+    elif is_rows(c):  # each segment reads R input rows of its window: from L2 after the first
         reread = c.filter_rs[0] / sh * rows_window(c) / (c.stages * sw)
     else:
         hh, ww = halo_shape(c)
@@ -629,6 +722,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     per_sm = max(1, min(MAX_SM_THREADS // c.threads, smem_fit))
     if is_rows(c):
         per_sm = max(1, min(per_sm, SM_REGISTERS // ((rows_registers(c) + 24) * c.threads)))
+    elif is_cols(c):
+        per_sm = max(1, min(per_sm, SM_REGISTERS // ((cols_registers(c) + 24) * c.threads)))
     if c.min_blocks:  # the compiler fits at least this many
         per_sm = max(per_sm, min(c.min_blocks, smem_fit))
     waves = ctas / (sms * per_sm)
@@ -645,7 +740,7 @@ def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Opt
     profiler."""
     best = None
     for cfg in depthwise_candidates(problem):
-        if is_pipelined_wgrad(cfg):
+        if is_pipelined_wgrad(cfg) or is_cols(cfg):
             continue
         for s in split_candidates(problem, cfg, sms):
             launch = LaunchConfig(cfg, s)

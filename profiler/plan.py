@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ..candidates import channel_pad_options, rewrite_options, sm80_candidates
 from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
-from ..depthwise import depthwise_candidates, is_pipelined, is_wide_strip
+from ..depthwise import depthwise_candidates, is_cols, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..smem_im2col import smem_im2col_candidates
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
@@ -51,6 +51,10 @@ WIDE_STRIP_BUDGET = 6
 #: Likewise the pipelined depthwise kernels (resident CTAs, double-buffered halo; depthwise.is_pipelined), whose
 #: overlap of loads and arithmetic the model does not see either.
 PIPELINED_BUDGET = 6
+#: ... and the depthwise "cols" wgrad kernels (input rows kept in registers, the next row's loads in flight), whose
+#: register-bound occupancy and overlap the model does not see either: this many of the model's best, one per CTA
+#: shape first.
+COLS_BUDGET = 8
 #: The shared-memory im2col kernels (few input channels), timed on a budget of their own on top of the others.
 SMEM_IM2COL_BUDGET = 8
 #: The 3.x conv family's persistent ping-pong kernels (the project's own, sm90.PINGPONG), up to this many of the
@@ -277,10 +281,11 @@ def _ranked(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int) -
 _WIDE = "depthwise wide strips"
 _PIPELINED = "depthwise pipelined"
 _PINGPONG = "sm90 ping-pong"
-_SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET,
+_COLS = "depthwise cols"
+_SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
                  KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET}
 #: Side budgets whose kernels are taken one per tile shape first (_spread_over_tiles), as the families' are.
-_SPREAD_SIDES = (_PINGPONG,)
+_SPREAD_SIDES = (_PINGPONG, _COLS)
 
 
 def _side_budgets(max_candidates: int, problem: Conv2dProblem) -> dict:
@@ -298,6 +303,8 @@ def _family_key(kernel: KernelConfig):
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
         if is_pipelined(kernel):
             return _PIPELINED
+        if is_cols(kernel):
+            return _COLS
         if is_wide_strip(kernel):
             return _WIDE
     return kernel.family

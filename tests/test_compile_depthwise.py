@@ -1,11 +1,11 @@
-"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad) rendered, built with nvcc
-for sm_90a (no hidden warnings), loaded, and asked its host-side API (can_implement, workspace size; no GPU
-needed)."""
+"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad, and a "cols"
+wgrad) rendered, built with nvcc for sm_90a (no hidden warnings), loaded, and asked its host-side API
+(can_implement, workspace size; no GPU needed)."""
 
 import pytest
 
 from cutlass_byoc.build import build
-from cutlass_byoc.depthwise import depthwise_candidates
+from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.runtime import KernelLibrary
 from cutlass_byoc.types import Activation, SourceKind
@@ -32,6 +32,7 @@ KERNELS = {
     "wgrad": (WGRAD, pick(WGRAD, halo_smem=False, align_a=8)),
     "pipelined_dgrad": (FLIPPED_DGRAD, pick(FLIPPED_DGRAD, stages=2, align_a=4, min_blocks=None)),
     "pipelined_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, stages=2, schedule=None, align_a=8, min_blocks=None)),
+    "cols_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="cols", stages=7, align_a=2, min_blocks=None)),
 }
 
 
@@ -65,10 +66,10 @@ def test_host_api_refuses_what_the_kernel_cannot_do(built):
     assert "bias" in raw_can_implement(dlib, dgrad, source_kind=1)  # a bias, which only fprop takes
 
 
-@pytest.mark.parametrize("which", ["wgrad", "pipelined_wgrad"])
+@pytest.mark.parametrize("which", ["wgrad", "pipelined_wgrad", "cols_wgrad"])
 def test_wgrad_workspace_holds_fp32_partials_per_split(built, which):
     problem, cfg = KERNELS[which]
     lib = KernelLibrary(cfg, built[cfg].library)
-    for splits in (1, 8, 64):
+    for splits in (1, 8, min(64, pixel_tiles(cfg, problem))):
         assert lib.can_implement(problem, split_k_slices=splits) is None
         assert lib.workspace_size(problem, splits) == splits * problem.r * problem.s * problem.c * 4

@@ -32,7 +32,7 @@ from cutlass_byoc.depthwise import (
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import (
-    DEPTHWISE_BUDGET_FACTOR, PIPELINED_BUDGET, WIDE_STRIP_BUDGET, has_kernels, plan_problem,
+    COLS_BUDGET, DEPTHWISE_BUDGET_FACTOR, PIPELINED_BUDGET, WIDE_STRIP_BUDGET, has_kernels, plan_problem,
 )
 from cutlass_byoc.render import render
 from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode
@@ -78,8 +78,9 @@ def test_vector_width_follows_the_channel_count():
     fp32_out = first(dw(c=96, out_dtype="f32"), align_a=8)
     assert fp32_out.align_c == 4  # 8 fp32 outputs stored as two 16-byte accesses
     sev = list(depthwise_candidates(dw("wgrad", c=96, r=7)))
-    assert {c.align_a for c in sev if c.schedule != "taprows" and not is_pipelined_wgrad(c)} == {2}  # 49 x 2 sums
+    assert {c.align_a for c in sev if c.schedule in (None, "rows") and not is_pipelined_wgrad(c)} == {2}  # 49 x 2 sums
     assert {c.align_a for c in sev if c.schedule == "taprows"} == {8, 4}  # one filter row: 7 x 8
+    assert {c.align_a for c in sev if c.schedule == "cols"} == {1}  # 49 sums and 7 input rows in fp32 per channel
 
 
 def test_config_json_round_trip_and_other_families_unchanged():
@@ -307,9 +308,13 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         # wide-strip kernels on budgets of their own
         piped = [k for k in plan.kernels if is_pipelined(k)]
         wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
-        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped)
+        cols = [k for k in plan.kernels if k.schedule == "cols"]  # wgrad's "cols" kernels: a budget of their own
+        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols)
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
         assert len(piped) == PIPELINED_BUDGET
+        assert len(cols) == (COLS_BUDGET if kind is ConvKind.WGRAD else 0)
+        if cols:  # one per CTA shape first
+            assert len({k.tile[:2] for k in cols}) >= 4, [k.name for k in cols]
         assert all(strip(k) >= WIDE_STRIP for k in wide) and all(k.stages == 2 and k.halo_smem for k in piped)
         assert len({(k.schedule, k.halo_smem) for k in plan.kernels}) >= 2  # schedules alternate
         if kind is ConvKind.WGRAD:

@@ -19,7 +19,8 @@ from cutlass_byoc.ops import _apply_activation  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
-from gpu_util import TOLERANCE, TORCH, depthwise_pipelined_wgrad_config, depthwise_rows_config  # noqa: E402
+from gpu_util import (  # noqa: E402
+    TOLERANCE, TORCH, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config)
 
 pytestmark = [pytest.mark.compile,
               pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
@@ -173,6 +174,29 @@ def test_wgrad_rows_schedule_accumulates_into_a_residual_with_padding_0():
     p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
     cfg = depthwise_rows_config(p.replace(epilogue=Epilogue()), 8, 4)
     check(p, cfg, splits=2, seed=3)
+
+
+@pytest.mark.parametrize("r, stride, vec, run, shape, dt, c, h, w", [
+    (3, 1, 4, 7, (32, 2), ("f16", "f16"), 24, 9, 21),    # a ragged last strip (21 columns) and run (9 rows)
+    (3, 2, 4, 4, (16, 2), ("f16", "f32"), 16, 13, 11),   # stride 2: two new input rows per dy row, fp32 out
+    (3, 1, 2, 8, (32, 4), ("bf16", "bf16"), 12, 7, 6),   # strips of 4, C not a multiple of 8, run past the image
+    (5, 1, 2, 7, (32, 2), ("f16", "f16"), 10, 14, 9),    # 5x5
+    (5, 2, 2, 4, (32, 1), ("bf16", "f32"), 6, 13, 12),   # 5x5 stride 2, strips of 1 column
+    (7, 1, 1, 4, (32, 1), ("f16", "f16"), 5, 8, 7),      # 7x7, vector 1 (2-byte accesses)
+])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_wgrad_cols_schedule(r, stride, vec, run, shape, dt, c, h, w, splits):
+    """The "cols" wgrad: each thread walks column strips down, its input rows kept in registers (1 split: every
+    strip through one CTA's slots; None: one strip per slot)."""
+    p = problem_of("wgrad", c, h, w, r, stride, dt)
+    cfg = depthwise_cols_config(p, vec, run, shape)
+    assert "_cols%d_" % run in cfg.name and cfg.min_blocks is None
+    check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride + run)
+
+
+def test_wgrad_cols_accumulates_into_a_residual_with_padding_0():
+    p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    check(p, depthwise_cols_config(p.replace(epilogue=Epilogue()), 4, 7), splits=2, seed=9)
 
 
 @pytest.mark.parametrize("r, stride, vec, strip_cols, dt, c, h, w", [

@@ -4,7 +4,7 @@ of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the
 
 Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (one CTA
 shape per kind and schedule, compiled in one parallel build): each kernel is reused over several shapes. The "rows"
-wgrad schedule has its own cases (test_wgrad_rows_schedule*)."""
+wgrad schedule has its own cases (test_wgrad_rows_schedule*), the "cols" one test_cols_wgrad."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, check_launch, depthwise_pipelined_wgrad_config, depthwise_rows_config, kernel_operands, module_kernels,
-    operands, poisoned_output, reference, rel_err,
+    TOLERANCE, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config,
+    kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
 )
 
 pytestmark = pytest.mark.gpu
@@ -232,6 +232,7 @@ def all_kernels():
         ks += [cfg] + ([with_alignments(cfg, 4, 4, 4)] if cfg.align_a > 4 else [])
     ks += [wide_kernel(*k) for k in WIDE_KERNELS] + [pipelined_kernel(*k) for k in PIPELINED_KERNELS]
     ks += [pipelined_wgrad_kernel(*k) for k in PIPELINED_WGRAD_KERNELS]
+    ks += [cols_kernel(*k) for k in COLS_KERNELS]
     ks += [graph_kernel()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
@@ -380,6 +381,42 @@ def test_pipelined_wgrad(dt, r, stride, vec, strip_cols, epi):
         tiles = pixel_tiles(cfg, problem)
         for splits in ([1, 3, tiles] if n == 3 else [64]):
             check_launch(problem, LaunchConfig(cfg, min(splits, tiles)), seed=c * 3 + h + n + splits)
+
+
+# The "cols" wgrad (each thread walks column strips down, its input rows in registers): (dtypes, R, stride, vector,
+# strip rows, (slots, strip columns), epilogue, register-capped twin).
+COLS_KERNELS = [
+    (("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue(), False),
+    (("f16", "f32"), 3, 2, 4, 4, (16, 2), Epilogue(), False),
+    (("bf16", "bf16"), 3, 1, 2, 8, (32, 4), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL), False),
+    (("f16", "f16"), 5, 1, 2, 7, (32, 2), Epilogue(), False),
+    (("bf16", "f32"), 5, 2, 2, 4, (32, 1), Epilogue(), False),
+    (("f16", "f16"), 3, 1, 4, 14, (64, 2), Epilogue(), True),
+    (("f16", "f16"), 5, 1, 2, 7, (32, 2), Epilogue(), True),
+]
+
+
+def cols_kernel(dt, r, stride, vec, run, shape, epi, capped):
+    cfg = depthwise_cols_config(problem_of("wgrad", 96, 15, 13, r, stride, dt), vec, run, shape)
+    return min_blocks_variant(cfg) if capped else cfg
+
+
+@pytest.mark.parametrize("dt, r, stride, vec, run, shape, epi, capped", COLS_KERNELS,
+                         ids=[f"{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-run{n}-{sh[0]}x{sh[1]}-{e.tag}{'-mb' if cp else ''}"
+                              for d, r, s, v, n, sh, e, cp in COLS_KERNELS])
+def test_cols_wgrad(dt, r, stride, vec, run, shape, epi, capped):
+    cfg = cols_kernel(dt, r, stride, vec, run, shape, epi, capped)
+    assert f"_cols{run}_" in cfg.name and (cfg.min_blocks is not None) == capped
+    # SHAPES at 1 split (every strip through one CTA), 3 and one slot's strips per split; then C=144 over 32 images
+    # of 56x56 (a MobileNetV2 layer's size: 9 or more channel blocks) at 1, 64 and the most splits
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(144, 56, 56, 32)]:
+        if c % vec:
+            continue
+        problem = problem_of("wgrad", c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        most = pixel_tiles(cfg, problem)
+        for splits in sorted({1, min(3, most) if n == 3 else min(64, most), most}):
+            check_launch(problem, LaunchConfig(cfg, splits), seed=c * 3 + h + n + splits)
 
 
 def graph_kernel():
