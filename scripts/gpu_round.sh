@@ -44,6 +44,7 @@
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
+#           (DW_KINDS=wgrad or fprop,dgrad: those kinds' problems only, as `--kinds`)
 # The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
 # tune.log, tune.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log, time-launches.log, gpu-offload.log,
 # offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log), sweep.json, sweep.log,
@@ -140,7 +141,8 @@ for step in "${steps[@]}"; do
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --split-k --json "$OUT/bench-splitk.json" \
         2>&1 | tee -a "$OUT/bench.log" || rc=1 ;;
     tune-depthwise)
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune depthwise --verbose --no-progress 2>&1 \
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune depthwise ${DW_KINDS:+--kinds $DW_KINDS} --verbose \
+        --no-progress ${TUNE_JSON:+--json "$OUT/tune-depthwise.json"} 2>&1 \
         | tee "$OUT/tune-depthwise.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune-depthwise.log"
       export_tuned "$TUNE_CACHE" ;;
@@ -148,7 +150,7 @@ for step in "${steps[@]}"; do
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
         CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
       fi
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench depthwise --no-progress \
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench depthwise ${DW_KINDS:+--kinds $DW_KINDS} --no-progress \
         --json "$OUT/bench-depthwise.json" 2>&1 | tee -a "$OUT/tune-depthwise.log" || rc=1 ;;
     offload)
       (cd tests && python3 -m pytest -m gpu -q -s -p no:cacheprovider \

@@ -12,6 +12,9 @@ every number comes from those files.
     python scripts/publish_results.py --merge-offload DIR...  # the same, but offload.json keeps the published
                                               # rows (and host overheads) of the cases the given folders do not
                                               # re-measure: a rerun of one model or mode replaces only its own rows
+    python scripts/publish_results.py --merge-bench DIR...  # the same, but bench.json / bench-depthwise.json keep
+                                              # the published rows of the cells (layer, kind) the new file does not
+                                              # re-measure, e.g. a wgrad-only tune and bench; each row says its run
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
 A file that no given folder holds is left as it is in benchmarks/h200/.
@@ -28,6 +31,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # cutlass_byoc.bench (torch-free at import) recomputes a merged bench's summary
 RESULTS = ROOT / "benchmarks" / "h200"
 FILES = ("bench.json", "bench-splitk.json", "bench-depthwise.json", "offload.json")
 MULTIGPU = "multigpu"  # benchmarks/h200/multigpu/: scripts/multigpu_round.sh's output (issue 15)
@@ -56,6 +60,16 @@ def bench_tables(data: dict) -> list[str]:
     dw = [r for r in rows if r.get("depthwise")]
     out = [f"Per-layer kernels vs cuDNN (`cutlass-byoc bench`, {data.get('gpu')}, torch {data.get('torch')}, cuDNN "
            f"{data.get('cudnn')}; ratio = cuDNN time / ours, above 1 means faster than cuDNN):", ""]
+    runs = data.get("runs", [])
+    if len(runs) > 1:  # merged (--merge-bench): say which cells each run measured
+        parts = []
+        for i, run in enumerate(runs, 1):
+            mine = [r for r in rows if r.get("run", 1) == i]
+            kinds = ", ".join(k for k in ("fprop", "dgrad", "wgrad") if any(r["kind"] == k for r in mine))
+            parts.append(f"run {i} ({run.get('note') or 'torch ' + str(run.get('torch'))}): {len(mine)} cells"
+                         + (f" ({kinds})" if kinds else ""))
+        out[-1:] = [f"Rows from {len(runs)} bench runs, each row's two times from one process: " + "; ".join(parts)
+                    + ".", ""]
     for what, cells in (("ResNet-50", [r for r in dense if r.get("resnet50")]), ("depthwise", dw)):
         cells = [r for r in cells if r.get("ratio")]
         if not cells:
@@ -296,10 +310,41 @@ def merge_offload(published: dict, new: dict) -> dict:
     return merged
 
 
-def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False) -> None:
+BENCH_FILES = ("bench.json", "bench-depthwise.json")
+
+
+def bench_key(row: dict) -> tuple:
+    """What a bench row measures: the cell."""
+    return row["layer"], row["kind"]
+
+
+def merge_bench(published: dict, new: dict, note: str = "") -> dict:
+    """`new` (a bench JSON) with the published rows of the cells it does not re-measure kept: the published rows in
+    their order, each re-measured cell replaced in place, new cells appended; every row tagged with its run (1.. for
+    the published runs, then `new`'s) and the runs listed ("runs": gpu, torch, cuDNN and `note`); the summary
+    recomputed over the merged rows (cutlass_byoc.bench.BenchReport.summary)."""
+    import dataclasses  # noqa: PLC0415
+
+    from cutlass_byoc.bench import BenchReport, BenchRow  # noqa: PLC0415
+
+    runs = published.get("runs") or [{k: published.get(k) for k in ("gpu", "torch", "cudnn")}]
+    run = len(runs) + 1
+    fresh = {bench_key(r): dict(r, run=run) for r in new["rows"]}
+    rows = [fresh.pop(bench_key(r), None) or dict(r, run=r.get("run", 1)) for r in published.get("rows", [])]
+    rows += list(fresh.values())
+    fields = [f.name for f in dataclasses.fields(BenchRow)]
+    report = BenchReport(tuple(BenchRow(**{k: r[k] for k in fields if k in r}) for r in rows), new.get("gpu"),
+                         new.get("torch"), new.get("cudnn"))
+    return dict(new, summary=report.summary(), rows=rows,
+                runs=runs + [{**{k: new.get(k) for k in ("gpu", "torch", "cudnn")}, "note": note}])
+
+
+def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False,
+            merge_bench_rows: bool = False, note: str = "") -> None:
     """Copy the given device folders' result files into `results` (see the module's docstring); a file no folder
     holds is left as it is there. `merge_offload_rows`: offload.json keeps the published rows the folders do not
-    re-measure (merge_offload)."""
+    re-measure (merge_offload); `merge_bench_rows`: bench.json and bench-depthwise.json keep the published rows of the
+    cells the folders do not re-measure (merge_bench, the new run described by `note`)."""
     results.mkdir(parents=True, exist_ok=True)
     offload = None
     texts: dict[str, list[str]] = {}
@@ -321,6 +366,11 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
                     offload["rows"] += data["rows"]
                     offload["host_overhead"] = offload.get("host_overhead", []) + data.get("host_overhead", [])
                 offload["runs"] = runs
+                continue
+            if merge_bench_rows and f in BENCH_FILES and (results / f).exists():
+                merged = merge_bench(json.loads((results / f).read_text()), data, note)
+                (results / f).write_text(json.dumps(merged, indent=1) + "\n")
+                print(f"merged {d / f} into {results / f} ({len(data['rows'])} of {len(merged['rows'])} rows)")
                 continue
             shutil.copyfile(d / f, results / f)
             print(f"copied {d / f} into {results}")
@@ -355,9 +405,13 @@ def main(argv=None) -> int:
     ap.add_argument("--print", action="store_true", help="print the tables rendered from benchmarks/h200/")
     ap.add_argument("--merge-offload", action="store_true",
                     help="offload.json keeps the published rows of the cases and modes the folders do not re-measure")
+    ap.add_argument("--merge-bench", action="store_true",
+                    help="bench.json and bench-depthwise.json keep the published rows of the cells the folders do not "
+                         "re-measure")
+    ap.add_argument("--note", default="", help="--merge-bench: what the new run was (e.g. its date and call)")
     a = ap.parse_args(argv)
     if a.dirs:
-        publish(a.dirs, merge_offload_rows=a.merge_offload)
+        publish(a.dirs, merge_offload_rows=a.merge_offload, merge_bench_rows=a.merge_bench, note=a.note)
     text = render()
     if a.print or not a.dirs:
         print(text)

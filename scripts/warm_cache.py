@@ -26,6 +26,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -80,21 +81,22 @@ def test_kernels() -> list[KernelConfig]:
     return module_kernels(list(MODULE_KERNELS))
 
 
-def depthwise_kernels() -> list[KernelConfig]:
+def depthwise_kernels(kinds: Optional[list[str]] = None) -> list[KernelConfig]:
     """test_gpu_depthwise.py's kernels and the tune plan of the named workload `depthwise` (its defaults: batch 32,
-    fp16, every kind, the default candidate budget), as `cutlass-byoc tune depthwise` makes it."""
+    fp16, every kind or `kinds`, the default candidate budget), as `cutlass-byoc tune depthwise [--kinds ...]` makes
+    it."""
     from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
 
-    return module_kernels(["depthwise"]) + workload_kernels("depthwise", DEFAULT_MAX_CANDIDATES)
+    return module_kernels(["depthwise"]) + workload_kernels("depthwise", DEFAULT_MAX_CANDIDATES, kinds)
 
 
-def workload_kernels(name: str, max_candidates: int) -> list[KernelConfig]:
-    """The kernels `cutlass-byoc tune NAME --max-candidates K` plans for a named workload (its defaults: batch 32,
-    fp16, every kind) or a workload file (as the round's TUNE_WORKLOAD): carried to the GPU round as
-    .tune-cache.tar.xz, its tune step then only times."""
+def workload_kernels(name: str, max_candidates: int, kinds: Optional[list[str]] = None) -> list[KernelConfig]:
+    """The kernels `cutlass-byoc tune NAME --max-candidates K [--kinds ...]` plans for a named workload (its defaults:
+    batch 32, fp16, every kind or `kinds`) or a workload file (as the round's TUNE_WORKLOAD, which names its own
+    kinds): carried to the GPU round as .tune-cache.tar.xz, its tune step then only times."""
     from cutlass_byoc.workloads import workload  # noqa: PLC0415
 
-    problems = [getattr(item, "problem", item) for item in workload(name)]
+    problems = [getattr(item, "problem", item) for item in workload(name, **({"kinds": kinds} if kinds else {}))]
     kernels = list(_plan_kernels(problems, max_candidates))
     print(f"tune {name}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
     return kernels
@@ -174,6 +176,8 @@ def main() -> int:
     ap.add_argument("--workload", nargs="+", default=None, metavar="NAME",
                     help="the kernels `cutlass-byoc tune NAME` plans for these named workloads (default, depthwise, "
                          "all) with --max-candidates; archive them as .tune-cache.tar.xz for the round's tune step")
+    ap.add_argument("--kinds", nargs="+", default=None, choices=["fprop", "dgrad", "wgrad"],
+                    help="--workload (named ones) and --depthwise: these kinds' problems only, as `tune --kinds`")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--inference", action="store_true")
     ap.add_argument("--max-candidates", type=int, default=None)
@@ -194,9 +198,9 @@ def main() -> int:
     if a.tune_model:
         cfgs += tune_model_kernels(a.tune_model, a.batch, not a.inference, mc) + host_overhead_kernels()
     for name in a.workload or []:
-        cfgs += workload_kernels(name, mc)
+        cfgs += workload_kernels(name, mc, a.kinds)
     if a.depthwise:
-        cfgs += depthwise_kernels()
+        cfgs += depthwise_kernels(a.kinds)
     if a.modules:
         cfgs += module_kernels(a.modules)
     if a.sweep:

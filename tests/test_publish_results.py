@@ -141,6 +141,53 @@ def test_merge_offload_replaces_only_the_rerun_cases(pr, tmp_path):
     assert len(json.loads((results / "offload.json").read_text())["rows"]) == 2
 
 
+def bench_row(layer, kind, ours, cudnn):
+    return {"layer": layer, "kind": kind, "problem": f"{layer}-{kind}", "resnet50": False, "bound": "memory",
+            "launch": f"k_{layer}_{kind}", "chosen_by": "decision", "ours_us": ours, "cudnn_us": cudnn,
+            "ours_tflops": None, "cudnn_tflops": None, "ours_gbs": 1000.0 / ours, "cudnn_gbs": 1000.0 / cudnn,
+            "ratio": cudnn / ours, "max_error": 0.0, "status": "ok", "depthwise": True}
+
+
+def bench_file(rows, torch_version):
+    return {"gpu": "GPU X", "torch": torch_version, "cudnn": 1, "summary": {}, "rows": rows}
+
+
+def test_merge_bench_replaces_only_the_remeasured_cells(pr, tmp_path):
+    """--merge-bench: a wgrad-only bench replaces the wgrad rows in place; the fprop rows stay, each row says its
+    run, the runs are listed, and the summary is recomputed over the merged rows."""
+    results = tmp_path / "h200"
+    first = tmp_path / "call1"
+    first.mkdir()
+    old = [bench_row("a", "fprop", 10.0, 10.0), bench_row("a", "wgrad", 20.0, 10.0), bench_row("b", "fprop", 5.0, 10.0),
+           bench_row("b", "wgrad", 10.0, 10.0)]
+    (first / "bench-depthwise.json").write_text(json.dumps(bench_file(old, "2.10")))
+    pr.publish([first], results)
+    rerun = tmp_path / "call2"
+    rerun.mkdir()
+    new = [bench_row("a", "wgrad", 5.0, 10.0), bench_row("b", "wgrad", 8.0, 12.0), bench_row("c", "wgrad", 4.0, 4.0)]
+    (rerun / "bench-depthwise.json").write_text(json.dumps(bench_file(new, "2.11")))
+    pr.publish([rerun], results, merge_bench_rows=True, note="call 2")
+    merged = json.loads((results / "bench-depthwise.json").read_text())
+    assert [(r["layer"], r["kind"], r["ours_us"], r["run"]) for r in merged["rows"]] == [
+        ("a", "fprop", 10.0, 1), ("a", "wgrad", 5.0, 2), ("b", "fprop", 5.0, 1), ("b", "wgrad", 8.0, 2),
+        ("c", "wgrad", 4.0, 2)]
+    assert [r["torch"] for r in merged["runs"]] == ["2.10", "2.11"] and merged["runs"][1]["note"] == "call 2"
+    s = merged["summary"]
+    assert s["geomean_by_kind"]["fprop"] == pytest.approx(2 ** 0.5)  # 1.0 and 2.0
+    assert s["geomean_by_kind"]["wgrad"] == pytest.approx((2.0 * 1.5 * 1.0) ** (1 / 3))
+    assert s["worst"]["layer"] == "a" and s["worst"]["kind"] == "fprop"
+    text = "\n".join(pr.bench_tables(merged))
+    assert "Rows from 2 bench runs" in text and "run 1 (torch 2.10): 2 cells (fprop)" in text
+    assert "run 2 (call 2): 3 cells (wgrad)" in text
+    # a second merge numbers its run 3 and keeps the earlier runs' tags
+    pr.publish([first], results, merge_bench_rows=True, note="call 3")
+    again = json.loads((results / "bench-depthwise.json").read_text())
+    assert [r["run"] for r in again["rows"]] == [3, 3, 3, 3, 2] and len(again["runs"]) == 3
+    # without the flag the file is copied as it is
+    pr.publish([rerun], results)
+    assert json.loads((results / "bench-depthwise.json").read_text())["rows"] == new
+
+
 def test_profile_table_lists_the_sources_in_the_headers_order(pr):
     """gpu_ms_by_source is rendered as the header names it (ours, cuDNN+cuBLAS, Triton, aten, other), whatever order
     the file's dict has (the bench classifies Triton first)."""
