@@ -69,7 +69,7 @@ Kernels:
   fp32 output; 3 of them faster than cuDNN) and on none of the fp16-output `depthwise` workload; on 5x5 it ran
   60-70 us where "taprows" ran 41 us (the staging's per-copy index arithmetic costs more than the load latency it
   hides there). So it is timed, never the untuned default.
-- wgrad, schedule "cols" (`COLS`): the work is column strips of dy, `stages` rows x `tile[1]` columns of one image.
+- wgrad, schedule "cols" (`COLS`; fprop and stride-1 dgrad have it too, below): the work is column strips of dy, `stages` rows x `tile[1]` columns of one image.
   A thread owns a channel vector and one strip at a time and walks it down row by row, the row loop unrolled: each
   input row the strip reads ((columns - 1) * stride + S vectors) is loaded once, converted to fp32 once, and kept in
   registers for the up to R dy rows that read it, and the loads of the next dy row and of the input rows it adds are
@@ -79,6 +79,10 @@ Kernels:
   COLS_MAX_REGS): 3x3 at vector 4, 5x5 at vector 2. `tile[0]` threads (slots) per channel vector take the split's
   strips in turn, neighbouring strips on neighbouring slots; partials and reduction as the other wgrad schedules.
   For this schedule `tile` is (slots, strip columns, channels) and `stages` the strip's rows.
+- fprop and stride-1 dgrad, schedule "cols": the same walk over output column strips, the R*S taps of the thread's
+  channel vector in fp32 registers (staged once per CTA in shared memory): each output row's strip sums its R input
+  rows, kept in registers from the rows above, then goes through the epilogue and is stored. One strip per thread
+  (the grid covers them, `tile[0]` per CTA); no register-capped twins (their cap of 80 would spill the input rows).
 """
 
 from __future__ import annotations
@@ -161,13 +165,15 @@ def cols_window(c: KernelConfig) -> int:
 
 
 def cols_registers(c: KernelConfig) -> int:
-    """32-bit registers a "cols" thread needs for its data at a dy row (a lower bound: addresses and loop state come
-    on top): the R*S*vector fp32 sums, the R input rows the row reads in fp32, the next row's new input rows and dy
-    as loaded, and the row's dy in fp32."""
+    """32-bit registers a "cols" thread needs for its data at a row (a lower bound: addresses and loop state come on
+    top): R*S*vector fp32 values (wgrad: its sums; fprop / stride-1 dgrad: the filter taps), the R input rows the row
+    reads in fp32 and the next row's new input rows as loaded, and per strip column the row's dy in fp32 and the next
+    row's as loaded (wgrad) or its fp32 sums (fprop / dgrad)."""
     vec, (r, s), (sh, _) = c.align_a, c.filter_rs, c.conv_stride
     loaded = vec * c.element_a.nbytes / 4  # registers of one vector as loaded
     window = cols_window(c)
-    return math.ceil(r * s * vec + r * window * vec + min(sh, r) * window * loaded + c.tile[1] * (vec + loaded))
+    per_col = vec + loaded if c.kind is ConvKind.WGRAD else vec
+    return math.ceil(r * s * vec + r * window * vec + min(sh, r) * window * loaded + c.tile[1] * per_col)
 
 
 def row_groups(c: KernelConfig) -> int:
@@ -297,8 +303,10 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r}, {TAPROWS!r} or {COLS!r} (wgrad "
                 f"only), got {c.schedule!r}")
     if is_cols(c):
-        if c.kind is not ConvKind.WGRAD:
-            return f"schedule {COLS!r}: wgrad only"
+        if c.kind is not ConvKind.WGRAD and not runs_window_loop(c):
+            return f"schedule {COLS!r}: wgrad, fprop and stride-1 dgrad (strided dgrad gathers its taps)"
+        if c.kind is not ConvKind.WGRAD and c.min_blocks is not None:
+            return f"min_blocks: the {COLS!r} fprop/dgrad kernels are sized for their registers (None)"
         if c.halo_smem:
             return f"halo_smem: the {COLS!r} schedule keeps its input rows in registers (halo_smem False)"
         if not 1 <= c.stages <= 16:
@@ -435,10 +443,11 @@ def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
     "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread); for
     "cols" its column strips likewise."""
     rows, cols, _ = c.tile
-    if is_cols(c):  # the column strips over the CTA's slots
-        return math.ceil(problem.n * math.ceil(problem.p / c.stages) * math.ceil(problem.q / cols) / rows)
-    if is_rows(c):
+    if is_cols(c) or is_rows(c):
         ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
+    if is_cols(c):  # the column strips over the CTA's slots
+        return math.ceil(problem.n * math.ceil(ph / c.stages) * math.ceil(pw / cols) / rows)
+    if is_rows(c):
         return math.ceil(problem.n * ph * math.ceil(pw / cols) / rows)
     if c.kind is ConvKind.DGRAD:
         h, w = problem.h, problem.w
@@ -527,10 +536,13 @@ COLS_IDLE = 0.15
 
 
 def _cols_runs(problem: Conv2dProblem) -> list[int]:
-    """COLS_RUNS within COLS_IDLE of the problem's dy rows, or else the one leaving the fewest rows idle."""
+    """COLS_RUNS within COLS_IDLE of the rows of the problem's pixel grid (dgrad: dx; else y / dy), or else the one
+    leaving the fewest rows idle."""
+    height = problem.h if problem.kind is ConvKind.DGRAD else problem.p
+
     def rows(run):
-        return math.ceil(problem.p / run) * run
-    runs = [run for run in COLS_RUNS if rows(run) <= (1 + COLS_IDLE) * problem.p]
+        return math.ceil(height / run) * run
+    runs = [run for run in COLS_RUNS if rows(run) <= (1 + COLS_IDLE) * height]
     return runs or [min(COLS_RUNS, key=lambda run: (rows(run), -run))]
 
 
@@ -598,10 +610,10 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
         taps = problem.s if schedule == TAPROWS or tap_split else problem.r * problem.s
         while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
-        if schedule == COLS:  # the sums and the R input rows in fp32 (cols_registers): the widest that fits
-            window = problem.s + problem.stride_w  # of a 2-column strip
-            while widest > 1 and taps * widest + problem.r * window * widest > COLS_MAX_REGS:
-                widest //= 2
+    if schedule == COLS:  # the sums (or taps) and the R input rows in fp32 (cols_registers): the widest that fits
+        window = problem.s + (problem.stride_w if problem.kind is not ConvKind.DGRAD else 1)  # of a 2-column strip
+        while widest > 1 and problem.r * problem.s * widest + problem.r * window * widest > COLS_MAX_REGS:
+            widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
 
 
@@ -615,6 +627,7 @@ def _schedule_variants(problem: Conv2dProblem):
     yield SHAPES, [(halo, None, 1) for halo in (False, True)] + ([(True, None, 2)] if window_loop else [])
     if window_loop:
         yield FPROP_ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
+        yield COLS_SHAPES, [(False, COLS, run) for run in _cols_runs(problem)]
     if problem.kind is ConvKind.WGRAD:
         yield ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
         shapes = tuple((seg, cols, nvec, problem.r * seg * nvec // 32) for seg, cols, nvec in TAPROWS_SHAPES
@@ -652,7 +665,8 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg
-                        capped = min_blocks_variant(cfg)
+                        capped = None if is_cols(cfg) and cfg.kind is not ConvKind.WGRAD else \
+                            min_blocks_variant(cfg)
                         if capped is not None and capped not in seen:
                             seen.add(capped)
                             yield capped

@@ -1,5 +1,5 @@
 """Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad, and a "cols"
-wgrad) rendered, built with nvcc for sm_90a (no hidden warnings), loaded, and asked its host-side API
+wgrad and fprop) rendered, built with nvcc for sm_90a (no hidden warnings), loaded, and asked its host-side API
 (can_implement, workspace size; no GPU needed)."""
 
 import pytest
@@ -33,6 +33,7 @@ KERNELS = {
     "pipelined_dgrad": (FLIPPED_DGRAD, pick(FLIPPED_DGRAD, stages=2, align_a=4, min_blocks=None)),
     "pipelined_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, stages=2, schedule=None, align_a=8, min_blocks=None)),
     "cols_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="cols", stages=7, align_a=2, min_blocks=None)),
+    "cols_fprop": (FPROP, pick(FPROP, schedule="cols", stages=8, align_a=4)),
 }
 
 

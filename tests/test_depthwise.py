@@ -71,7 +71,8 @@ def test_candidates_exist_and_are_valid_for_every_kind_filter_and_stride(kind, r
 
 
 def test_vector_width_follows_the_channel_count():
-    assert {c.align_a for c in depthwise_candidates(dw(c=96))} == {8, 4}
+    assert {c.align_a for c in depthwise_candidates(dw(c=96)) if c.schedule != "cols"} == {8, 4}
+    assert {c.align_a for c in depthwise_candidates(dw(c=96)) if c.schedule == "cols"} == {4, 2}  # taps + 3 rows fp32
     assert {c.align_a for c in depthwise_candidates(dw(c=36))} == {4, 2}  # C not a multiple of 8
     assert {c.align_a for c in depthwise_candidates(dw(c=7))} == {1}
     assert {c.align_a for c in depthwise_candidates(dw(c=96, dtype="f32"))} == {4, 2}  # 16 bytes of fp32
@@ -104,7 +105,8 @@ def test_config_json_round_trip_and_other_families_unchanged():
 def test_register_capped_twins():
     """Every candidate of which two CTAs fit under MIN_BLOCKS_REGS comes with its min_blocks twin (registers capped
     there) right after it, named _mb<n>, ranked by the model just behind it; the unbounded kernel's source has the
-    plain __launch_bounds__. The others are the pipelined wgrad CTAs of 384 threads and more."""
+    plain __launch_bounds__. The others are the pipelined wgrad CTAs of 384 threads and more, and the fprop / dgrad
+    "cols" kernels (a cap of 80 would spill the input rows they keep in registers)."""
     from cutlass_byoc.depthwise import MIN_BLOCKS_REGS, estimate_us, min_blocks_variant
 
     for kind in ("fprop", "dgrad", "wgrad"):
@@ -113,6 +115,9 @@ def test_register_capped_twins():
         capped = [c for c in cands if c.min_blocks is not None]
         alone = [c for c in plain if 65536 // (MIN_BLOCKS_REGS[c.kind] * c.threads) < 2]
         assert all(is_pipelined_wgrad(c) and c.threads >= 384 for c in alone) and (kind == "wgrad") == bool(alone)
+        cols = [c for c in plain if c.schedule == "cols" and kind != "wgrad"]
+        assert not any(c.schedule == "cols" for c in capped if kind != "wgrad")
+        alone += cols
         assert plain and len(capped) == len(plain) - len(alone)
         for c in (c for c in plain if c not in alone):
             twin = cands[cands.index(c) + 1]
@@ -308,11 +313,11 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         # wide-strip kernels on budgets of their own
         piped = [k for k in plan.kernels if is_pipelined(k)]
         wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
-        cols = [k for k in plan.kernels if k.schedule == "cols"]  # wgrad's "cols" kernels: a budget of their own
+        cols = [k for k in plan.kernels if k.schedule == "cols"]  # the "cols" kernels: a budget of their own
         assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols)
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
         assert len(piped) == PIPELINED_BUDGET
-        assert len(cols) == (COLS_BUDGET if kind is ConvKind.WGRAD else 0)
+        assert len(cols) == COLS_BUDGET
         if cols:  # one per CTA shape first
             assert len({k.tile[:2] for k in cols}) >= 4, [k.name for k in cols]
         assert all(strip(k) >= WIDE_STRIP for k in wide) and all(k.stages == 2 and k.halo_smem for k in piped)

@@ -194,6 +194,27 @@ def test_wgrad_cols_schedule(r, stride, vec, run, shape, dt, c, h, w, splits):
     check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride + run)
 
 
+@pytest.mark.parametrize("kind, r, stride, vec, run, shape, dt, c, h, w, epi", [
+    ("fprop", 3, 1, 4, 7, (32, 2), ("f16", "f16"), 24, 9, 21, Epilogue(Activation.RELU, SourceKind.BIAS)),  # ragged
+    ("fprop", 3, 2, 4, 4, (16, 2), ("bf16", "f32"), 16, 13, 11, Epilogue(source=SourceKind.RESIDUAL)),
+    ("fprop", 5, 1, 2, 8, (32, 2), ("f16", "f16"), 12, 7, 6, Epilogue(Activation.SILU)),  # run past the image
+    ("fprop", 5, 2, 2, 7, (32, 1), ("f16", "f16"), 10, 15, 12, Epilogue(Activation.RELU6, SourceKind.BIAS)),
+    ("dgrad", 3, 1, 2, 7, (32, 4), ("f16", "f16"), 32, 11, 19, Epilogue()),  # rotated filter, strips of 4
+    ("dgrad", 5, 1, 2, 4, (32, 2), ("f16", "f32"), 16, 10, 9, Epilogue()),
+])
+def test_fprop_and_dgrad_cols_schedule(kind, r, stride, vec, run, shape, dt, c, h, w, epi):
+    p = problem_of(kind, c, h, w, r, stride, dt, epilogue=epi)
+    cfg = depthwise_cols_config(p, vec, run, shape)
+    assert "_cols%d_" % run in cfg.name and cfg.min_blocks is None
+    check(p, cfg, 1, seed=r + stride + run)
+
+
+@pytest.mark.parametrize("kind, pad", [("fprop", 0), ("dgrad", 0), ("dgrad", 3)])  # dgrad pad 3: rotated pad -1
+def test_fprop_and_dgrad_cols_schedule_other_paddings(kind, pad):
+    p = problem_of(kind, 16, 10, 13, 3, 1, pad=pad)
+    check(p, depthwise_cols_config(p, 4, 4), 1, seed=pad)
+
+
 def test_wgrad_cols_accumulates_into_a_residual_with_padding_0():
     p = problem_of("wgrad", 16, 11, 9, 3, 1, ("f16", "f16"), pad=0, epilogue=Epilogue(source=SourceKind.RESIDUAL))
     check(p, depthwise_cols_config(p.replace(epilogue=Epilogue()), 4, 7), splits=2, seed=9)

@@ -4,7 +4,8 @@ of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the
 
 Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (one CTA
 shape per kind and schedule, compiled in one parallel build): each kernel is reused over several shapes. The "rows"
-wgrad schedule has its own cases (test_wgrad_rows_schedule*), the "cols" one test_cols_wgrad."""
+wgrad schedule has its own cases (test_wgrad_rows_schedule*), the "cols" ones test_cols_wgrad and
+test_cols_fprop_and_dgrad."""
 
 from __future__ import annotations
 
@@ -233,6 +234,7 @@ def all_kernels():
     ks += [wide_kernel(*k) for k in WIDE_KERNELS] + [pipelined_kernel(*k) for k in PIPELINED_KERNELS]
     ks += [pipelined_wgrad_kernel(*k) for k in PIPELINED_WGRAD_KERNELS]
     ks += [cols_kernel(*k) for k in COLS_KERNELS]
+    ks += [cols_fprop_kernel(*k) for k in COLS_FPROP_KERNELS]
     ks += [graph_kernel()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
@@ -417,6 +419,37 @@ def test_cols_wgrad(dt, r, stride, vec, run, shape, epi, capped):
         most = pixel_tiles(cfg, problem)
         for splits in sorted({1, min(3, most) if n == 3 else min(64, most), most}):
             check_launch(problem, LaunchConfig(cfg, splits), seed=c * 3 + h + n + splits)
+
+
+# The "cols" schedule of fprop and stride-1 dgrad (one output column strip per thread, its input rows in registers):
+# (kind, dtypes, R, stride, vector, strip rows, (slots, strip columns), epilogue).
+COLS_FPROP_KERNELS = [
+    ("fprop", ("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue(Activation.RELU6, SourceKind.BIAS)),
+    ("fprop", ("bf16", "f32"), 3, 2, 4, 8, (16, 2), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    ("fprop", ("f16", "f16"), 5, 1, 2, 14, (64, 2), Epilogue(Activation.SILU)),
+    ("fprop", ("f16", "f16"), 5, 2, 2, 4, (32, 1), Epilogue()),
+    ("dgrad", ("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue()),
+    ("dgrad", ("f16", "f32"), 5, 1, 2, 4, (32, 2), Epilogue()),
+]
+
+
+def cols_fprop_kernel(kind, dt, r, stride, vec, run, shape, epi):
+    return depthwise_cols_config(problem_of(kind, 96, 15, 13, r, stride, dt, epilogue=epi), vec, run, shape)
+
+
+@pytest.mark.parametrize("kind, dt, r, stride, vec, run, shape, epi", COLS_FPROP_KERNELS,
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-run{n}-{sh[0]}x{sh[1]}-{e.tag}"
+                              for k, d, r, s, v, n, sh, e in COLS_FPROP_KERNELS])
+def test_cols_fprop_and_dgrad(kind, dt, r, stride, vec, run, shape, epi):
+    cfg = cols_fprop_kernel(kind, dt, r, stride, vec, run, shape, epi)
+    assert f"_cols{run}_" in cfg.name and cfg.min_blocks is None
+    # SHAPES (odd sizes, a one-row image, strips and runs past the edges), then a MobileNetV2 layer's size
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(144, 56, 56, 32)]:
+        if c % vec:
+            continue
+        problem = problem_of(kind, c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        check_launch(problem, LaunchConfig(cfg, 1), seed=c * 5 + h + n)
 
 
 def graph_kernel():
