@@ -751,7 +751,7 @@ def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Opt
     """The model's best depthwise launch for `problem`, or None if no depthwise kernel computes it. Not a pipelined
     wgrad: the memory model sees its staged reads, not the cost of staging them (on the H200 the 5x5 ones ran
     60-70 us where "taprows" ran 41 us, effb0_dw_240_5x5_28; it won some 3x3 problems only), so it is left to the
-    profiler."""
+    profiler; nor a "cols" kernel, whose register-bound occupancy the model does not see either."""
     best = None
     for cfg in depthwise_candidates(problem):
         if is_pipelined_wgrad(cfg) or is_cols(cfg):

@@ -44,7 +44,8 @@
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
 #           depthwise layers, batch 32) in the tune cache -> tune-depthwise.log, bench-depthwise.json (rows carry
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
-#           (DW_KINDS=wgrad or fprop,dgrad: those kinds' problems only, as `--kinds`)
+#           (DW_KINDS=wgrad or fprop,dgrad: those kinds' problems only, as `--kinds`; TUNE_JSON=1: the tune's report,
+#           every candidate's time, to tune-depthwise.json)
 # The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
 # tune.log, tune.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log, time-launches.log, gpu-offload.log,
 # offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log), sweep.json, sweep.log,
