@@ -229,6 +229,42 @@ def test_pipelined_wgrad_kernels():
         dataclasses.replace(c, warps=(7, 1, 1))
 
 
+def test_cols_kernels():
+    """The "cols" schedule: wgrad, fprop and stride-1 dgrad (not strided dgrad); registers within COLS_MAX_REGS (so
+    3x3 at vector 4 at most, 5x5 at 2); strips of rows leaving at most 15% of the pixel grid's rows idle; not the
+    untuned default; the rendered kernel keeps input rows in registers and reads nothing through shared memory but the
+    filter (fprop) or the CTA's sum (wgrad)."""
+    from cutlass_byoc.depthwise import COLS_MAX_REGS, cols_registers, is_cols  # noqa: PLC0415
+
+    for kind, stride in (("wgrad", 1), ("wgrad", 2), ("fprop", 1), ("fprop", 2), ("dgrad", 1), ("dgrad", 2)):
+        for r, hw in ((3, 56), (5, 28), (3, 14)):
+            p = dw(kind, r=r, c=144, hw=hw, stride=stride)
+            cols = [k for k in depthwise_candidates(p) if is_cols(k)]
+            if kind == "dgrad" and stride == 2:
+                assert not cols  # the strided dgrad gathers its valid taps
+                continue
+            assert cols and all(cols_registers(k) <= COLS_MAX_REGS and not k.halo_smem for k in cols)
+            assert max(k.align_a for k in cols) == (4 if r == 3 else 2)
+            height = p.h if kind == "dgrad" else p.p
+            assert all(-(-height // k.stages) * k.stages <= 1.15 * height for k in cols), {k.stages for k in cols}
+            assert any(144 % k.tile[2] == 0 for k in cols)  # a channel tile dividing C (no idle lanes)
+            assert (kind == "wgrad") == any(k.min_blocks for k in cols)  # capped twins: wgrad only
+            assert not is_cols(default_depthwise_launch(p).kernel)
+            if kind == "wgrad":
+                assert all(s <= pixel_tiles(k, p) for k in cols for s in split_candidates(p, k))
+    k = next(k for k in depthwise_candidates(dw("fprop", r=3, c=144, hw=56)) if is_cols(k) and k.stages == 7)
+    assert "_cols7_" in k.name
+    src = render(k, "nvcc")
+    for text in ("constexpr int kRun = 7;", "float xf[kInRows][kWindow][kVec];", "load_strip_row<kAlignA>(",
+                 "filter_row(filter, r, lane, w[r])", "store_output("):
+        assert text in src, text
+    assert "halo[" not in src and "cp_async" not in src
+    with pytest.raises(ValueError, match="registers"):
+        dataclasses.replace(k, align_a=8, tile=(k.tile[0], k.tile[1], k.tile[2] * 2))  # 3x3 at vector 8
+    with pytest.raises(ValueError, match="wgrad, fprop and stride-1 dgrad"):
+        dataclasses.replace(k, kind=ConvKind.DGRAD, conv_stride=(2, 2))
+
+
 def test_reject_reason_names_what_does_not_fit():
     c = first(dw(), align_a=8)
     assert c.reject_reason(dw(r=5)).startswith("filter")
