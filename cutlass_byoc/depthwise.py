@@ -683,7 +683,8 @@ def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:
     """wgrad split counts worth trying: powers of two putting about 1, 2 and 4 waves of CTAs on the GPU, each split
-    keeping at least 4 pixel tiles. Other kinds: [1]."""
+    keeping at least 4 pixel tiles ("cols": also the counts filling whole waves; the planner times them all).
+    Other kinds: [1]."""
     if c.kind is not ConvKind.WGRAD:
         return [1]
     tiles = pixel_tiles(c, problem)
@@ -698,6 +699,15 @@ def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SM
         s = max(1, min(s, tiles if rows else (tiles // 4 or 1)))
         if s not in out:
             out.append(s)
+    if is_cols(c):
+        # and the counts that fill exactly one or two waves at 1-4 resident CTAs per SM: a "cols" thread's strips are
+        # few (one to a few per split), so a second wave of a few CTAs costs nearly a whole wave (on the H200 the
+        # 144-channel 56x56 layer's 9 channel blocks x 32 splits were 288 CTAs where 264 fit)
+        for waves in (1, 2):
+            for resident in (1, 2, 3, 4):
+                s = max(1, min(waves * sms * resident // ctiles, tiles))
+                if s not in out:
+                    out.append(s)
     return out
 
 

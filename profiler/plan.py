@@ -232,8 +232,10 @@ def plan_problem(
         group_budget = max_candidates if blk == 1 else max(2, max_candidates // 2)
         for i, (pad_c, pad_k, by_family, side) in enumerate(options):
             budget = max(1, group_budget // len(options) + (1 if i < group_budget % len(options) else 0))
-            for _, _, launches in _take_budget(by_family, budget) + side:
-                for us, l in launches[:slices_per_kernel]:
+            for _, kc, launches in _take_budget(by_family, budget) + side:
+                # a "cols" wgrad kernel: every split count (its model cannot tell the CTAs an SM holds, which decide
+                # whether the last wave is nearly empty or nearly full)
+                for us, l in launches[:len(launches) if is_cols(kc) else slices_per_kernel]:
                     if (pad_c, pad_k, blk) != (1, 1, 1):
                         l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k, s2d=blk)
                         us += padding_cost_us(problem, l)
