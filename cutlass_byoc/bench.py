@@ -49,6 +49,19 @@ class BenchRow:
     max_error: Optional[float]
     status: str  # "ok", "wrong", "error: ..."
     depthwise: bool = False  # a depthwise layer (groups == C == K): memory-bound, compared in GB/s
+    #: the same launch and cuDNN as timed by the tune that chose it (the decision's record: another process), and
+    #: their ratio. cuDNN's benchmark mode picks its algorithm per process and does not always pick the same one (on
+    #: the H200 a depthwise wgrad's cuDNN time read 34.6 us in the tune and 46.8 us in the bench), so the summary
+    #: also gives each cell's lower ratio of the two processes.
+    tune_us: Optional[float] = None
+    tune_cudnn_us: Optional[float] = None
+    tune_ratio: Optional[float] = None
+
+    @property
+    def min_ratio(self) -> Optional[float]:
+        """The lower of this process's ratio and the tune's (either alone where the other is missing)."""
+        ratios = [r for r in (self.ratio, self.tune_ratio) if r is not None and r > 0]
+        return min(ratios) if ratios else None
 
     @property
     def metric(self) -> str:
@@ -98,6 +111,11 @@ class BenchReport:
             "geomean_depthwise_by_kind": {
                 k.value: self.geomean(self._ratios([r for r in self.rows if r.depthwise and r.kind == k.value]))
                 for k in ConvKind},
+            # each cell's lower ratio of this process and the tune's (BenchRow.min_ratio)
+            "geomean_min_ratio_all": self.geomean([r.min_ratio for r in self.rows if r.min_ratio]),
+            "geomean_min_ratio_by_kind": {
+                k.value: self.geomean([r.min_ratio for r in self.rows if r.min_ratio and r.kind == k.value])
+                for k in ConvKind},
         }
 
     def to_json(self) -> str:
@@ -139,6 +157,9 @@ class BenchReport:
         out.append(f"geometric mean of cuDNN/ours: all {g(s['geomean_cudnn_over_ours_all'])}; "
                    f"ResNet-50 ({s['resnet50_cells']} cells) {g(s['geomean_cudnn_over_ours_resnet50'])}; "
                    + ", ".join(f"{k} {g(v)}" for k, v in s["geomean_by_kind"].items()))
+        if s["geomean_min_ratio_all"] is not None and any(r.tune_ratio for r in self.rows):
+            out.append(f"each cell's lower ratio of this run and its tune's: all {g(s['geomean_min_ratio_all'])}; "
+                       + ", ".join(f"{k} {g(v)}" for k, v in s["geomean_min_ratio_by_kind"].items()))
         if s["worst"]:
             w = s["worst"]
             out.append(f"worst cell: {w['layer']} {w['kind']}: {w['ratio']:.3f} "
@@ -177,7 +198,7 @@ class BenchReport:
 def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     import torch  # noqa: PLC0415
 
-    from .decisions import lookup_decision  # noqa: PLC0415
+    from .decisions import lookup  # noqa: PLC0415
     from .heuristics import default_launch  # noqa: PLC0415
     from .ops import run_problem  # noqa: PLC0415
     from .profiler.timing import time_gpu  # noqa: PLC0415
@@ -189,7 +210,8 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     bound = "memory" if p.flops / p.bytes_moved < RIDGE_FLOP_PER_BYTE else "compute"
     base = dict(layer=item.layer, kind=p.kind.value, problem=p.name, resnet50=item.resnet50, bound=bound,
                 depthwise=p.is_depthwise)
-    launch = lookup_decision(p)  # a channel-padded launch carries its padding
+    dec = lookup(p)
+    launch = dec.launch if dec else None  # a channel-padded launch carries its padding
     chosen_by = "decision"
     if launch is None:
         launch, chosen_by = default_launch(p), "model"
@@ -227,7 +249,10 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
         **base, launch=launch.name if launch else None, chosen_by=chosen_by, ours_us=ours_us,
         cudnn_us=cudnn.median_us, ours_tflops=tf(ours_us), cudnn_tflops=tf(cudnn.median_us), ours_gbs=gb(ours_us),
         cudnn_gbs=gb(cudnn.median_us), ratio=(cudnn.median_us / ours_us) if ours_us else None, max_error=err,
-        status=status,
+        status=status, tune_us=dec.time_us if dec and chosen_by == "decision" else None,
+        tune_cudnn_us=dec.cudnn_us if dec and chosen_by == "decision" else None,
+        tune_ratio=(dec.cudnn_us / dec.time_us) if dec and chosen_by == "decision" and dec.cudnn_us and dec.time_us
+        else None,
     )
 
 

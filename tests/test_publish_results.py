@@ -188,6 +188,24 @@ def test_merge_bench_replaces_only_the_remeasured_cells(pr, tmp_path):
     assert json.loads((results / "bench-depthwise.json").read_text())["rows"] == new
 
 
+def test_bench_gives_each_cells_lower_ratio_of_its_two_processes(pr):
+    """A row carries the tune's times of the same launch and cuDNN (the decision's record); the summary and the README
+    table give the geomean of each cell's lower ratio, and count the cells whose cuDNN time differed by over 10%."""
+    from cutlass_byoc.bench import BenchReport, BenchRow
+
+    rows = [dict(bench_row("a", "wgrad", 10.0, 20.0), tune_us=10.0, tune_cudnn_us=15.0, tune_ratio=1.5),
+            dict(bench_row("b", "wgrad", 10.0, 10.0), tune_us=8.0, tune_cudnn_us=10.0, tune_ratio=1.25),
+            bench_row("c", "fprop", 10.0, 12.0)]  # no tune record: its own ratio
+    report = BenchReport(tuple(BenchRow(**r) for r in rows), "GPU X", "2.x", 1)
+    assert [r.min_ratio for r in report.rows] == [1.5, 1.0, 1.2]
+    s = report.summary()
+    assert s["geomean_min_ratio_by_kind"]["wgrad"] == pytest.approx(1.5 ** 0.5)
+    assert s["geomean_min_ratio_all"] == pytest.approx((1.5 * 1.0 * 1.2) ** (1 / 3))
+    assert "lower ratio of this run and its tune's" in report.table()
+    text = "\n".join(pr.bench_tables(bench_file(rows, "2.x")))
+    assert "more than 10% in 1 of 3 cells): geomean 1.216 (fprop 1.200, dgrad nan, wgrad 1.225)" in text
+
+
 def test_profile_table_lists_the_sources_in_the_headers_order(pr):
     """gpu_ms_by_source is rendered as the header names it (ours, cuDNN+cuBLAS, Triton, aten, other), whatever order
     the file's dict has (the bench classifies Triton first)."""
