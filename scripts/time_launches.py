@@ -3,8 +3,8 @@
     python scripts/time_launches.py LAYER [LAYER ...] [--batch 32] [--kinds fprop,dgrad,wgrad] [--extra]
                                     [--only SUBSTRING ...]
 
-LAYER is a layer of the default workload as `cutlass-byoc bench` names it (l1_3x3_64_64, ...) or an alias (stem,
-down: the 1x1 stride-2 conv).
+LAYER is a layer of the default or the depthwise workload as `cutlass-byoc bench` names it (l1_3x3_64_64,
+mbv2_dw_144_56, ...) or an alias (stem, down: the 1x1 stride-2 conv).
 
 For each launch the planner offers for the problem (and with --extra, sm90 kernels of the space-to-depth fold with
 narrow and usual tiles, whether planned or not), prints the whole launch's time
@@ -33,11 +33,11 @@ ALIASES = {"stem": "conv1_7x7_3_64_s2", "down": "l2_1x1_256_512_s2"}
 
 
 def layer_problem(layer: str, kind: str, batch: int) -> Conv2dProblem:
-    """The default workload's problem of `layer` (a bench layer name or an alias) and kind, at `batch`."""
+    """The default or depthwise workload's problem of `layer` (a bench layer name or an alias) and kind, at `batch`."""
     from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
 
     name = ALIASES.get(layer, layer)
-    for item in default_workload():
+    for item in default_workload(depthwise=True):
         if item.layer == name and item.kind.value == kind:
             return item.problem.replace(n=batch)
     raise SystemExit(f"layer: {layer!r} is not a layer of the default workload (nor one of {sorted(ALIASES)})")
@@ -66,11 +66,11 @@ def operands(p: Conv2dProblem, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     cl = torch.channels_last
     x = torch.randn((p.n, p.c, p.h, p.w), generator=g, device="cuda").half().contiguous(memory_format=cl)
-    w = torch.randn((p.k, p.c, p.r, p.s), generator=g, device="cuda").half().contiguous(memory_format=cl)
+    w = torch.randn((p.k, p.c // p.groups, p.r, p.s), generator=g, device="cuda").half().contiguous(memory_format=cl)
     dy = torch.randn((p.n, p.k, p.p, p.q), generator=g, device="cuda").half().contiguous(memory_format=cl)
     a, b = {ConvKind.FPROP: (x, w), ConvKind.DGRAD: (dy, w), ConvKind.WGRAD: (dy, x)}[p.kind]
     shape = {ConvKind.FPROP: (p.n, p.k, p.p, p.q), ConvKind.DGRAD: (p.n, p.c, p.h, p.w),
-             ConvKind.WGRAD: (p.k, p.c, p.r, p.s)}[p.kind]
+             ConvKind.WGRAD: (p.k, p.c // p.groups, p.r, p.s)}[p.kind]
     return x, w, dy, a, b, torch.empty(shape, dtype=torch.float16, device="cuda").contiguous(memory_format=cl)
 
 
@@ -107,11 +107,13 @@ def main(argv=None) -> int:
         def cudnn(i):
             x, w, dy, *_ = sets[i % len(sets)]
             if p.kind is ConvKind.FPROP:
-                torch.nn.functional.conv2d(x, w, None, st, pd)
+                torch.nn.functional.conv2d(x, w, None, st, pd, 1, p.groups)
             elif p.kind is ConvKind.DGRAD:
-                torch.ops.aten.convolution_backward(dy, x, w, None, st, pd, (1, 1), False, (0, 0), 1, (True, False, False))
+                torch.ops.aten.convolution_backward(dy, x, w, None, st, pd, (1, 1), False, (0, 0), p.groups,
+                                                    (True, False, False))
             else:
-                torch.ops.aten.convolution_backward(dy, x, w, None, st, pd, (1, 1), False, (0, 0), 1, (False, True, False))
+                torch.ops.aten.convolution_backward(dy, x, w, None, st, pd, (1, 1), False, (0, 0), p.groups,
+                                                    (False, True, False))
 
         print(f"== {p.name}: cuDNN {time_gpu(cudnn, len(sets)).median_us:.1f} us", flush=True)
         print(f"{'whole us':>9} {'kernel us':>9} {'rewrite':>8}  launch")
