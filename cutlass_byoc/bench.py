@@ -30,6 +30,13 @@ PEAK_GBS = 4240.0
 RIDGE_FLOP_PER_BYTE = PEAK_TFLOPS * 1e12 / (PEAK_GBS * 1e9)
 
 
+def lower_ratio(ratio: Optional[float], tune_ratio: Optional[float]) -> Optional[float]:
+    """The lower of a cell's ratio in the bench's process and in its tune's (either alone where the other is
+    missing), or None: BenchRow.min_ratio, and publish_results' README line from a bench JSON's rows."""
+    ratios = [r for r in (ratio, tune_ratio) if r is not None and r > 0]
+    return min(ratios) if ratios else None
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchRow:
     layer: str
@@ -59,9 +66,8 @@ class BenchRow:
 
     @property
     def min_ratio(self) -> Optional[float]:
-        """The lower of this process's ratio and the tune's (either alone where the other is missing)."""
-        ratios = [r for r in (self.ratio, self.tune_ratio) if r is not None and r > 0]
-        return min(ratios) if ratios else None
+        """The lower of this process's ratio and the tune's (lower_ratio)."""
+        return lower_ratio(self.ratio, self.tune_ratio)
 
     @property
     def metric(self) -> str:
@@ -249,10 +255,8 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
         **base, launch=launch.name if launch else None, chosen_by=chosen_by, ours_us=ours_us,
         cudnn_us=cudnn.median_us, ours_tflops=tf(ours_us), cudnn_tflops=tf(cudnn.median_us), ours_gbs=gb(ours_us),
         cudnn_gbs=gb(cudnn.median_us), ratio=(cudnn.median_us / ours_us) if ours_us else None, max_error=err,
-        status=status, tune_us=dec.time_us if dec and chosen_by == "decision" else None,
-        tune_cudnn_us=dec.cudnn_us if dec and chosen_by == "decision" else None,
-        tune_ratio=(dec.cudnn_us / dec.time_us) if dec and chosen_by == "decision" and dec.cudnn_us and dec.time_us
-        else None,
+        status=status, tune_us=dec.time_us if dec else None, tune_cudnn_us=dec.cudnn_us if dec else None,
+        tune_ratio=dec.cudnn_us / dec.time_us if dec and dec.cudnn_us and dec.time_us else None,
     )
 
 

@@ -69,11 +69,11 @@ Kernels:
   fp32 output; 3 of them faster than cuDNN) and on none of the fp16-output `depthwise` workload; on 5x5 it ran
   60-70 us where "taprows" ran 41 us (the staging's per-copy index arithmetic costs more than the load latency it
   hides there). So it is timed, never the untuned default.
-- wgrad, schedule "cols" (`COLS`; fprop and stride-1 dgrad have it too, below): the work is column strips of dy, `stages` rows x `tile[1]` columns of one image.
-  A thread owns a channel vector and one strip at a time and walks it down row by row, the row loop unrolled: each
-  input row the strip reads ((columns - 1) * stride + S vectors) is loaded once, converted to fp32 once, and kept in
-  registers for the up to R dy rows that read it, and the loads of the next dy row and of the input rows it adds are
-  issued before the current row's multiply-adds. So a thread reads its input once, where "rows" and "taprows" read
+- wgrad, schedule "cols" (`COLS`; fprop and stride-1 dgrad have it too, below): the work is column strips of dy,
+  `stages` rows x `tile[1]` columns of one image. A thread owns a channel vector and one strip at a time and walks
+  it down row by row, the row loop unrolled: each input row the strip reads ((columns - 1) * stride + S vectors) is
+  loaded once, converted to fp32 once, and kept in registers for the up to R dy rows that read it, and the loads of
+  the next dy row and of the input rows it adds are issued before the current row's multiply-adds. So a thread reads its input once, where "rows" and "taprows" read
   each input row once per filter row, and always has the next row's loads in flight. The R*S*vector sums and R
   input rows in fp32 stay in registers, which bounds the vector and the strip's columns (`cols_registers`,
   COLS_MAX_REGS): 3x3 at vector 4, 5x5 at vector 2. `tile[0]` threads (slots) per channel vector take the split's
@@ -104,13 +104,14 @@ MAX_STRIDE = 4
 #: The wgrad schedules whose work is dy row segments (see the module docstring); None is the pixel-tile schedule.
 ROWS = "rows"
 TAPROWS = "taprows"
-#: The wgrad schedule whose work is dy column strips walked down (see the module docstring).
+#: The schedule whose work is column strips walked down (wgrad: of dy; fprop, stride-1 dgrad: of the output; see the
+#: module docstring).
 COLS = "cols"
 #: Registers a "rows" wgrad thread may need (accumulators, the step's dy in fp32 and its input window); past this the
 #: kernel spills or runs one CTA per SM.
 ROWS_MAX_REGS = 192
-#: Registers a "cols" wgrad thread may need (`cols_registers`): past this it runs fewer than 4 CTAs of 128 threads per
-#: SM, or spills.
+#: Registers a "cols" thread may need (`cols_registers`): past this it runs fewer than 4 CTAs of 128 threads per SM, or
+#: spills.
 COLS_MAX_REGS = 128
 H200_SMS = 132
 DRAM_GBS = 3800.0
@@ -155,7 +156,7 @@ def is_rows(c: KernelConfig) -> bool:
 
 
 def is_cols(c: KernelConfig) -> bool:
-    """Whether the config is a "cols" wgrad schedule (work: dy column strips walked down; see the module docstring)."""
+    """Whether the config is a "cols" schedule (work: column strips walked down; see the module docstring)."""
     return c.schedule == COLS
 
 
@@ -443,17 +444,12 @@ def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
     "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread); for
     "cols" its column strips likewise."""
     rows, cols, _ = c.tile
-    if is_cols(c) or is_rows(c):
-        ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
+    ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
     if is_cols(c):  # the column strips over the CTA's slots
         return math.ceil(problem.n * math.ceil(ph / c.stages) * math.ceil(pw / cols) / rows)
     if is_rows(c):
         return math.ceil(problem.n * ph * math.ceil(pw / cols) / rows)
-    if c.kind is ConvKind.DGRAD:
-        h, w = problem.h, problem.w
-    else:
-        h, w = problem.p, problem.q
-    return problem.n * math.ceil(h / rows) * math.ceil(w / cols)
+    return problem.n * math.ceil(ph / rows) * math.ceil(pw / cols)
 
 
 # ---------------------------------------------------------------------------------------------- candidates
@@ -517,7 +513,7 @@ PIPELINED_WGRAD_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
-#: The "cols" wgrad schedule's CTA shapes: (slots, strip columns, channel vectors per CTA, warps), slots x channel
+#: The "cols" schedule's CTA shapes: (slots, strip columns, channel vectors per CTA, warps), slots x channel
 #: vectors = the CTA's threads; neighbouring slots walk neighbouring strips. 4 channel vectors at vector 4 are 16
 #: channels, which divide every MobileNetV2 / EfficientNet-B0 depthwise layer's C (144, 240, 672, ...).
 COLS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
@@ -529,8 +525,8 @@ COLS_SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (32, 1, 4, 4),    # strips of 1 column: 5x5 stride 2 (its 2-column input rows take too many registers)
     (64, 1, 4, 8),
 )
-#: The strips' rows tried (the row loop unrolls over them), each where it leaves at most COLS_IDLE of the dy rows
-#: idle past the image's bottom edge (7 divides every MobileNetV2 / EfficientNet-B0 layer's P).
+#: The strips' rows tried (the row loop unrolls over them), each where it leaves at most COLS_IDLE of the pixel grid's
+#: rows idle past the image's bottom edge (7 divides every MobileNetV2 / EfficientNet-B0 layer's P).
 COLS_RUNS = (7, 8, 14, 4)
 COLS_IDLE = 0.15
 
@@ -611,7 +607,7 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
         while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
     if schedule == COLS:  # the sums (or taps) and the R input rows in fp32 (cols_registers): the widest that fits
-        window = problem.s + (problem.stride_w if problem.kind is not ConvKind.DGRAD else 1)  # of a 2-column strip
+        window = problem.s + problem.stride_w  # of a 2-column strip (a "cols" dgrad has stride 1)
         while widest > 1 and problem.r * problem.s * widest + problem.r * window * widest > COLS_MAX_REGS:
             widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
@@ -620,20 +616,20 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
 def _schedule_variants(problem: Conv2dProblem):
     """(CTA shapes, (halo_smem, schedule, stages) choices) of each schedule the problem's kind has: the pixel tiles
     with and without halo staging (fprop and stride-1 dgrad also pipelined, and their "rows" schedule); for wgrad
-    the "rows" and "taprows" schedules at each of their columns per step, and the pipelined tiles. Shapes are
-    (rows, cols, channel vectors, warps)."""
+    the "rows" and "taprows" schedules at each of their columns per step, and the pipelined tiles; for all three but
+    strided dgrad the "cols" schedule at each of its strip rows. Shapes are (rows, cols, channel vectors, warps)."""
     window_loop = problem.kind is ConvKind.FPROP or (problem.kind is ConvKind.DGRAD and
                                                      (problem.stride_h, problem.stride_w) == (1, 1))
     yield SHAPES, [(halo, None, 1) for halo in (False, True)] + ([(True, None, 2)] if window_loop else [])
     if window_loop:
         yield FPROP_ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
-        yield COLS_SHAPES, [(False, COLS, run) for run in _cols_runs(problem)]
     if problem.kind is ConvKind.WGRAD:
         yield ROWS_SHAPES, [(False, ROWS, steps) for steps in ROWS_STEPS]
         shapes = tuple((seg, cols, nvec, problem.r * seg * nvec // 32) for seg, cols, nvec in TAPROWS_SHAPES
                        if problem.r * seg * nvec <= 1024)
         yield shapes, [(False, TAPROWS, steps) for steps in ROWS_STEPS]
         yield _pipelined_wgrad_shapes(problem), [(True, None, 2)]
+    if window_loop or problem.kind is ConvKind.WGRAD:
         yield COLS_SHAPES, [(False, COLS, run) for run in _cols_runs(problem)]
 
 
@@ -665,8 +661,7 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg
-                        capped = None if is_cols(cfg) and cfg.kind is not ConvKind.WGRAD else \
-                            min_blocks_variant(cfg)
+                        capped = min_blocks_variant(cfg)
                         if capped is not None and capped not in seen:
                             seen.add(capped)
                             yield capped
@@ -674,9 +669,10 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
 
 def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
     """`c` with its registers capped at MIN_BLOCKS_REGS[kind]: min_blocks = the CTAs of its threads that fit under
-    that cap (at most the SM's threads allow). None where fewer than 2 fit, or `c` is capped already."""
+    that cap (at most the SM's threads allow). None where fewer than 2 fit, `c` is capped already, or `c` is a
+    "cols" fprop / dgrad kernel (a cap of 80 would spill the input rows it keeps in registers)."""
     blocks = min(SM_REGISTERS // (MIN_BLOCKS_REGS[c.kind] * c.threads), MAX_SM_THREADS // c.threads)
-    if blocks < 2 or c.min_blocks is not None:
+    if blocks < 2 or c.min_blocks is not None or (is_cols(c) and c.kind is not ConvKind.WGRAD):
         return None
     return dataclasses.replace(c, min_blocks=blocks)  # 2 <= blocks <= 2048 / threads: always a valid config
 

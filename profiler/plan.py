@@ -51,7 +51,7 @@ WIDE_STRIP_BUDGET = 6
 #: Likewise the pipelined depthwise kernels (resident CTAs, double-buffered halo; depthwise.is_pipelined), whose
 #: overlap of loads and arithmetic the model does not see either.
 PIPELINED_BUDGET = 6
-#: ... and the depthwise "cols" wgrad kernels (input rows kept in registers, the next row's loads in flight), whose
+#: ... and the depthwise "cols" kernels (input rows kept in registers, the next row's loads in flight), whose
 #: register-bound occupancy and overlap the model does not see either: this many of the model's best, one per CTA
 #: shape first.
 COLS_BUDGET = 8

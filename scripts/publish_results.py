@@ -80,10 +80,13 @@ def bench_tables(data: dict) -> list[str]:
                    f"{by_kind['fprop']:.3f}, dgrad {by_kind['dgrad']:.3f}, wgrad {by_kind['wgrad']:.3f}); worst "
                    f"{worst['layer']} {worst['kind']} {worst['ratio']:.2f}.")
         if any(r.get("tune_ratio") for r in cells):  # the tune's process timed the same launch and cuDNN too
-            low = [min(x for x in (r["ratio"], r.get("tune_ratio")) if x) for r in cells]
+            from cutlass_byoc.bench import lower_ratio  # noqa: PLC0415 - torch-free at import
+
+            low = [lower_ratio(r["ratio"], r.get("tune_ratio")) for r in cells]
             low_kind = {k: _geomean([lo for lo, r in zip(low, cells) if r["kind"] == k]) for k in ("fprop", "dgrad",
                                                                                                    "wgrad")}
-            differ = sum(1 for r in cells if r.get("tune_cudnn_us") and abs(r["cudnn_us"] / r["tune_cudnn_us"] - 1) > 0.1)
+            differ = sum(1 for r in cells
+                         if r.get("tune_cudnn_us") and abs(r["cudnn_us"] / r["tune_cudnn_us"] - 1) > 0.1)
             out.append(f"Each cell's lower ratio of the bench's process and its tune's (cuDNN's benchmark mode picks "
                        f"its algorithm per process; its time differed by more than 10% in {differ} of {len(cells)} "
                        f"cells): geomean {_geomean(low):.3f} (fprop {low_kind['fprop']:.3f}, dgrad "

@@ -40,7 +40,8 @@ def layer_problem(layer: str, kind: str, batch: int) -> Conv2dProblem:
     for item in default_workload(depthwise=True):
         if item.layer == name and item.kind.value == kind:
             return item.problem.replace(n=batch)
-    raise SystemExit(f"layer: {layer!r} is not a layer of the default workload (nor one of {sorted(ALIASES)})")
+    raise SystemExit(f"layer: {layer!r} is not a layer of the default or depthwise workload (nor one of "
+                     f"{sorted(ALIASES)})")
 
 
 def extra_launches(p: Conv2dProblem) -> list[LaunchConfig]:
