@@ -41,7 +41,7 @@ inline float atomicAdd(float* p, float v) { std::lock_guard<std::mutex> g(emu_at
 // A warp shuffle, for code that every thread of the block calls alike (blocks run one after another here)
 static float emu_shfl_buf[1024];
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int = 32) {
-  unsigned t = emu_threadIdx.x;
+  unsigned t = emu_threadIdx.x + emu_blockDim.x * (emu_threadIdx.y + emu_blockDim.y * emu_threadIdx.z);
   emu_shfl_buf[t] = v;
   emu_barrier->arrive_and_wait();
   float r = emu_shfl_buf[(t & ~31u) | ((t & 31u) ^ unsigned(lane_mask))];
@@ -53,14 +53,32 @@ inline void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
   emu_blockDim = {block.x, block.y, block.z};
   for (unsigned by = 0; by < grid.y; ++by)
     for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> bar(block.x);
+      unsigned const threads = block.x * block.y * block.z;
+      std::barrier<> bar(threads);
       emu_barrier = &bar;
       std::vector<std::thread> ts;
-      for (unsigned t = 0; t < block.x; ++t)
-        ts.emplace_back([&, t, bx, by] { emu_threadIdx = {t, 0, 0}; emu_blockIdx = {bx, by, 0}; body(); });
+      for (unsigned t = 0; t < threads; ++t)
+        ts.emplace_back([&, t, bx, by] {
+          emu_threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+          emu_blockIdx = {bx, by, 0};
+          body();
+        });
       for (auto& th : ts) th.join();
     }
 }
+// cudaLaunchKernelEx (the wgrad reduction, a programmatic dependent launch): run like <<<>>>, attributes ignored (the
+// blocks run one after another here anyway). Its config's gridDim / blockDim members read as emu_gridDim /
+// emu_blockDim after the macros above, hence a config struct of those names.
+struct emu_launch_config {
+  dim3 emu_gridDim, emu_blockDim;
+  size_t dynamicSmemBytes;
+  cudaStream_t stream;
+  cudaLaunchAttribute* attrs;
+  unsigned numAttrs;
+};
+#define cudaLaunchConfig_t emu_launch_config
+#define cudaLaunchKernelEx(cfg, kernel, ...) \
+  (emu_launch((cfg)->emu_gridDim, (cfg)->emu_blockDim, [&] { kernel(__VA_ARGS__); }), cudaSuccess)
 #define cudaGetLastError() (cudaSuccess)
 // The pipelined kernels' resident-CTA count: two "SMs" of one CTA each, so that each CTA walks many tiles
 #define cudaGetDevice(d) ((*(d) = 0), cudaSuccess)
@@ -112,7 +130,7 @@ def emulated_source(config) -> str:
 
     src = render(config, "g++ (CPU emulation)").replace("#include <cuda_runtime.h>", PRELUDE)
     src, launches = re.subn(r"(\w+)<<<([^,]+), ([^,]+), 0, s>>>\((.*?)\);", r"emu_launch(\2, \3, [&] { \1(\4); });", src)
-    assert launches, "no kernel launch found in the rendered source"
+    assert launches or "cudaLaunchKernelEx" in src, "no kernel launch found in the rendered source"
     return src
 
 

@@ -132,7 +132,7 @@ def test_register_capped_twins():
     assert "__launch_bounds__(kThreads) depthwise_kernel" in render(c, "nvcc")
     src = render(min_blocks_variant(c), "nvcc")
     assert f"__launch_bounds__(kThreads, {min_blocks_variant(c).min_blocks}) depthwise_kernel" in src
-    assert "__launch_bounds__(kReduceCols * kReduceGroups) reduce_kernel" not in src  # fprop: no reduction kernel
+    assert "reduce_kernel" not in src  # fprop: no reduction kernel
 
 
 @pytest.mark.parametrize("change, message", [
@@ -318,6 +318,7 @@ def test_render_fprop_with_epilogue():
     assert "__shared__ Vec halo[kHaloRows][kHaloCols][kLanes];" in src
     assert src.count("cudaGetLastError") == 1 and "cb_workspace_size" in src
     assert "reduce_kernel" not in src and "{{" not in src and "{%" not in src
+    assert "griddepcontrol" not in src and "cudaLaunchKernelEx" not in src  # no dependent launch without a reduction
 
 
 def test_render_dgrad_stride_1_is_rotated_fprop_and_strided_gathers_valid_taps():
@@ -332,7 +333,14 @@ def test_render_dgrad_stride_1_is_rotated_fprop_and_strided_gathers_valid_taps()
 def test_render_wgrad_partials_and_reduction():
     c = first(dw("wgrad", out_dtype="f32"), halo_smem=False)
     src = render(c, "nvcc")
-    assert "reduce_kernel<<<" in src and "depthwise_kernel<<<" in src and src.count("cudaGetLastError") == 2
+    assert "depthwise_kernel<<<" in src and src.count("cudaGetLastError") == 1
+    # the reduction is the partials kernel's programmatic dependent: every partials kernel lets it launch first thing,
+    # it waits for the partials before touching memory, and cb_run launches it with programmatic stream serialization
+    assert "cudaLaunchKernelEx(&cfg, reduce_kernel, p, splits)" in src
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
+    assert src.count("griddepcontrol.launch_dependents") == 1 and src.count("allow_reduction_launch();") == 1
+    body = src[src.index("reduce_kernel(Params p, int splits) {"):]
+    assert body.index("griddepcontrol.wait") < body.index("p.partials[")
     assert "x.split_k_slices * int64_t(kTaps) * x.c * int64_t(sizeof(float))" in src
     # the CTA's threads are summed by shuffles and warp by warp (deterministic), not by shared-memory atomics
     assert "cta_sum(acc, total" in src and "__shfl_xor_sync" in src and "atomicAdd" not in src

@@ -25,7 +25,7 @@ from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
     TOLERANCE, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config,
-    kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
+    epilogue_case, kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
 )
 
 pytestmark = pytest.mark.gpu
@@ -475,6 +475,36 @@ def test_pipelined_kernel_captured_in_a_cuda_graph():
         torch.cuda.synchronize()
         err = rel_err(out, reference(problem, x, w, dy))
         assert err < TOLERANCE[problem.element_out], f"{cfg.name} replayed: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("which, splits", [(0, 64), (2, 5)])
+def test_wgrad_reduction_dependent_launch_captured_in_a_cuda_graph(which, splits):
+    """wgrad's reduction kernel is the partials kernel's programmatic dependent launch (it may start before the
+    partials are done and waits for them): captured in a CUDA graph and replayed with new dy and x (and residual), the
+    weight gradient matches the float64 reference each time, also with an uncaptured launch just before the replay."""
+    dt, r, stride, _, _, _, epi, _ = COLS_KERNELS[which]
+    cfg = cols_kernel(*COLS_KERNELS[which])
+    problem = problem_of("wgrad", 144, 56, 56, r, stride, dt, n=8, epilogue=epi)
+    launch = LaunchConfig(cfg, splits)
+    a, b, source, _ = epilogue_case(problem, 31)
+    out = poisoned_output(problem)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.run_problem(problem, a, b, out, source, config=launch)
+    for seed in (32, 33):
+        a_new, b_new, source_new, ref = epilogue_case(problem, seed)
+        a.copy_(a_new)
+        b.copy_(b_new)
+        if source is not None:
+            source.copy_(source_new)
+        eager = poisoned_output(problem)
+        out.fill_(float("nan"))
+        ops.run_problem(problem, a, b, eager, source, config=launch)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, result in (("replayed", out), ("uncaptured", eager)):
+            err = rel_err(result, ref)
+            assert err < TOLERANCE[problem.element_out], f"{cfg.name} {name} ({splits} splits): error {err:.3e}"
 
 
 @pytest.mark.parametrize("pad", [0, 2, 3])
