@@ -485,6 +485,7 @@ def test_wgrad_reduction_dependent_launch_captured_in_a_cuda_graph(which, splits
     dt, r, stride, _, _, _, epi, _ = COLS_KERNELS[which]
     cfg = cols_kernel(*COLS_KERNELS[which])
     problem = problem_of("wgrad", 144, 56, 56, r, stride, dt, n=8, epilogue=epi)
+    splits = min(splits, pixel_tiles(cfg, problem))  # (n=8: 56 strips of 7 rows per slot at the first kernel)
     launch = LaunchConfig(cfg, splits)
     a, b, source, _ = epilogue_case(problem, 31)
     out = poisoned_output(problem)
