@@ -31,7 +31,7 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 
 #: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
-_OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "element_bias", "lowering")
+_OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,10 @@ class KernelConfig:
     # thread's registers at 65536 / (min_blocks * threads); None leaves the registers to the compiler. Memory-bound
     # kernels whose windows and sums take 100-200 registers run at 12-25% occupancy without it.
     min_blocks: Optional[int] = None
+    # direct depthwise "cols" schedule only: how many rows ahead of the one being summed a thread issues its loads
+    # (None: one row; 2 or more hold that many rows of loads in flight, in registers). Memory-level parallelism against
+    # occupancy: the profiler times both.
+    prefetch: Optional[int] = None
     # The bias-vector epilogue (fprop): None for the plain kernels, which read a bias as C through a zero stride in the
     # output's type. Set, the kernel takes the bias as a separate vector of this type (CbConv2dArgs.bias, or .source
     # for source_kind 1) and an optional residual as C: D = act(alpha * acc + beta * residual + bias), all in fp32,
@@ -240,8 +244,9 @@ class KernelConfig:
             from .smem_im2col import static_error as smem_im2col_static_error  # noqa: PLC0415
 
             return smem_im2col_static_error(self)
-        if self.conv_stride is not None or self.halo_smem is not None or self.min_blocks is not None:
-            return "conv_stride, halo_smem and min_blocks are fields of the depthwise family only"
+        if (self.conv_stride is not None or self.halo_smem is not None or self.min_blocks is not None
+                or self.prefetch is not None):
+            return "conv_stride, halo_smem, min_blocks and prefetch are fields of the depthwise family only"
         if self.activation is Activation.RELU6:
             return (f"activation relu6: the {self.family.value} epilogue has no clamp (the ReLU6 clamp is fused by the "
                     "depthwise family only; after an implicit-GEMM conv it stays in PyTorch)")

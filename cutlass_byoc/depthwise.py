@@ -31,6 +31,9 @@ stages         pixel tiles: 1, or 2 with halo_smem ("pipelined", name `smem2`): 
 min_blocks     None, or the CTAs per SM the compiler must fit (`__launch_bounds__(threads, min_blocks)`): a
                register cap of 65536 / (min_blocks * threads) per thread, for more warps in flight at the price
                of possible spills. Candidates come in pairs, without and with the cap of MIN_BLOCKS_REGS.
+prefetch       "cols" only: None, or the rows ahead of the row being summed whose loads a thread issues first (name
+               `cols<rows>pf<n>`): more loads in flight for more registers. "cols" candidates come with a twin
+               loading PREFETCH_ROWS rows ahead where its registers stay within COLS_MAX_REGS (`prefetch_variant`).
 =============  ===============================================================================================
 
 Kernels:
@@ -73,8 +76,9 @@ Kernels:
   `stages` rows x `tile[1]` columns of one image. A thread owns a channel vector and one strip at a time and walks
   it down row by row, the row loop unrolled: each input row the strip reads ((columns - 1) * stride + S vectors) is
   loaded once, converted to fp32 once, and kept in registers for the up to R dy rows that read it, and the loads of
-  the next dy row and of the input rows it adds are issued before the current row's multiply-adds. So a thread reads its input once, where "rows" and "taprows" read
-  each input row once per filter row, and always has the next row's loads in flight. The R*S*vector sums and R
+  the next dy row (`prefetch` rows ahead in the twin) and of the input rows it adds are issued before the current
+  row's multiply-adds. So a thread reads its input once, where "rows" and "taprows" read each input row once per
+  filter row, and always has the next row's loads in flight. The R*S*vector sums and R
   input rows in fp32 stay in registers, which bounds the vector and the strip's columns (`cols_registers`,
   COLS_MAX_REGS): 3x3 at vector 4, 5x5 at vector 2. `tile[0]` threads (slots) per channel vector take the split's
   strips in turn, neighbouring strips on neighbouring slots; partials and reduction as the other wgrad schedules.
@@ -113,6 +117,10 @@ ROWS_MAX_REGS = 192
 #: Registers a "cols" thread may need (`cols_registers`): past this it runs fewer than 4 CTAs of 128 threads per SM, or
 #: spills.
 COLS_MAX_REGS = 128
+#: The rows ahead a "cols" kernel's prefetch twin (`prefetch_variant`) issues its loads: two rows of loads in flight
+#: per thread instead of one. A 144-channel 56x56 layer's "cols" kernels ran at 1.6-2.3 TB/s on the H200 with 12-16
+#: warps per SM, stalled on their loads (ncu: long scoreboard), one row of loads in flight each.
+PREFETCH_ROWS = 2
 H200_SMS = 132
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
@@ -168,13 +176,13 @@ def cols_window(c: KernelConfig) -> int:
 def cols_registers(c: KernelConfig) -> int:
     """32-bit registers a "cols" thread needs for its data at a row (a lower bound: addresses and loop state come on
     top): R*S*vector fp32 values (wgrad: its sums; fprop / stride-1 dgrad: the filter taps), the R input rows the row
-    reads in fp32 and the next row's new input rows as loaded, and per strip column the row's dy in fp32 and the next
-    row's as loaded (wgrad) or its fp32 sums (fprop / dgrad)."""
+    reads in fp32, per strip column the row's dy in fp32 (wgrad) or its fp32 sums (fprop / dgrad), and the loads in
+    flight as loaded: the new input rows (and wgrad's dy row) of each of the `prefetch` rows ahead (None: one)."""
     vec, (r, s), (sh, _) = c.align_a, c.filter_rs, c.conv_stride
     loaded = vec * c.element_a.nbytes / 4  # registers of one vector as loaded
     window = cols_window(c)
-    per_col = vec + loaded if c.kind is ConvKind.WGRAD else vec
-    return math.ceil(r * s * vec + r * window * vec + min(sh, r) * window * loaded + c.tile[1] * per_col)
+    ahead = min(sh, r) * window * loaded + (c.tile[1] * loaded if c.kind is ConvKind.WGRAD else 0)  # per row ahead
+    return math.ceil(r * s * vec + r * window * vec + c.tile[1] * vec + (c.prefetch or 1) * ahead)
 
 
 def row_groups(c: KernelConfig) -> int:
@@ -273,7 +281,7 @@ def depthwise_name(c: KernelConfig) -> str:
         "cb_dw", c.kind.value,
         f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
         f"t{rows}x{cols}x{ch}_v{c.align_a}_w{c.warps[0]}",
-        f"{c.schedule}{c.stages}" if is_rows(c) or is_cols(c) else
+        f"{c.schedule}{c.stages}" + (f"pf{c.prefetch}" if c.prefetch else "") if is_rows(c) or is_cols(c) else
         ("l1" if not c.halo_smem else "smem" if c.stages == 1 else f"smem{c.stages}"),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
@@ -312,6 +320,11 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
             return f"halo_smem: the {COLS!r} schedule keeps its input rows in registers (halo_smem False)"
         if not 1 <= c.stages <= 16:
             return f"stages: a {COLS!r} strip has 1..16 rows (its row loop unrolls), got {c.stages}"
+        if c.prefetch is not None and not 2 <= c.prefetch < c.stages:
+            return (f"prefetch: None (one row ahead) or 2 .. {c.stages - 1} rows ahead within the strip's "
+                    f"{c.stages} rows, got {c.prefetch}")
+    elif c.prefetch is not None:
+        return f"prefetch: the {COLS!r} schedule's (rows ahead of its row walk), None for the others"
     elif is_rows(c):
         if c.kind is not ConvKind.WGRAD and not (c.schedule == ROWS and runs_window_loop(c)):
             return (f"schedule {c.schedule!r}: wgrad, and for {ROWS!r} also fprop and stride-1 dgrad (strided dgrad "
@@ -661,10 +674,10 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg
-                        capped = min_blocks_variant(cfg)
-                        if capped is not None and capped not in seen:
-                            seen.add(capped)
-                            yield capped
+                        for twin in (min_blocks_variant(cfg), prefetch_variant(cfg)):
+                            if twin is not None and twin not in seen:
+                                seen.add(twin)
+                                yield twin
 
 
 def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
@@ -675,6 +688,20 @@ def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
     if blocks < 2 or c.min_blocks is not None or (is_cols(c) and c.kind is not ConvKind.WGRAD):
         return None
     return dataclasses.replace(c, min_blocks=blocks)  # 2 <= blocks <= 2048 / threads: always a valid config
+
+
+def prefetch_variant(c: KernelConfig) -> Optional[KernelConfig]:
+    """A "cols" config `c` issuing its loads PREFETCH_ROWS rows ahead instead of one (more loads in flight per thread,
+    more registers): None where `c` is another schedule, already has a prefetch, its strips have too few rows, or the
+    registers would pass COLS_MAX_REGS."""
+    if not is_cols(c) or c.prefetch is not None or c.stages <= PREFETCH_ROWS:
+        return None
+    if c.min_blocks is not None:
+        return None
+    try:
+        return dataclasses.replace(c, prefetch=PREFETCH_ROWS)  # the config's rules check its registers
+    except ValueError:
+        return None
 
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:

@@ -99,9 +99,10 @@ def static_error(c: KernelConfig) -> Optional[str]:
         return "activation relu6: only the depthwise family fuses the ReLU6 clamp"
     if c.element_bias is not None:
         return "element_bias: no bias-vector epilogue in the smem_im2col family (the bias is read as the source)"
-    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.lowering) != \
-            (None, (1, 1, 1), None, None, None, None, None):
-        return "schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks and lowering are other families' fields"
+    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.prefetch, c.lowering) != \
+            (None, (1, 1, 1), None, None, None, None, None, None):
+        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks, prefetch and lowering are other "
+                "families' fields")
     if (c.iterator, c.stride_support, c.swizzle) != (IteratorAlgorithm.OPTIMIZED, StrideSupport.UNITY, 1):
         return "iterator, stride_support and swizzle: the shared-memory im2col family has none (leave the defaults)"
     return None

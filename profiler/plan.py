@@ -222,6 +222,7 @@ def plan_problem(
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
         side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
+        side += _prefetch_twins(side, by_family.pop(_COLS_AHEAD, []))
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
@@ -284,6 +285,7 @@ _WIDE = "depthwise wide strips"
 _PIPELINED = "depthwise pipelined"
 _PINGPONG = "sm90 ping-pong"
 _COLS = "depthwise cols"
+_COLS_AHEAD = "depthwise cols, prefetch twins"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
                  KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET}
 #: Side budgets whose kernels are taken one per tile shape first (_spread_over_tiles), as the families' are.
@@ -298,6 +300,14 @@ def _side_budgets(max_candidates: int, problem: Conv2dProblem) -> dict:
     return {**_SIDE_BUDGETS, _PINGPONG: pingpong}
 
 
+def _prefetch_twins(side: list, twins: list) -> list:
+    """The "cols" prefetch twins (depthwise.prefetch_variant; `twins` as _rank_families lists them) of the "cols"
+    kernels in `side`: each kernel the cols budget takes is timed with and without its loads two rows ahead (the
+    model cannot tell which wins: more loads in flight, or more warps)."""
+    taken = {t[1] for t in side}
+    return [t for t in twins if dataclasses.replace(t[1], prefetch=None) in taken]
+
+
 def _family_key(kernel: KernelConfig):
     """The list _rank_families puts `kernel` in: its family, or a side budget's key."""
     if kernel.is_conv_pingpong:
@@ -306,7 +316,7 @@ def _family_key(kernel: KernelConfig):
         if is_pipelined(kernel):
             return _PIPELINED
         if is_cols(kernel):
-            return _COLS
+            return _COLS_AHEAD if kernel.prefetch else _COLS
         if is_wide_strip(kernel):
             return _WIDE
     return kernel.family

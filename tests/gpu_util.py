@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import math
 import os
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import pytest
 import torch
@@ -54,17 +54,20 @@ def depthwise_rows_config(problem: Conv2dProblem, vec: int, steps: int, schedule
                 if c.schedule == schedule and c.align_a == vec and c.stages == steps and c.tile[:2] == shape)
 
 
-def depthwise_cols_config(problem: Conv2dProblem, vec: int, run: int, shape=(32, 2)) -> KernelConfig:
-    """The depthwise tests' "cols" wgrad config for the problem's types, filter and stride: vector `vec`, strips of
-    `run` rows, `shape` = (slots, strip columns) (from the C=96 twin, or the problem's own candidates)."""
+def depthwise_cols_config(problem: Conv2dProblem, vec: int, run: int, shape=(32, 2),
+                          prefetch: Optional[int] = None) -> KernelConfig:
+    """The depthwise tests' "cols" config for the problem's kind, types, filter and stride: vector `vec`, strips of
+    `run` rows, `shape` = (slots, strip columns) (from the C=96 twin, or the problem's own candidates), loads
+    `prefetch` rows ahead (None: one)."""
     import itertools  # noqa: PLC0415
 
     from cutlass_byoc.depthwise import COLS, depthwise_candidates  # noqa: PLC0415
 
     wide = problem.replace(c=96, k=96, groups=96)
     cfg = next(c for c in itertools.chain(depthwise_candidates(wide), depthwise_candidates(problem))
-               if c.schedule == COLS and c.align_a == vec and c.tile[:2] == tuple(shape))
-    return dataclasses.replace(cfg, stages=run)  # any run, also one the candidates leave out for this image
+               if c.schedule == COLS and c.align_a == vec and c.tile[:2] == tuple(shape) and c.prefetch is None)
+    # any run, also one the candidates leave out for this image
+    return dataclasses.replace(cfg, stages=run, prefetch=prefetch)
 
 
 def depthwise_pipelined_wgrad_config(problem: Conv2dProblem, vec: int, tile=(4, 16), strip_cols: int = 4) -> KernelConfig:

@@ -13,6 +13,7 @@ from cutlass_byoc.candidates import sm80_candidates, unsupported_reason
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.depthwise import (
     WIDE_STRIP,
+    prefetch_variant,
     default_depthwise_launch,
     depthwise_candidates,
     is_pipelined,
@@ -111,7 +112,7 @@ def test_register_capped_twins():
 
     for kind in ("fprop", "dgrad", "wgrad"):
         cands = list(depthwise_candidates(dw(kind)))
-        plain = [c for c in cands if c.min_blocks is None]
+        plain = [c for c in cands if c.min_blocks is None and not c.prefetch]  # (prefetch twins: "cols" ones)
         capped = [c for c in cands if c.min_blocks is not None]
         alone = [c for c in plain if 65536 // (MIN_BLOCKS_REGS[c.kind] * c.threads) < 2]
         assert all(is_pipelined_wgrad(c) and c.threads >= 384 for c in alone) and (kind == "wgrad") == bool(alone)
@@ -265,6 +266,45 @@ def test_cols_kernels():
         dataclasses.replace(k, kind=ConvKind.DGRAD, conv_stride=(2, 2))
 
 
+def test_cols_prefetch_twins():
+    """A "cols" kernel's prefetch twin issues its loads PREFETCH_ROWS rows ahead: its own name, more registers (the
+    rows of loads in flight), within COLS_MAX_REGS or not proposed; "cols" only, fewer rows ahead than the strip has."""
+    from cutlass_byoc.depthwise import COLS_MAX_REGS, PREFETCH_ROWS, cols_registers, is_cols  # noqa: PLC0415
+
+    for kind in ("fprop", "dgrad", "wgrad"):
+        p = dw(kind, r=3, c=144, hw=56)
+        cands = list(depthwise_candidates(p))
+        twins = [k for k in cands if k.prefetch]
+        assert twins and all(is_cols(k) and k.prefetch == PREFETCH_ROWS and not k.min_blocks for k in twins)
+        for k in twins:
+            base = dataclasses.replace(k, prefetch=None)
+            assert base in cands and prefetch_variant(base) == k and f"_cols{k.stages}pf2_" in k.name
+            assert base.name == k.name.replace("pf2", "") and cols_registers(base) < cols_registers(k) <= COLS_MAX_REGS
+        # a twin for every "cols" kernel with the registers and rows for it
+        for k in cands:
+            if is_cols(k) and not k.prefetch and not k.min_blocks and k.stages > PREFETCH_ROWS:
+                assert (prefetch_variant(k) is not None) == _fits_ahead(k), k.name
+    k = next(k for k in depthwise_candidates(dw("wgrad", r=3, c=144, hw=56)) if k.prefetch and k.stages == 7)
+    src = render(k, "nvcc")
+    assert "constexpr int kPrefetch = 2;" in src and "if (k + kPrefetch < kRun)" in src
+    assert "constexpr int kPrefetch = 1;" in render(dataclasses.replace(k, prefetch=None), "nvcc")
+    with pytest.raises(ValueError, match="prefetch"):
+        dataclasses.replace(k, prefetch=7)  # as many rows ahead as the strip has
+    with pytest.raises(ValueError, match="prefetch"):
+        dataclasses.replace(first(dw("wgrad")), prefetch=2)  # not a "cols" kernel
+    with pytest.raises(ValueError, match="prefetch"):
+        dataclasses.replace(first(dw("fprop")), family=KernelFamily.SM80_IMPLICIT_GEMM, prefetch=2)
+
+
+def _fits_ahead(k) -> bool:
+    """Whether `k` loading PREFETCH_ROWS rows ahead stays within COLS_MAX_REGS (computed here from the register count
+    of one row ahead: each row ahead adds the new input rows' and wgrad's dy row's vectors as loaded)."""
+    from cutlass_byoc.depthwise import COLS_MAX_REGS, PREFETCH_ROWS, cols_registers, cols_window  # noqa: PLC0415
+
+    per_row = min(k.conv_stride[0], k.filter_rs[0]) * cols_window(k) + (k.tile[1] if k.kind is ConvKind.WGRAD else 0)
+    return cols_registers(k) + (PREFETCH_ROWS - 1) * per_row * k.align_a * k.element_a.nbytes / 4 <= COLS_MAX_REGS
+
+
 def test_reject_reason_names_what_does_not_fit():
     c = first(dw(), align_a=8)
     assert c.reject_reason(dw(r=5)).startswith("filter")
@@ -357,11 +397,15 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         # wide-strip kernels on budgets of their own
         piped = [k for k in plan.kernels if is_pipelined(k)]
         wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
-        cols = [k for k in plan.kernels if k.schedule == "cols"]  # the "cols" kernels: a budget of their own
-        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols)
+        # the "cols" kernels: a budget of their own, each with its prefetch twin where it has one
+        cols = [k for k in plan.kernels if k.schedule == "cols" and not k.prefetch]
+        ahead = [k for k in plan.kernels if k.prefetch]
+        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols) + len(ahead)
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
         assert len(piped) == PIPELINED_BUDGET
         assert len(cols) == COLS_BUDGET
+        assert ahead and {dataclasses.replace(k, prefetch=None) for k in ahead} == \
+            {k for k in cols if prefetch_variant(k) is not None}
         if cols:  # one per CTA shape first
             assert len({k.tile[:2] for k in cols}) >= 4, [k.name for k in cols]
         assert all(strip(k) >= WIDE_STRIP for k in wide) and all(k.stages == 2 and k.halo_smem for k in piped)

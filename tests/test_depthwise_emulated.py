@@ -209,6 +209,23 @@ def test_fprop_and_dgrad_cols_schedule(kind, r, stride, vec, run, shape, dt, c, 
     check(p, cfg, 1, seed=r + stride + run)
 
 
+@pytest.mark.parametrize("kind, r, stride, vec, run, prefetch, shape, dt, c, h, w, splits", [
+    ("fprop", 3, 1, 4, 7, 2, (32, 2), ("f16", "f16"), 24, 9, 21, 1),    # a ragged last strip and run
+    ("fprop", 3, 2, 2, 4, 3, (16, 2), ("bf16", "f32"), 16, 13, 11, 1),  # stride 2: two new rows per row, 3 ahead
+    ("dgrad", 3, 1, 2, 7, 2, (32, 4), ("f16", "f16"), 32, 11, 19, 1),   # rotated filter, strips of 4
+    ("wgrad", 3, 1, 4, 7, 2, (32, 2), ("f16", "f16"), 24, 9, 21, 3),
+    ("wgrad", 3, 2, 2, 8, 3, (16, 2), ("f16", "f32"), 16, 13, 11, None),  # a run past the image's bottom edge
+    ("dgrad", 5, 1, 2, 4, 2, (32, 1), ("bf16", "bf16"), 10, 14, 9, 1),  # 5x5, strips of 1 column
+])
+def test_cols_schedule_with_loads_rows_ahead(kind, r, stride, vec, run, prefetch, shape, dt, c, h, w, splits):
+    """The "cols" kernels issuing their loads `prefetch` rows ahead (the prologue loads the first rows, each row the
+    loads of row k + prefetch): the same results as one row ahead."""
+    p = problem_of(kind, c, h, w, r, stride, dt)
+    cfg = depthwise_cols_config(p, vec, run, shape, prefetch=prefetch)
+    assert f"_cols{run}pf{prefetch}_" in cfg.name
+    check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride + run + prefetch)
+
+
 @pytest.mark.parametrize("kind, pad", [("fprop", 0), ("dgrad", 0), ("dgrad", 3)])  # dgrad pad 3: rotated pad -1
 def test_fprop_and_dgrad_cols_schedule_other_paddings(kind, pad):
     p = problem_of(kind, 16, 10, 13, 3, 1, pad=pad)

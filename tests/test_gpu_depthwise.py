@@ -4,8 +4,8 @@ of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the
 
 Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (one CTA
 shape per kind and schedule, compiled in one parallel build): each kernel is reused over several shapes. The "rows"
-wgrad schedule has its own cases (test_wgrad_rows_schedule*), the "cols" ones test_cols_wgrad and
-test_cols_fprop_and_dgrad."""
+wgrad schedule has its own cases (test_wgrad_rows_schedule*), the "cols" ones test_cols_wgrad,
+test_cols_fprop_and_dgrad and (loads more rows ahead) test_cols_loads_rows_ahead."""
 
 from __future__ import annotations
 
@@ -235,6 +235,7 @@ def all_kernels():
     ks += [pipelined_wgrad_kernel(*k) for k in PIPELINED_WGRAD_KERNELS]
     ks += [cols_kernel(*k) for k in COLS_KERNELS]
     ks += [cols_fprop_kernel(*k) for k in COLS_FPROP_KERNELS]
+    ks += [cols_ahead_kernel(*k) for k in COLS_AHEAD_KERNELS]
     ks += [graph_kernel()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
@@ -450,6 +451,41 @@ def test_cols_fprop_and_dgrad(kind, dt, r, stride, vec, run, shape, epi):
         problem = problem_of(kind, c, h, w, r, stride, dt, n=n, epilogue=epi)
         assert cfg.reject_reason(problem) is None
         check_launch(problem, LaunchConfig(cfg, 1), seed=c * 5 + h + n)
+
+
+# The "cols" kernels loading `prefetch` rows ahead (the prefetch twins the planner times beside their kernels):
+# (kind, dtypes, R, stride, vector, strip rows, (slots, strip columns), epilogue, rows ahead).
+COLS_AHEAD_KERNELS = [
+    ("fprop", ("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue(Activation.RELU6, SourceKind.BIAS), 2),
+    ("fprop", ("bf16", "f32"), 3, 2, 2, 8, (16, 2), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL), 3),
+    ("dgrad", ("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue(), 2),
+    ("dgrad", ("f16", "f32"), 5, 1, 2, 4, (32, 1), Epilogue(), 2),
+    ("wgrad", ("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue(), 2),
+    ("wgrad", ("f16", "f32"), 3, 2, 2, 4, (16, 2), Epilogue(), 3),
+]
+
+
+def cols_ahead_kernel(kind, dt, r, stride, vec, run, shape, epi, prefetch):
+    return depthwise_cols_config(problem_of(kind, 96, 15, 13, r, stride, dt, epilogue=epi), vec, run, shape,
+                                 prefetch=prefetch)
+
+
+@pytest.mark.parametrize("kind, dt, r, stride, vec, run, shape, epi, prefetch", COLS_AHEAD_KERNELS,
+                         ids=[f"{k}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-run{n}-{sh[0]}x{sh[1]}-{e.tag}-pf{pf}"
+                              for k, d, r, s, v, n, sh, e, pf in COLS_AHEAD_KERNELS])
+def test_cols_loads_rows_ahead(kind, dt, r, stride, vec, run, shape, epi, prefetch):
+    cfg = cols_ahead_kernel(kind, dt, r, stride, vec, run, shape, epi, prefetch)
+    assert f"_cols{run}pf{prefetch}_" in cfg.name
+    # SHAPES (odd sizes, a one-row image, strips and runs past the edges), then a MobileNetV2 layer's size; wgrad at
+    # 1, 3 or 64, and the most splits
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(144, 56, 56, 32)]:
+        if c % vec:
+            continue
+        problem = problem_of(kind, c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        most = pixel_tiles(cfg, problem) if kind == "wgrad" else 1
+        for splits in sorted({1, min(3 if n == 3 else 64, most), most}):
+            check_launch(problem, LaunchConfig(cfg, splits), seed=c * 7 + h + n + splits + prefetch)
 
 
 def graph_kernel():
