@@ -31,7 +31,8 @@
 # time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; any default-workload layer as bench names it,
 #           or stem / down) --extra -> $OUT/time-launches.log: each launch of the layers' plans (and the stem fold's
 #           sm90 variants; TIME_EXTRA=0: not those) timed whole and kernel alone (TIME_KINDS=fprop,wgrad narrows the
-#           kinds; a diagnostic; its kernels must be in the test cache)
+#           kinds; TIME_ONLY="NAME ...": only the launches whose names contain one of these; a diagnostic; its
+#           kernels must be in the test cache)
 # ncu:      Nsight Compute (--clock-control none) on the kernels named by the regex $NCU_KERNEL (default
 #           im2col_smem_kernel; the first $NCU_COUNT launches, default 1) while scripts/time_launches.py times
 #           $TIME_LAYERS / $TIME_KINDS, once per name in $NCU_ONLY (the launches whose names contain it) -> ncu.log
@@ -183,7 +184,8 @@ for step in "${steps[@]}"; do
         || rc=1 ;;
     time-launches)
       python3 scripts/time_launches.py ${TIME_LAYERS:-stem} ${TIME_KINDS:+--kinds $TIME_KINDS} \
-        $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) 2>&1 | tee "$OUT/time-launches.log" || rc=1 ;;
+        $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) ${TIME_ONLY:+--only $TIME_ONLY} 2>&1 \
+        | tee "$OUT/time-launches.log" || rc=1 ;;
     ncu)
       for only in ${NCU_ONLY:-im2colsm}; do  # one profiled process per launch name
         ncu --clock-control none -k "regex:${NCU_KERNEL:-im2col_smem_kernel}" --launch-count "${NCU_COUNT:-1}" \

@@ -187,10 +187,19 @@ def test_render_split_k_wgrad():
     p = problem("wgrad")
     src = render(split_one(p), "nvcc")
     assert "cb_split_wgrad_kernel" in src and "cb_splitk_reduce" in src
+    # the reduction is the split kernel's programmatic dependent launch: the split kernel lets it launch first thing,
+    # it waits for the partials before reading one
+    assert "cudaLaunchKernelEx(&rcfg, cb_splitk_reduce," in src
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
+    split_body = src[src.index("cb_split_wgrad_kernel(CUTLASS_GRID_CONSTANT"):]
+    assert split_body.index("griddepcontrol.launch_dependents") < split_body.index("SharedStorage& shared_storage")
+    reduce_body = src[src.index("cb_splitk_reduce(const float4*"):]
+    assert reduce_body.index("griddepcontrol.wait") < reduce_body.index("partials[")
     assert "using ElementKernelOut = float;" in src and "using ElementOutput = cutlass::half_t;" in src
     assert "return cb_splitk::partial_bytes(*x);" in src
     plain = render(one(p), "nvcc")
     assert "cb_split_wgrad_kernel" not in plain and "using ElementKernelOut = ElementOutput;" in plain
+    assert "griddepcontrol" not in plain and "cudaLaunchAttributeProgrammaticStreamSerialization" not in plain
 
 
 def test_reject_reason_strided_dgrad_and_padding():
