@@ -9,9 +9,11 @@
 #           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz;
 #           TUNE_JSON=1: the first tune's report, every candidate's time, to $OUT/tune.json; TUNE_WORKLOAD=FILE:
 #           a JSON workload instead of the default one, e.g. scripts/workloads/strided-dgrad.json; TUNE_MAX=N:
-#           --max-candidates N, a wider search than the default plan's)
+#           --max-candidates N, a wider search than the default plan's; TUNE_KINDS=wgrad or fprop,dgrad: those kinds'
+#           problems only, in the tune and the bench)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
-#           when the cache is empty, e.g. on a fresh machine)
+#           when the cache is empty, e.g. on a fresh machine; BENCH_SPLITK=0: not the split-k study, whose launches
+#           beyond the tune's plan compile first)
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
 # tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
 #           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50;
@@ -128,20 +130,22 @@ for step in "${steps[@]}"; do
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} --verbose --no-progress \
-        ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 | tee "$OUT/tune.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} \
+        --verbose --no-progress ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 \
+        | tee "$OUT/tune.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} 2>&1 | tee -a "$OUT/tune.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} 2>&1 \
+        | tee -a "$OUT/tune.log" || rc=1
       export_tuned "$TUNE_CACHE" ;;
     bench)
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
         CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
       fi
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --json "$OUT/bench.json" \
-        2>&1 | tee "$OUT/bench.log" || rc=1
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --split-k --json "$OUT/bench-splitk.json" \
-        2>&1 | tee -a "$OUT/bench.log" || rc=1 ;;
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench ${TUNE_KINDS:+--kinds $TUNE_KINDS} --no-progress \
+        --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+      [ "${BENCH_SPLITK:-1}" = 1 ] && { CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --split-k \
+        --json "$OUT/bench-splitk.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1; } ;;
     tune-depthwise)
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune depthwise ${DW_KINDS:+--kinds $DW_KINDS} --verbose \
         --no-progress ${TUNE_JSON:+--json "$OUT/tune-depthwise.json"} 2>&1 \
