@@ -692,11 +692,9 @@ def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
 
 def prefetch_variant(c: KernelConfig) -> Optional[KernelConfig]:
     """A "cols" config `c` issuing its loads PREFETCH_ROWS rows ahead instead of one (more loads in flight per thread,
-    more registers): None where `c` is another schedule, already has a prefetch, its strips have too few rows, or the
-    registers would pass COLS_MAX_REGS."""
-    if not is_cols(c) or c.prefetch is not None or c.stages <= PREFETCH_ROWS:
-        return None
-    if c.min_blocks is not None:
+    more registers): None where `c` is another schedule, already has a prefetch or a register cap, its strips have
+    too few rows, or the registers would pass COLS_MAX_REGS."""
+    if not is_cols(c) or c.prefetch is not None or c.min_blocks is not None or c.stages <= PREFETCH_ROWS:
         return None
     try:
         return dataclasses.replace(c, prefetch=PREFETCH_ROWS)  # the config's rules check its registers

@@ -189,7 +189,7 @@ def test_render_split_k_wgrad():
     assert "cb_split_wgrad_kernel" in src and "cb_splitk_reduce" in src
     # the reduction is the split kernel's programmatic dependent launch: the split kernel lets it launch first thing,
     # it waits for the partials before reading one
-    assert "cudaLaunchKernelEx(&rcfg, cb_splitk_reduce," in src
+    assert "cudaLaunchKernelEx(&cfg, cb_splitk_reduce," in src
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
     split_body = src[src.index("cb_split_wgrad_kernel(CUTLASS_GRID_CONSTANT"):]
     assert split_body.index("griddepcontrol.launch_dependents") < split_body.index("SharedStorage& shared_storage")
