@@ -37,7 +37,8 @@
 #           kernels must be in the test cache)
 # ncu:      Nsight Compute (--clock-control none) on the kernels named by the regex $NCU_KERNEL (default
 #           im2col_smem_kernel; the first $NCU_COUNT launches, default 1) while scripts/time_launches.py times
-#           $TIME_LAYERS / $TIME_KINDS, once per name in $NCU_ONLY (the launches whose names contain it) -> ncu.log
+#           $TIME_LAYERS / $TIME_KINDS, once per name in $NCU_ONLY (the launches whose names contain it; an entry
+#           LAYER:NAME times that layer alone) -> ncu.log
 # sweep:    scripts/sweep_kernels.py time: every kernel of the GEMM 1x1 family on the ResNet-50 stride-1 1x1 cells and
 #           of the 3.x conv family on the 3x3 ones (SWEEP_LAYERS="1x1", SWEEP_KINDS="fprop dgrad", SWEEP_TILES=
 #           "192x64x64:pingpong ..." narrow or extend it; SWEEP_PROFILE=1: each cell's best launch and cuDNN also
@@ -191,11 +192,13 @@ for step in "${steps[@]}"; do
         $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) ${TIME_ONLY:+--only $TIME_ONLY} 2>&1 \
         | tee "$OUT/time-launches.log" || rc=1 ;;
     ncu)
-      for only in ${NCU_ONLY:-im2colsm}; do  # one profiled process per launch name
+      for only in ${NCU_ONLY:-im2colsm}; do  # one profiled process per launch name (LAYER:NAME: of that layer only)
+        layers=${TIME_LAYERS:-stem}
+        case $only in *:*) layers=${only%%:*}; only=${only#*:} ;; esac
         ncu --clock-control none -k "regex:${NCU_KERNEL:-im2col_smem_kernel}" --launch-count "${NCU_COUNT:-1}" \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
           --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-          --section InstructionStats python3 scripts/time_launches.py ${TIME_LAYERS:-stem} \
+          --section InstructionStats python3 scripts/time_launches.py $layers \
           --kinds "${TIME_KINDS:-fprop}" --only "$only" 2>&1 | tee -a "$OUT/ncu.log" || rc=1
       done ;;
     sweep)
