@@ -72,7 +72,7 @@ Kernels:
   fp32 output; 3 of them faster than cuDNN) and on none of the fp16-output `depthwise` workload; on 5x5 it ran
   60-70 us where "taprows" ran 41 us (the staging's per-copy index arithmetic costs more than the load latency it
   hides there). So it is timed, never the untuned default.
-- wgrad, schedule "cols" (`COLS`; fprop and stride-1 dgrad have it too, below): the work is column strips of dy,
+- wgrad, schedule "cols" (`COLS`; fprop and both dgrads have it too, below): the work is column strips of dy,
   `stages` rows x `tile[1]` columns of one image. A thread owns a channel vector and one strip at a time and walks
   it down row by row, the row loop unrolled: each input row the strip reads ((columns - 1) * stride + S vectors) is
   loaded once, converted to fp32 once, and kept in registers for the up to R dy rows that read it, and the loads of
@@ -87,6 +87,18 @@ Kernels:
   channel vector in fp32 registers (staged once per CTA in shared memory): each output row's strip sums its R input
   rows, kept in registers from the rows above, then goes through the epilogue and is stored. One strip per thread
   (the grid covers them, `tile[0]` per CTA); no register-capped twins (their cap of 80 would spill the input rows).
+  The taps are staged times alpha (the epilogue's scale, once per tap instead of once per output), and the kernel is
+  instantiated once per epilogue source (none, bias, residual), so a store carries no branch on it; loads and stores
+  address from a 64-bit pointer per strip (on the H200, ncu and SASS of MobileNetV2's 32-channel 112x112 fprop:
+  27 instructions per output element, 9 of them multiply-adds, at 25% occupancy and half the issue slots used;
+  the offset arithmetic and the epilogue's scale and source branches were about a sixth of them).
+- strided dgrad, schedule "cols": the same walk over dx column strips, each strip aligned to the stride (it starts
+  on a dx row h0 with h0 + pad_h a multiple of u, the first one pad_h % u rows above dx; likewise columns), so which
+  taps reach each dx row of the strip and from which dy row is fixed at compile time: dx row h0 + k reads dy row
+  (h0 + pad_h) / u + (k - r) / u through each filter row r with k - r a multiple of u. No tap is tested at run time
+  and none multiplies a zero (the pixel-tile kernel tests each candidate tap of each pixel). Each dy row is loaded
+  and converted once and kept for the dx rows that read it (ceil(R / u) of them); strip rows and columns are whole
+  stride periods. A dy row feeds u dx rows, so at stride 2 the 3x3 kernel fits vector 8 (16-byte accesses).
 """
 
 from __future__ import annotations
@@ -108,8 +120,8 @@ MAX_STRIDE = 4
 #: The wgrad schedules whose work is dy row segments (see the module docstring); None is the pixel-tile schedule.
 ROWS = "rows"
 TAPROWS = "taprows"
-#: The schedule whose work is column strips walked down (wgrad: of dy; fprop, stride-1 dgrad: of the output; see the
-#: module docstring).
+#: The schedule whose work is column strips walked down (wgrad: of dy; fprop, dgrad: of the output; see the module
+#: docstring).
 COLS = "cols"
 #: Registers a "rows" wgrad thread may need (accumulators, the step's dy in fp32 and its input window); past this the
 #: kernel spills or runs one CTA per SM.
@@ -168,19 +180,32 @@ def is_cols(c: KernelConfig) -> bool:
     return c.schedule == COLS
 
 
+def is_gathered(c: KernelConfig) -> bool:
+    """Whether the kernel is a strided dgrad (each dx pixel sums only its valid taps)."""
+    return c.kind is ConvKind.DGRAD and not is_flipped(c)
+
+
 def cols_window(c: KernelConfig) -> int:
-    """Input vectors of each input row a "cols" strip reads: (strip columns - 1) * stride + S."""
-    return (c.tile[1] - 1) * c.conv_stride[1] + c.filter_rs[1]
+    """Input vectors of each input row a "cols" strip reads: (strip columns - 1) * stride + S; for the strided dgrad
+    the dy columns of its stride-aligned strip, (S - 1) // v + (strip columns - 1) // v + 1."""
+    cols, s, sw = c.tile[1], c.filter_rs[1], c.conv_stride[1]
+    if is_gathered(c):
+        return (s - 1) // sw + (cols - 1) // sw + 1
+    return (cols - 1) * sw + s
 
 
 def cols_registers(c: KernelConfig) -> int:
     """32-bit registers a "cols" thread needs for its data at a row (a lower bound: addresses and loop state come on
-    top): R*S*vector fp32 values (wgrad: its sums; fprop / stride-1 dgrad: the filter taps), the R input rows the row
-    reads in fp32, per strip column the row's dy in fp32 (wgrad) or its fp32 sums (fprop / dgrad), and the loads in
-    flight as loaded: the new input rows (and wgrad's dy row) of each of the `prefetch` rows ahead (None: one)."""
+    top): R*S*vector fp32 values (wgrad: its sums; fprop / dgrad: the filter taps), the input rows the row reads in
+    fp32 (R; strided dgrad: the ceil(R / u) dy rows), per strip column the row's dy in fp32 (wgrad) or its fp32 sums
+    (fprop / dgrad), and the loads in flight as loaded: the new input rows (and wgrad's dy row) of each of the
+    `prefetch` rows ahead (None: one)."""
     vec, (r, s), (sh, _) = c.align_a, c.filter_rs, c.conv_stride
     loaded = vec * c.element_a.nbytes / 4  # registers of one vector as loaded
     window = cols_window(c)
+    if is_gathered(c):  # a dy row every u dx rows
+        rows = -(-r // sh)
+        return math.ceil(r * s * vec + rows * window * vec + c.tile[1] * vec + (c.prefetch or 1) * window * loaded)
     ahead = min(sh, r) * window * loaded + (c.tile[1] * loaded if c.kind is ConvKind.WGRAD else 0)  # per row ahead
     return math.ceil(r * s * vec + r * window * vec + c.tile[1] * vec + (c.prefetch or 1) * ahead)
 
@@ -312,8 +337,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r}, {TAPROWS!r} or {COLS!r} (wgrad "
                 f"only), got {c.schedule!r}")
     if is_cols(c):
-        if c.kind is not ConvKind.WGRAD and not runs_window_loop(c):
-            return f"schedule {COLS!r}: wgrad, fprop and stride-1 dgrad (strided dgrad gathers its taps)"
+        if is_gathered(c) and (c.stages % c.conv_stride[0] or c.tile[1] % c.conv_stride[1]):
+            return (f"tile {c.tile}, stages {c.stages}: a strided dgrad {COLS!r} strip is whole stride periods, its "
+                    f"rows a multiple of {c.conv_stride[0]} and its columns of {c.conv_stride[1]}")
         if c.kind is not ConvKind.WGRAD and c.min_blocks is not None:
             return f"min_blocks: the {COLS!r} fprop/dgrad kernels are sized for their registers (None)"
         if c.halo_smem:
@@ -452,12 +478,22 @@ def depthwise_reject_reason(c: KernelConfig, problem: Conv2dProblem) -> Optional
     return None
 
 
+def _strip_grid(c: KernelConfig, problem: Conv2dProblem) -> tuple[int, int]:
+    """The rows and columns of the pixel grid a config's work covers: dx for dgrad, else y / dy; a strided dgrad's
+    "cols" strips are aligned to the stride, starting pad % stride rows / columns above / left of dx."""
+    if c.kind is not ConvKind.DGRAD:
+        return problem.p, problem.q
+    if is_cols(c) and is_gathered(c):
+        return problem.h + problem.pad_h % problem.stride_h, problem.w + problem.pad_w % problem.stride_w
+    return problem.h, problem.w
+
+
 def pixel_tiles(c: KernelConfig, problem: Conv2dProblem) -> int:
     """How many CTA pixel tiles cover the kernel's output (wgrad: dy), i.e. the most splits a wgrad can use. For the
     "rows" schedule: the dy row segments over the CTA's segment threads (each split has work for every thread); for
     "cols" its column strips likewise."""
     rows, cols, _ = c.tile
-    ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
+    ph, pw = _strip_grid(c, problem)
     if is_cols(c):  # the column strips over the CTA's slots
         return math.ceil(problem.n * math.ceil(ph / c.stages) * math.ceil(pw / cols) / rows)
     if is_rows(c):
@@ -544,15 +580,18 @@ COLS_RUNS = (7, 8, 14, 4)
 COLS_IDLE = 0.15
 
 
-def _cols_runs(problem: Conv2dProblem) -> list[int]:
-    """COLS_RUNS within COLS_IDLE of the rows of the problem's pixel grid (dgrad: dx; else y / dy), or else the one
-    leaving the fewest rows idle."""
+def _cols_runs(problem: Conv2dProblem, multiple: int = 1) -> list[int]:
+    """COLS_RUNS (those a multiple of `multiple`: a strided dgrad's stride) within COLS_IDLE of the rows of the
+    problem's pixel grid (dgrad: dx; else y / dy), or else the one leaving the fewest rows idle."""
     height = problem.h if problem.kind is ConvKind.DGRAD else problem.p
+    if multiple > 1:  # a stride-aligned strip starts pad % stride rows above dx
+        height += problem.pad_h % multiple
+    options = [run for run in COLS_RUNS if run % multiple == 0]
 
     def rows(run):
         return math.ceil(height / run) * run
-    runs = [run for run in COLS_RUNS if rows(run) <= (1 + COLS_IDLE) * height]
-    return runs or [min(COLS_RUNS, key=lambda run: (rows(run), -run))]
+    runs = [run for run in options if rows(run) <= (1 + COLS_IDLE) * height]
+    return runs or [min(options, key=lambda run: (rows(run), -run))]
 
 
 def _pipelined_wgrad_shapes(problem: Conv2dProblem) -> tuple[tuple[int, int, int, int], ...]:
@@ -619,9 +658,13 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
         taps = problem.s if schedule == TAPROWS or tap_split else problem.r * problem.s
         while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
-    if schedule == COLS:  # the sums (or taps) and the R input rows in fp32 (cols_registers): the widest that fits
-        window = problem.s + problem.stride_w  # of a 2-column strip (a "cols" dgrad has stride 1)
-        while widest > 1 and problem.r * problem.s * widest + problem.r * window * widest > COLS_MAX_REGS:
+    if schedule == COLS:  # the sums (or taps) and the input rows in fp32 (cols_registers): the widest that fits
+        (r, s), (sh, sw) = (problem.r, problem.s), (problem.stride_h, problem.stride_w)
+        if problem.kind is ConvKind.DGRAD and (sh, sw) != (1, 1):  # 2-column strips aligned to the stride
+            rows, window = -(-r // sh), (s - 1) // sw + (2 - 1) // sw + 1
+        else:
+            rows, window = r, s + sw  # of a 2-column strip (a stride-1 dgrad runs the fprop loop)
+        while widest > 1 and r * s * widest + rows * window * widest > COLS_MAX_REGS:
             widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
 
@@ -629,8 +672,9 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
 def _schedule_variants(problem: Conv2dProblem):
     """(CTA shapes, (halo_smem, schedule, stages) choices) of each schedule the problem's kind has: the pixel tiles
     with and without halo staging (fprop and stride-1 dgrad also pipelined, and their "rows" schedule); for wgrad
-    the "rows" and "taprows" schedules at each of their columns per step, and the pipelined tiles; for all three but
-    strided dgrad the "cols" schedule at each of its strip rows. Shapes are (rows, cols, channel vectors, warps)."""
+    the "rows" and "taprows" schedules at each of their columns per step, and the pipelined tiles; for all three the
+    "cols" schedule at each of its strip rows (strided dgrad: strips of whole stride periods). Shapes are (rows, cols,
+    channel vectors, warps)."""
     window_loop = problem.kind is ConvKind.FPROP or (problem.kind is ConvKind.DGRAD and
                                                      (problem.stride_h, problem.stride_w) == (1, 1))
     yield SHAPES, [(halo, None, 1) for halo in (False, True)] + ([(True, None, 2)] if window_loop else [])
@@ -644,6 +688,10 @@ def _schedule_variants(problem: Conv2dProblem):
         yield _pipelined_wgrad_shapes(problem), [(True, None, 2)]
     if window_loop or problem.kind is ConvKind.WGRAD:
         yield COLS_SHAPES, [(False, COLS, run) for run in _cols_runs(problem)]
+    else:  # strided dgrad: strips of whole stride periods
+        sh, sw = problem.stride_h, problem.stride_w
+        yield (tuple(shape for shape in COLS_SHAPES if shape[1] % sw == 0),
+               [(False, COLS, run) for run in _cols_runs(problem, sh)])
 
 
 def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
@@ -739,15 +787,19 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     rows, cols, ch = c.tile
     waste = math.ceil(problem.c / ch) * ch / problem.c
     ph, pw = (problem.h, problem.w) if c.kind is ConvKind.DGRAD else (problem.p, problem.q)
-    if is_cols(c):  # strips past the image's right and bottom edges
-        idle = math.ceil(pw / cols) * cols / pw * math.ceil(ph / c.stages) * c.stages / ph
+    if is_cols(c):  # strips past the image's right and bottom edges (and a strided dgrad's above and left of it)
+        gh, gw = _strip_grid(c, problem)
+        idle = math.ceil(gw / cols) * cols / pw * math.ceil(gh / c.stages) * c.stages / ph
     elif is_rows(c):  # segments past the image's right edge
         idle = math.ceil(pw / cols) * cols / pw
     else:
         idle = math.ceil(ph / rows) * rows * math.ceil(pw / cols) * cols / (ph * pw)  # threads past the image's edge
     waste *= idle ** 0.5
     sh, sw = (1, 1) if is_flipped(c) else c.conv_stride
-    if is_cols(c):  # a strip reads its input rows once, its window's overlap with the next strip's from L1
+    if is_cols(c) and is_gathered(c):  # a strip's dy rows and columns over those its dx rows and columns own
+        dy_rows = (c.filter_rs[0] - 1) // sh + (c.stages - 1) // sh + 1
+        reread = dy_rows / (c.stages / sh) * cols_window(c) / (cols / sw)
+    elif is_cols(c):  # a strip reads its input rows once, its window's overlap with the next strip's from L1
         reread = ((c.stages - 1) * sh + c.filter_rs[0]) / (c.stages * sh) * cols_window(c) / (cols * sw)
     elif is_rows(c):  # each segment reads R input rows of its window: from L2 after the first
         reread = c.filter_rs[0] / sh * rows_window(c) / (c.stages * sw)

@@ -129,7 +129,8 @@ def emulated_source(config) -> str:
     from cutlass_byoc.render import render  # noqa: PLC0415
 
     src = render(config, "g++ (CPU emulation)").replace("#include <cuda_runtime.h>", PRELUDE)
-    src, launches = re.subn(r"(\w+)<<<([^,]+), ([^,]+), 0, s>>>\((.*?)\);", r"emu_launch(\2, \3, [&] { \1(\4); });", src)
+    src, launches = re.subn(r"(\w+(?:<\w+>)?)<<<([^,]+), ([^,]+), 0, s>>>\((.*?)\);",  # kernel<N> too
+                            r"emu_launch(\2, \3, [&] { \1(\4); });", src)
     assert launches or "cudaLaunchKernelEx" in src, "no kernel launch found in the rendered source"
     return src
 
@@ -155,7 +156,7 @@ def load(config, build_dir: str = os.path.join(tempfile.gettempdir(), "cutlass-b
     return open_library(out)
 
 
-def run(config, problem, a, b, out, source=None, splits: int = 1) -> None:
+def run(config, problem, a, b, out, source=None, splits: int = 1, alpha: float = 1.0) -> None:
     """cb_run of the emulated library on CPU tensors (channels_last, as the kernels read them)."""
     import torch  # noqa: PLC0415
 
@@ -163,7 +164,7 @@ def run(config, problem, a, b, out, source=None, splits: int = 1) -> None:
 
     lib = load(config)
     args = make_args(problem, splits, a.data_ptr(), b.data_ptr(), out.data_ptr(),
-                     source.data_ptr() if source is not None else 0)
+                     source.data_ptr() if source is not None else 0, alpha)
     ws = torch.empty(max(1, lib.cb_workspace_size(ctypes.byref(args))), dtype=torch.uint8)
     msg = ctypes.create_string_buffer(256)
     rc = lib.cb_run(ctypes.byref(args), ws.data_ptr(), ws.numel(), None, msg, len(msg))

@@ -1,6 +1,6 @@
 """Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad, and a "cols"
-wgrad and fprop) rendered, built with nvcc for sm_90a (no hidden warnings), loaded, and asked its host-side API
-(can_implement, workspace size; no GPU needed)."""
+wgrad, fprop and strided dgrad) rendered, built with nvcc for sm_90a (no hidden warnings), loaded, and asked its
+host-side API (can_implement, workspace size; no GPU needed)."""
 
 import pytest
 
@@ -34,6 +34,7 @@ KERNELS = {
     "pipelined_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, stages=2, schedule=None, align_a=8, min_blocks=None)),
     "cols_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="cols", stages=7, align_a=2, min_blocks=None)),
     "cols_fprop": (FPROP, pick(FPROP, schedule="cols", stages=8, align_a=4)),
+    "cols_strided_dgrad": (STRIDED_DGRAD, pick(STRIDED_DGRAD, schedule="cols", stages=8, align_a=2)),
 }
 
 

@@ -231,22 +231,22 @@ def test_pipelined_wgrad_kernels():
 
 
 def test_cols_kernels():
-    """The "cols" schedule: wgrad, fprop and stride-1 dgrad (not strided dgrad); registers within COLS_MAX_REGS (so
-    3x3 at vector 4 at most, 5x5 at 2); strips of rows leaving at most 15% of the pixel grid's rows idle; not the
-    untuned default; the rendered kernel keeps input rows in registers and reads nothing through shared memory but the
-    filter (fprop) or the CTA's sum (wgrad)."""
+    """The "cols" schedule: all kinds (strided dgrad: strips of whole stride periods); registers within COLS_MAX_REGS
+    (so 3x3 at vector 4 at most, 5x5 at 2; the strided dgrad, reading ceil(R / 2) dy rows per dx row, 3x3 at 8); strips
+    of rows leaving at most 15% of the pixel grid's rows idle; not the untuned default; the rendered kernel keeps
+    input rows in registers and reads nothing through shared memory but the filter (fprop) or the CTA's sum (wgrad)."""
     from cutlass_byoc.depthwise import COLS_MAX_REGS, cols_registers, is_cols  # noqa: PLC0415
 
     for kind, stride in (("wgrad", 1), ("wgrad", 2), ("fprop", 1), ("fprop", 2), ("dgrad", 1), ("dgrad", 2)):
         for r, hw in ((3, 56), (5, 28), (3, 14)):
             p = dw(kind, r=r, c=144, hw=hw, stride=stride)
             cols = [k for k in depthwise_candidates(p) if is_cols(k)]
-            if kind == "dgrad" and stride == 2:
-                assert not cols  # the strided dgrad gathers its valid taps
-                continue
+            gathered = kind == "dgrad" and stride == 2
             assert cols and all(cols_registers(k) <= COLS_MAX_REGS and not k.halo_smem for k in cols)
-            assert max(k.align_a for k in cols) == (4 if r == 3 else 2)
-            height = p.h if kind == "dgrad" else p.p
+            assert max(k.align_a for k in cols) == ((8 if gathered else 4) if r == 3 else 2)
+            if gathered:  # whole stride periods; the first strip starts a row above dx (padding r // 2, odd for 3x3)
+                assert all(k.stages % 2 == 0 and k.tile[1] % 2 == 0 for k in cols)
+            height = (p.h + p.pad_h % 2 if gathered else p.h) if kind == "dgrad" else p.p
             assert all(-(-height // k.stages) * k.stages <= 1.15 * height for k in cols), {k.stages for k in cols}
             assert any(144 % k.tile[2] == 0 for k in cols)  # a channel tile dividing C (no idle lanes)
             assert (kind == "wgrad") == any(k.min_blocks for k in cols)  # capped twins: wgrad only
@@ -257,13 +257,21 @@ def test_cols_kernels():
     assert "_cols7_" in k.name
     src = render(k, "nvcc")
     for text in ("constexpr int kRun = 7;", "float xf[kInRows][kWindow][kVec];", "load_strip_row<kAlignA>(",
-                 "filter_row(filter, r, lane, w[r])", "store_output("):
-        assert text in src, text
-    assert "halo[" not in src and "cp_async" not in src
+                 "filter_row(filter, r, lane, w[r])", "store_cols_output<kSource>(", "depthwise_kernel<0><<<",
+                 "depthwise_kernel<1><<<", "depthwise_kernel<2><<<",
+                 "float(p.filter[int64_t(c) * kTaps + tap]) * p.alpha"):
+        assert text in src, text  # one instantiation per epilogue source, alpha in the staged taps
+    assert "halo[" not in src and "cp_async" not in src and "store_output(" not in src
     with pytest.raises(ValueError, match="registers"):
         dataclasses.replace(k, align_a=8, tile=(k.tile[0], k.tile[1], k.tile[2] * 2))  # 3x3 at vector 8
-    with pytest.raises(ValueError, match="wgrad, fprop and stride-1 dgrad"):
-        dataclasses.replace(k, kind=ConvKind.DGRAD, conv_stride=(2, 2))
+    with pytest.raises(ValueError, match="whole stride periods"):
+        dataclasses.replace(k, kind=ConvKind.DGRAD, conv_stride=(2, 2))  # 7 rows
+    g = next(k for k in depthwise_candidates(dw("dgrad", r=3, c=144, hw=56, stride=2)) if is_cols(k))
+    src = render(g, "nvcc")
+    for text in ("constexpr int kRowsBack = (kR - 1) / kStrideH;", "if ((k - r) % kStrideH != 0) continue;",
+                 "int const shift_h = p.pad_h % kStrideH", "depthwise_kernel<2><<<"):
+        assert text in src, text
+    assert "depthwise_kernel<1><<<" not in src  # dgrad takes no bias
 
 
 def test_cols_prefetch_twins():

@@ -37,7 +37,7 @@ def config(problem, vec, halo, tile=(4, 8)):
                 if c.align_a == vec and c.halo_smem == halo and c.tile[:2] == tile and c.tile[2] == 8 * vec)
 
 
-def check(problem, cfg, splits=1, seed=0):
+def check(problem, cfg, splits=1, seed=0, alpha=1.0):
     g = torch.Generator().manual_seed(seed)
     p, cl = problem, torch.channels_last
     dt, ot = TORCH[p.element_a], TORCH[p.element_out]
@@ -51,6 +51,7 @@ def check(problem, cfg, splits=1, seed=0):
         a, b, ref = dy, w, torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), st, pd, 1, p.c)
     else:
         a, b, ref = dy, x, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), st, pd, 1, p.c)
+    ref = alpha * ref
     source = None
     if p.epilogue.source is SourceKind.BIAS:
         source = torch.randn(p.k, generator=g).to(ot)
@@ -60,7 +61,7 @@ def check(problem, cfg, splits=1, seed=0):
         ref = ref + source.double()
     ref = _apply_activation(ref, p.epilogue.activation)
     out = torch.full(ref.shape, float("nan"), dtype=ot).contiguous(memory_format=cl)
-    emulate_cuda.run(cfg, p, a, b, out, source, splits)
+    emulate_cuda.run(cfg, p, a, b, out, source, splits, alpha)
     err = float((out.double() - ref).norm() / ref.norm())
     assert not math.isnan(err), f"{cfg.name}: NaN in the output of {p.name} (unwritten)"
     assert err < TOLERANCE[p.element_out], f"{cfg.name} on {p.name} ({splits} splits): relative error {err:.2e}"
@@ -224,6 +225,33 @@ def test_cols_schedule_with_loads_rows_ahead(kind, r, stride, vec, run, prefetch
     cfg = depthwise_cols_config(p, vec, run, shape, prefetch=prefetch)
     assert f"_cols{run}pf{prefetch}_" in cfg.name
     check(p, cfg, splits or pixel_tiles(cfg, p), seed=r + stride + run + prefetch)
+
+
+@pytest.mark.parametrize("r, stride, pad, vec, run, shape, prefetch, dt, c, h, w, epi", [
+    (3, 2, 1, 4, 4, (32, 2), None, ("f16", "f16"), 24, 13, 11, Epilogue()),  # odd pad: the first strip starts above dx
+    (3, 2, 0, 8, 8, (16, 2), None, ("f16", "f16"), 16, 12, 10, Epilogue()),  # even pad; a run past dx's bottom edge
+    (3, 2, 1, 4, 4, (32, 4), 2, ("bf16", "f32"), 16, 14, 15, Epilogue(source=SourceKind.RESIDUAL)),  # rows ahead
+    (5, 2, 2, 2, 4, (32, 2), None, ("f16", "f16"), 10, 15, 12, Epilogue()),  # 5x5: up to 3 dy rows per dx row
+    (5, 2, 3, 2, 8, (32, 2), 2, ("f16", "f16"), 12, 9, 13, Epilogue()),       # pad 3 (odd, past R // 2)
+    (3, (1, 2), 1, 4, 7, (32, 2), None, ("f16", "f16"), 16, 9, 11, Epilogue()),  # stride 1 x 2: rows as fprop's
+    (5, (2, 1), 1, 2, 4, (32, 1), None, ("f16", "bf16"), 10, 11, 9, Epilogue()),  # stride 2 x 1, strips of 1 column
+])
+def test_strided_dgrad_cols_schedule(r, stride, pad, vec, run, shape, prefetch, dt, c, h, w, epi):
+    """The strided dgrad "cols" kernel: strips aligned to the stride (the first one above / left of dx where the
+    padding is odd), each dx row summing only its valid taps, known at compile time."""
+    p = problem_of("dgrad", c, h, w, r, stride, dt, pad=pad, epilogue=epi)
+    cfg = depthwise_cols_config(p, vec, run, shape, prefetch=prefetch)
+    assert cfg.schedule == "cols" and cfg.kind.value == "dgrad" and cfg.conv_stride != (1, 1)
+    check(p, cfg, 1, seed=r + pad + run)
+
+
+@pytest.mark.parametrize("kind, epi", [("fprop", Epilogue(Activation.RELU, SourceKind.BIAS)),
+                                      ("fprop", Epilogue(source=SourceKind.RESIDUAL)), ("dgrad", Epilogue())])
+def test_cols_schedule_scales_by_alpha(kind, epi):
+    """The "cols" fprop / dgrad kernels fold alpha into their filter taps (y = act(conv(x, alpha * w) + beta * src)),
+    one kernel instantiation per epilogue source: each gives act(alpha * conv + source)."""
+    p = problem_of(kind, 16, 9, 11, 3, 1, epilogue=epi)
+    check(p, depthwise_cols_config(p, 4, 4), 1, seed=7, alpha=0.375)
 
 
 @pytest.mark.parametrize("kind, pad", [("fprop", 0), ("dgrad", 0), ("dgrad", 3)])  # dgrad pad 3: rotated pad -1

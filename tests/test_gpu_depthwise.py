@@ -5,7 +5,7 @@ of 8; fp16 and bf16; fp32 wgrad output; fused epilogues; wgrad split counts; the
 Filter size, stride, types and activation are compile-time, so the matrix is chosen to need few kernels (one CTA
 shape per kind and schedule, compiled in one parallel build): each kernel is reused over several shapes. The "rows"
 wgrad schedule has its own cases (test_wgrad_rows_schedule*), the "cols" ones test_cols_wgrad,
-test_cols_fprop_and_dgrad and (loads more rows ahead) test_cols_loads_rows_ahead."""
+test_cols_fprop_and_dgrad, test_cols_strided_dgrad and (loads more rows ahead) test_cols_loads_rows_ahead."""
 
 from __future__ import annotations
 
@@ -236,6 +236,7 @@ def all_kernels():
     ks += [cols_kernel(*k) for k in COLS_KERNELS]
     ks += [cols_fprop_kernel(*k) for k in COLS_FPROP_KERNELS]
     ks += [cols_ahead_kernel(*k) for k in COLS_AHEAD_KERNELS]
+    ks += [cols_strided_dgrad_kernel(*k) for k in COLS_STRIDED_DGRAD_KERNELS]
     ks += [graph_kernel()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
@@ -486,6 +487,38 @@ def test_cols_loads_rows_ahead(kind, dt, r, stride, vec, run, shape, epi, prefet
         most = pixel_tiles(cfg, problem) if kind == "wgrad" else 1
         for splits in sorted({1, min(3 if n == 3 else 64, most), most}):
             check_launch(problem, LaunchConfig(cfg, splits), seed=c * 7 + h + n + splits + prefetch)
+
+
+# The strided dgrad's "cols" schedule (dx column strips aligned to the stride, each dx row's valid taps fixed at
+# compile time): (dtypes, R, stride, vector, strip rows, (slots, strip columns), epilogue, rows ahead).
+COLS_STRIDED_DGRAD_KERNELS = [
+    (("f16", "f16"), 3, 2, 8, 8, (16, 2), Epilogue(), None),
+    (("f16", "f16"), 3, 2, 4, 4, (32, 4), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL), 2),
+    (("bf16", "f32"), 3, 2, 8, 14, (16, 2), Epilogue(), None),
+    (("f16", "f16"), 5, 2, 2, 8, (32, 2), Epilogue(), 2),
+]
+
+
+def cols_strided_dgrad_kernel(dt, r, stride, vec, run, shape, epi, prefetch):
+    return depthwise_cols_config(problem_of("dgrad", 96, 15, 13, r, stride, dt, epilogue=epi), vec, run, shape,
+                                 prefetch=prefetch)
+
+
+@pytest.mark.parametrize("dt, r, stride, vec, run, shape, epi, prefetch", COLS_STRIDED_DGRAD_KERNELS,
+                         ids=[f"{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-run{n}-{sh[0]}x{sh[1]}-{e.tag}-pf{pf or 1}"
+                              for d, r, s, v, n, sh, e, pf in COLS_STRIDED_DGRAD_KERNELS])
+def test_cols_strided_dgrad(dt, r, stride, vec, run, shape, epi, prefetch):
+    """The strided dgrad "cols" kernel on SHAPES (odd sizes, a one-row image, strips past the edges), at paddings
+    R // 2 (the first strip a row above dx for 3x3), 0 and R // 2 + 1, then MobileNetV2's 144-channel 56x56 layer."""
+    cfg = cols_strided_dgrad_kernel(dt, r, stride, vec, run, shape, epi, prefetch)
+    assert f"_cols{run}" in cfg.name and cfg.conv_stride == (stride, stride)
+    cases = [(c, h, w, 3, pad) for c, h, w in SHAPES for pad in (r // 2, 0, r // 2 + 1)] + [(144, 56, 56, 32, r // 2)]
+    for c, h, w, n, pad in cases:
+        if c % vec:
+            continue
+        problem = problem_of("dgrad", c, h, w, r, stride, dt, n=n, pad=pad, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        check_launch(problem, LaunchConfig(cfg, 1), seed=c * 3 + h + n + pad)
 
 
 def graph_kernel():
