@@ -514,7 +514,7 @@ def test_cols_strided_dgrad(dt, r, stride, vec, run, shape, epi, prefetch):
     assert f"_cols{run}" in cfg.name and cfg.conv_stride == (stride, stride)
     cases = [(c, h, w, 3, pad) for c, h, w in SHAPES for pad in (r // 2, 0, r // 2 + 1)] + [(144, 56, 56, 32, r // 2)]
     for c, h, w, n, pad in cases:
-        if c % vec:
+        if c % vec or min(h, w) + 2 * pad < r:  # (the one-row image has no output without padding)
             continue
         problem = problem_of("dgrad", c, h, w, r, stride, dt, n=n, pad=pad, epilogue=epi)
         assert cfg.reject_reason(problem) is None

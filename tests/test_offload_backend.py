@@ -237,7 +237,13 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
 
     ours = ["cb_pingpong::cb_pingpong_kernel(cb_pingpong::Params)", "_ZN9cb_splitk21cb_split_wgrad_kernelEN7cutlass",
             "_ZN7cutlass13device_kernelINS_4conv6kernel13ConvUniversalI",
-            "void (anonymous namespace)::cb_dw_fprop<8>()"]
+            "void (anonymous namespace)::cb_dw_fprop<8>()",
+            # the depthwise template's kernels (a "cols" fprop per epilogue source, the wgrad reduction) and the
+            # shared-memory im2col template's, as torch.profiler names them
+            "void (anonymous namespace)::depthwise_kernel<0>((anonymous namespace)::Params)",
+            "(anonymous namespace)::depthwise_kernel((anonymous namespace)::Params)",
+            "(anonymous namespace)::reduce_kernel((anonymous namespace)::Params, int)",
+            "(anonymous namespace)::im2col_smem_kernel((anonymous namespace)::Params)"]
     vendor = ["sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", "nvjet_sm90_hsh_64x64_64x13_2x1_v_bz",
               "void cutlass::Kernel2<cutlass_80_wmma_tensorop_f16_s161616gemm_f16_16x16_128x2_nn_align8>(Params)",
               "cutlass3x_sm90_tensorop_h64x128x16gemm_f16_f16_f16_void_f16_128x64x64_2x1x1_0_tnn_align8"]
@@ -249,6 +255,7 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
                  "triton_red_fused_convolution_backward_native_batch_norm_backward_7", "triton_tem_fused_addmm_gemm_1"):
         assert kernel_source(name) == "triton", name
     assert kernel_source("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >") == "aten"
+    assert kernel_source("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >(...)") == "aten"
     assert kernel_source("Memset (Device)") == "other"
     ks = [(0.0, 400.0, ours[0]), (400.0, 500.0, vendor[0]), (500.0, 800.0, "triton_red_fused_1"),
           (900.0, 1000.0, ours[1]), (1000.0, 1200.0, "Memset (Device)")]

@@ -236,11 +236,13 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
 #: Where a GPU kernel comes from, by its name (first match wins): Inductor's Triton kernels (first: Inductor names a
 #: fused kernel after the aten ops it computes, so a pointwise or reduction kernel next to a convolution is called
 #: e.g. triton_poi_fused_convolution_backward_12 and must not count as cuDNN's), this project's kernels (its
-#: templates' cb_ namespaces, and CUTLASS's kernel wrappers around this project's kernel types; cuBLAS's and cuDNN's
-#: CUTLASS kernels carry their own cutlass_80_... / cutlass3x_... names), cuDNN's and cuBLAS's (their xmma / nvjet /
-#: cudnn / CUTLASS kernels), and PyTorch's own (aten) kernels.
+#: templates' cb_ namespaces; the depthwise and shared-memory im2col templates' kernels in their anonymous namespaces,
+#: depthwise_kernel, reduce_kernel and im2col_smem_kernel; and CUTLASS's kernel wrappers around this project's kernel
+#: types; cuBLAS's and cuDNN's CUTLASS kernels carry their own cutlass_80_... / cutlass3x_... names), cuDNN's and
+#: cuBLAS's (their xmma / nvjet / cudnn / CUTLASS kernels), and PyTorch's own (aten) kernels.
 KERNEL_SOURCES = (("triton", re.compile(r"^triton_")),
-                  ("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))")),
+                  ("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))|"
+                                              r"^(void )?\(anonymous namespace\)::(depthwise|reduce|im2col_smem)_kernel\b")),
                   ("cudnn/cublas", re.compile(r"xmma|cudnn|nvjet|cutlass|gemm|conv", re.IGNORECASE)),
                   ("aten", re.compile(r"at::native|at::cuda|^void at::")))
 
