@@ -125,7 +125,8 @@ def offload_tables(data: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
         # the conv passes the backend offloaded (the rest left to PyTorch: no kernel, or cuDNN measured faster)
-        m = re.search(r"(fprop \d+/\d+, dgrad \d+/\d+, wgrad \d+/\d+)", r.get("offload") or "")
+        # (inference graphs have fprop only)
+        m = re.search(r"((?:fprop|dgrad|wgrad) \d+/\d+(?:, (?:dgrad|wgrad) \d+/\d+)*) offloaded", r.get("offload") or "")
         # --rounds: the modes interleaved, step ms the median round; else one run of the timed steps
         rounds = r.get("step_ms_rounds")
         spread = f"{len(rounds)}: {min(rounds):.2f}-{max(rounds):.2f}" if rounds else "1"

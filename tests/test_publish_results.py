@@ -218,3 +218,15 @@ def test_profile_table_lists_the_sources_in_the_headers_order(pr):
     header = next(line for line in lines if "GPU ms: ours, cuDNN+cuBLAS, Triton, aten, other" in line)
     body = next(line for line in lines if line.startswith("| resnet50 | 32 | cutlass_byoc-cudagraphs | 11.00"))
     assert header and "| 1.50, 0.50, 3.00, 0.25, 0.12 |" in body, body
+
+
+def test_offload_table_names_the_offloaded_passes_of_training_and_inference(pr):
+    """The "offloaded" column: a training graph's three passes, an inference graph's fprop alone."""
+    train = offload_row("resnet50", 32, True, "cutlass_byoc", 10.0)
+    train["offload"] = ("cutlass_byoc offload report for all graphs+graph0(joint): fprop 26/53, dgrad 21/52, wgrad 52/53 "
+                        "offloaded (63 left to cuDNN, measured faster); 0 channels_last conversions")
+    infer = offload_row("resnet50", 1, False, "cutlass_byoc", 4.5)
+    infer["offload"] = ("cutlass_byoc offload report for all graphs+graph0(forward): fprop 32/53 offloaded (21 left to "
+                        "cuDNN, measured faster); 0 channels_last conversions")
+    text = "\n".join(pr.offload_tables(offload_file([train, infer], [])))
+    assert "| 0 | fprop 26/53, dgrad 21/52, wgrad 52/53 |" in text and "| 0 | fprop 32/53 |" in text, text
