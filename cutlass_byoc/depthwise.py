@@ -86,7 +86,10 @@ Kernels:
 - fprop and stride-1 dgrad, schedule "cols": the same walk over output column strips, the R*S taps of the thread's
   channel vector in fp32 registers (staged once per CTA in shared memory): each output row's strip sums its R input
   rows, kept in registers from the rows above, then goes through the epilogue and is stored. One strip per thread
-  (the grid covers them, `tile[0]` per CTA); no register-capped twins (their cap of 80 would spill the input rows).
+  (the grid covers them, `tile[0]` per CTA). Their register-capped twins (`min_blocks`, at COLS_CAPPED_REGS: 5 CTAs
+  of 128 threads where the 3x3 kernels hold 121-127 registers, 4 CTAs) keep no taps in registers: they read each
+  filter row's taps from shared memory where a row's sums need them (volatile shared loads, one 16-byte load per
+  tap and channel vector), for more warps in flight; the planner times each beside its twin.
   The taps are staged times alpha (the epilogue's scale, once per tap instead of once per output), and the kernel is
   instantiated once per epilogue source (none, bias, residual), so a store carries no branch on it; loads and stores
   address from a 64-bit pointer per strip (on the H200, ncu and SASS of MobileNetV2's 32-channel 112x112 fprop:
@@ -143,6 +146,11 @@ SM_REGISTERS = 65536
 #: fprop kernel with 4 columns per step needs 108 unbounded and spills 88 bytes at 80) and wgrad, whose R*S*vector
 #: fp32 sums stay in registers (192 unbounded for 3x3 at vector 8).
 MIN_BLOCKS_REGS = {ConvKind.FPROP: 80, ConvKind.DGRAD: 80, ConvKind.WGRAD: 128}
+#: ... and of a "cols" fprop / dgrad kernel, whose capped twin reads its filter taps from shared memory per filter row
+#: instead of holding the R*S*vector of them in registers (the template's shared_taps): 96, 5 CTAs of 128 threads
+#: where the uncapped 3x3 kernels hold 121-127 registers, 4 CTAs (ncu on the H200: 25% occupancy, issue slots half
+#: busy, latency-bound).
+COLS_CAPPED_REGS = 96
 #: How much the model discounts a `min_blocks` variant for the spills its register cap may cause: it ranks right
 #: after its unbounded twin (the profiler times both; the model cannot tell which wins).
 MIN_BLOCKS_PENALTY = 1.01
@@ -340,8 +348,8 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         if is_gathered(c) and (c.stages % c.conv_stride[0] or c.tile[1] % c.conv_stride[1]):
             return (f"tile {c.tile}, stages {c.stages}: a strided dgrad {COLS!r} strip is whole stride periods, its "
                     f"rows a multiple of {c.conv_stride[0]} and its columns of {c.conv_stride[1]}")
-        if c.kind is not ConvKind.WGRAD and c.min_blocks is not None:
-            return f"min_blocks: the {COLS!r} fprop/dgrad kernels are sized for their registers (None)"
+        if c.min_blocks is not None and c.prefetch is not None:
+            return f"min_blocks, prefetch: a {COLS!r} kernel is register-capped or loads rows ahead, not both"
         if c.halo_smem:
             return f"halo_smem: the {COLS!r} schedule keeps its input rows in registers (halo_smem False)"
         if not 1 <= c.stages <= 16:
@@ -729,11 +737,12 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
 
 
 def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
-    """`c` with its registers capped at MIN_BLOCKS_REGS[kind]: min_blocks = the CTAs of its threads that fit under
-    that cap (at most the SM's threads allow). None where fewer than 2 fit, `c` is capped already, or `c` is a
-    "cols" fprop / dgrad kernel (a cap of 80 would spill the input rows it keeps in registers)."""
-    blocks = min(SM_REGISTERS // (MIN_BLOCKS_REGS[c.kind] * c.threads), MAX_SM_THREADS // c.threads)
-    if blocks < 2 or c.min_blocks is not None or (is_cols(c) and c.kind is not ConvKind.WGRAD):
+    """`c` with its registers capped at MIN_BLOCKS_REGS[kind] (a "cols" fprop / dgrad kernel: COLS_CAPPED_REGS, its
+    taps then read from shared memory): min_blocks = the CTAs of its threads that fit under that cap (at most the
+    SM's threads allow). None where fewer than 2 fit, `c` is capped already or loads rows ahead (a prefetch twin)."""
+    regs = COLS_CAPPED_REGS if is_cols(c) and c.kind is not ConvKind.WGRAD else MIN_BLOCKS_REGS[c.kind]
+    blocks = min(SM_REGISTERS // (regs * c.threads), MAX_SM_THREADS // c.threads)
+    if blocks < 2 or c.min_blocks is not None or c.prefetch is not None:
         return None
     return dataclasses.replace(c, min_blocks=blocks)  # 2 <= blocks <= 2048 / threads: always a valid config
 

@@ -104,27 +104,28 @@ def test_config_json_round_trip_and_other_families_unchanged():
 
 
 def test_register_capped_twins():
-    """Every candidate of which two CTAs fit under MIN_BLOCKS_REGS comes with its min_blocks twin (registers capped
-    there) right after it, named _mb<n>, ranked by the model just behind it; the unbounded kernel's source has the
-    plain __launch_bounds__. The others are the pipelined wgrad CTAs of 384 threads and more, and the fprop / dgrad
-    "cols" kernels (a cap of 80 would spill the input rows they keep in registers)."""
-    from cutlass_byoc.depthwise import MIN_BLOCKS_REGS, estimate_us, min_blocks_variant
+    """Every candidate of which two CTAs fit under MIN_BLOCKS_REGS (fprop / dgrad "cols" kernels: COLS_CAPPED_REGS)
+    comes with its min_blocks twin (registers capped there) right after it, named _mb<n>, ranked by the model just
+    behind it; the unbounded kernel's source has the plain __launch_bounds__. The others are the pipelined wgrad CTAs
+    of 384 threads and more. The capped "cols" fprop / dgrad twins read their taps from shared memory."""
+    from cutlass_byoc.depthwise import COLS_CAPPED_REGS, MIN_BLOCKS_REGS, estimate_us, min_blocks_variant
+
+    def cap(c):
+        return COLS_CAPPED_REGS if c.schedule == "cols" and c.kind.value != "wgrad" else MIN_BLOCKS_REGS[c.kind]
 
     for kind in ("fprop", "dgrad", "wgrad"):
         cands = list(depthwise_candidates(dw(kind)))
         plain = [c for c in cands if c.min_blocks is None and not c.prefetch]  # (prefetch twins: "cols" ones)
         capped = [c for c in cands if c.min_blocks is not None]
-        alone = [c for c in plain if 65536 // (MIN_BLOCKS_REGS[c.kind] * c.threads) < 2]
+        alone = [c for c in plain if 65536 // (cap(c) * c.threads) < 2]
         assert all(is_pipelined_wgrad(c) and c.threads >= 384 for c in alone) and (kind == "wgrad") == bool(alone)
-        cols = [c for c in plain if c.schedule == "cols" and kind != "wgrad"]
-        assert not any(c.schedule == "cols" for c in capped if kind != "wgrad")
-        alone += cols
+        assert any(c.schedule == "cols" for c in capped)
         assert plain and len(capped) == len(plain) - len(alone)
         for c in (c for c in plain if c not in alone):
             twin = cands[cands.index(c) + 1]
             assert twin == dataclasses.replace(c, min_blocks=twin.min_blocks) and twin.name == c.name.replace(
                 "_sm90", f"_mb{twin.min_blocks}_sm90")
-            assert twin.min_blocks == min(65536 // (MIN_BLOCKS_REGS[c.kind] * c.threads), 2048 // c.threads)
+            assert twin.min_blocks == min(65536 // (cap(c) * c.threads), 2048 // c.threads)
             assert min_blocks_variant(twin) is None
             p = dw(kind)
             for s in split_candidates(p, c)[:1]:
@@ -134,6 +135,11 @@ def test_register_capped_twins():
     src = render(min_blocks_variant(c), "nvcc")
     assert f"__launch_bounds__(kThreads, {min_blocks_variant(c).min_blocks}) depthwise_kernel" in src
     assert "reduce_kernel" not in src  # fprop: no reduction kernel
+    k = first(dw("fprop"), schedule="cols", prefetch=None, min_blocks=None)
+    src, capped = render(k, "nvcc"), render(min_blocks_variant(k), "nvcc")
+    assert "float w[kR][kS][kVec];" in src and "fresh_filter_row" not in src
+    assert "float w[kR][kS][kVec];" not in capped and "ld.volatile.shared.v4.f32" in capped
+    assert f"__launch_bounds__(kThreads, {min_blocks_variant(k).min_blocks}) depthwise_kernel" in capped
 
 
 @pytest.mark.parametrize("change, message", [
@@ -249,7 +255,8 @@ def test_cols_kernels():
             height = (p.h + p.pad_h % 2 if gathered else p.h) if kind == "dgrad" else p.p
             assert all(-(-height // k.stages) * k.stages <= 1.15 * height for k in cols), {k.stages for k in cols}
             assert any(144 % k.tile[2] == 0 for k in cols)  # a channel tile dividing C (no idle lanes)
-            assert (kind == "wgrad") == any(k.min_blocks for k in cols)  # capped twins: wgrad only
+            assert any(k.min_blocks for k in cols)  # capped twins (fprop / dgrad: taps from shared memory)
+            assert not any(k.min_blocks and k.prefetch for k in cols)
             assert not is_cols(default_depthwise_launch(p).kernel)
             if kind == "wgrad":
                 assert all(s <= pixel_tiles(k, p) for k in cols for s in split_candidates(p, k))
@@ -405,15 +412,20 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         # wide-strip kernels on budgets of their own
         piped = [k for k in plan.kernels if is_pipelined(k)]
         wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
-        # the "cols" kernels: a budget of their own, each with its prefetch twin where it has one
-        cols = [k for k in plan.kernels if k.schedule == "cols" and not k.prefetch]
+        # the "cols" kernels: a budget of their own, each with its prefetch twin where it has one and (fprop, dgrad)
+        # its register-capped twin (taps from shared memory)
+        capped = [k for k in plan.kernels if k.schedule == "cols" and k.min_blocks and kind is not ConvKind.WGRAD]
+        cols = [k for k in plan.kernels if k.schedule == "cols" and not k.prefetch and k not in capped]
         ahead = [k for k in plan.kernels if k.prefetch]
-        assert len(plan.kernels) == 4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols) + len(ahead)
+        assert len(plan.kernels) == (4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols) + len(ahead)
+                                     + len(capped))
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
         assert len(piped) == PIPELINED_BUDGET
         assert len(cols) == COLS_BUDGET
         assert ahead and {dataclasses.replace(k, prefetch=None) for k in ahead} == \
             {k for k in cols if prefetch_variant(k) is not None}
+        assert (kind is ConvKind.WGRAD) != bool(capped)
+        assert {dataclasses.replace(k, min_blocks=None) for k in capped} <= set(cols)
         if cols:  # one per CTA shape first
             assert len({k.tile[:2] for k in cols}) >= 4, [k.name for k in cols]
         assert all(strip(k) >= WIDE_STRIP for k in wide) and all(k.stages == 2 and k.halo_smem for k in piped)

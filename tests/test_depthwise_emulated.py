@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import emulate_cuda  # noqa: E402
-from cutlass_byoc.depthwise import depthwise_candidates, is_pipelined, lanes, pad_groups, pixel_tiles  # noqa: E402
+from cutlass_byoc.depthwise import (depthwise_candidates, is_pipelined, lanes, min_blocks_variant, pad_groups,  # noqa: E402
+                                    pixel_tiles)
 from cutlass_byoc.heuristics import default_launch  # noqa: E402
 from cutlass_byoc.ops import _apply_activation  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
@@ -243,6 +244,20 @@ def test_strided_dgrad_cols_schedule(r, stride, pad, vec, run, shape, prefetch, 
     cfg = depthwise_cols_config(p, vec, run, shape, prefetch=prefetch)
     assert cfg.schedule == "cols" and cfg.kind.value == "dgrad" and cfg.conv_stride != (1, 1)
     check(p, cfg, 1, seed=r + pad + run)
+
+
+@pytest.mark.parametrize("kind, stride, epi", [("fprop", 1, Epilogue(Activation.RELU, SourceKind.BIAS)),
+                                              ("dgrad", 1, Epilogue()), ("dgrad", 2, Epilogue(source=SourceKind.RESIDUAL))])
+def test_cols_register_capped_twin_reads_taps_from_shared_memory(kind, stride, epi):
+    """The capped "cols" fprop / dgrad twin (min_blocks) keeps no taps in registers: it reads each filter row's taps
+    from shared memory per output row (volatile shared loads on the GPU; plain loads in this CPU build)."""
+    p = problem_of(kind, 16, 9, 11, 3, stride, epilogue=epi)
+    plain = depthwise_cols_config(p, 4, 4)
+    capped = min_blocks_variant(plain)
+    assert capped is not None and capped.min_blocks and f"_mb{capped.min_blocks}_" in capped.name
+    src = emulate_cuda.emulated_source(capped)
+    assert "fresh_filter_row(filter, r, lane, wr);" in src and "float w[kR][kS][kVec];" not in src
+    check(p, capped, 1, seed=11 + stride, alpha=0.5)
 
 
 @pytest.mark.parametrize("kind, epi", [("fprop", Epilogue(Activation.RELU, SourceKind.BIAS)),

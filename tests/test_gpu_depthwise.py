@@ -237,6 +237,7 @@ def all_kernels():
     ks += [cols_fprop_kernel(*k) for k in COLS_FPROP_KERNELS]
     ks += [cols_ahead_kernel(*k) for k in COLS_AHEAD_KERNELS]
     ks += [cols_strided_dgrad_kernel(*k) for k in COLS_STRIDED_DGRAD_KERNELS]
+    ks += cols_capped_kernels()
     ks += [graph_kernel()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
@@ -519,6 +520,32 @@ def test_cols_strided_dgrad(dt, r, stride, vec, run, shape, epi, prefetch):
         problem = problem_of("dgrad", c, h, w, r, stride, dt, n=n, pad=pad, epilogue=epi)
         assert cfg.reject_reason(problem) is None
         check_launch(problem, LaunchConfig(cfg, 1), seed=c * 3 + h + n + pad)
+
+
+def cols_capped_kernels():
+    """The register-capped twins (taps read from shared memory) of a "cols" fprop with a bias and ReLU6, a stride-1
+    dgrad, and a strided dgrad with a residual."""
+    strided = cols_strided_dgrad_kernel(*COLS_STRIDED_DGRAD_KERNELS[1][:-1], None)  # (its plain twin: no rows ahead)
+    return [min_blocks_variant(k) for k in (cols_fprop_kernel(*COLS_FPROP_KERNELS[0]),
+                                            cols_fprop_kernel(*COLS_FPROP_KERNELS[4]), strided)]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_cols_register_capped_twins(index):
+    """The capped "cols" fprop / dgrad twins on SHAPES (odd sizes, a one-row image, strips past the edges) and
+    MobileNetV2's 144-channel 56x56 layer."""
+    cfg = cols_capped_kernels()[index]
+    assert cfg.min_blocks and cfg.schedule == "cols"
+    r, (stride, _) = cfg.filter_rs[0], cfg.conv_stride
+    epi = Epilogue(cfg.activation, SourceKind.BIAS if index == 0 else SourceKind.RESIDUAL if index == 2 else
+                   SourceKind.NONE)
+    dt = (cfg.element_a.value, cfg.element_out.value)
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(144, 56, 56, 32)]:
+        if c % cfg.align_a:
+            continue
+        problem = problem_of(cfg.kind.value, c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None
+        check_launch(problem, LaunchConfig(cfg, 1), seed=c + h + n + index)
 
 
 def graph_kernel():
