@@ -34,7 +34,7 @@ from ..generators import generator_module
 from ..smem_im2col import smem_im2col_candidates
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
-from ..types import KernelFamily, SplitKMode
+from ..types import ConvKind, KernelFamily, SplitKMode
 
 log = logging.getLogger("cutlass_byoc.profiler.plan")
 
@@ -223,6 +223,7 @@ def plan_problem(
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
         side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
         side += _prefetch_twins(side, by_family.pop(_COLS_AHEAD, []))
+        side += _capped_twins(side, by_family.pop(_COLS_CAPPED, []))
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
@@ -286,6 +287,7 @@ _PIPELINED = "depthwise pipelined"
 _PINGPONG = "sm90 ping-pong"
 _COLS = "depthwise cols"
 _COLS_AHEAD = "depthwise cols, prefetch twins"
+_COLS_CAPPED = "depthwise cols fprop/dgrad, register-capped twins"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
                  KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET}
 #: Side budgets whose kernels are taken one per tile shape first (_spread_over_tiles), as the families' are.
@@ -308,6 +310,13 @@ def _prefetch_twins(side: list, twins: list) -> list:
     return [t for t in twins if dataclasses.replace(t[1], prefetch=None) in taken]
 
 
+def _capped_twins(side: list, twins: list) -> list:
+    """The register-capped twins of the "cols" fprop / dgrad kernels in `side` (depthwise.min_blocks_variant: taps
+    read from shared memory, more CTAs per SM), timed beside them on top of the cols budget like the prefetch twins."""
+    taken = {t[1] for t in side}
+    return [t for t in twins if dataclasses.replace(t[1], min_blocks=None) in taken]
+
+
 def _family_key(kernel: KernelConfig):
     """The list _rank_families puts `kernel` in: its family, or a side budget's key."""
     if kernel.is_conv_pingpong:
@@ -316,6 +325,8 @@ def _family_key(kernel: KernelConfig):
         if is_pipelined(kernel):
             return _PIPELINED
         if is_cols(kernel):
+            if kernel.min_blocks and kernel.kind is not ConvKind.WGRAD:
+                return _COLS_CAPPED
             return _COLS_AHEAD if kernel.prefetch else _COLS
         if is_wide_strip(kernel):
             return _WIDE
