@@ -193,13 +193,19 @@ def is_gathered(c: KernelConfig) -> bool:
     return c.kind is ConvKind.DGRAD and not is_flipped(c)
 
 
+def _cols_footprint(r: int, s: int, stride: tuple[int, int], cols: int, gathered: bool) -> tuple[int, int]:
+    """(input rows one row of a "cols" strip reads, input vectors of each such row) for an R x S filter, the stride and
+    strips of `cols` columns: R rows of (cols - 1) * stride + S; for the strided dgrad (`gathered`), whose strips are
+    aligned to the stride, ceil(R / u) dy rows of (S - 1) // v + (cols - 1) // v + 1."""
+    sh, sw = stride
+    if gathered:
+        return -(-r // sh), (s - 1) // sw + (cols - 1) // sw + 1
+    return r, (cols - 1) * sw + s
+
+
 def cols_window(c: KernelConfig) -> int:
-    """Input vectors of each input row a "cols" strip reads: (strip columns - 1) * stride + S; for the strided dgrad
-    the dy columns of its stride-aligned strip, (S - 1) // v + (strip columns - 1) // v + 1."""
-    cols, s, sw = c.tile[1], c.filter_rs[1], c.conv_stride[1]
-    if is_gathered(c):
-        return (s - 1) // sw + (cols - 1) // sw + 1
-    return (cols - 1) * sw + s
+    """Input vectors of each input row a "cols" strip reads (_cols_footprint)."""
+    return _cols_footprint(*c.filter_rs, c.conv_stride, c.tile[1], is_gathered(c))[1]
 
 
 def cols_registers(c: KernelConfig) -> int:
@@ -210,12 +216,12 @@ def cols_registers(c: KernelConfig) -> int:
     `prefetch` rows ahead (None: one)."""
     vec, (r, s), (sh, _) = c.align_a, c.filter_rs, c.conv_stride
     loaded = vec * c.element_a.nbytes / 4  # registers of one vector as loaded
-    window = cols_window(c)
+    rows, window = _cols_footprint(r, s, c.conv_stride, c.tile[1], is_gathered(c))
     if is_gathered(c):  # a dy row every u dx rows
-        rows = -(-r // sh)
-        return math.ceil(r * s * vec + rows * window * vec + c.tile[1] * vec + (c.prefetch or 1) * window * loaded)
-    ahead = min(sh, r) * window * loaded + (c.tile[1] * loaded if c.kind is ConvKind.WGRAD else 0)  # per row ahead
-    return math.ceil(r * s * vec + r * window * vec + c.tile[1] * vec + (c.prefetch or 1) * ahead)
+        ahead = window * loaded
+    else:
+        ahead = min(sh, r) * window * loaded + (c.tile[1] * loaded if c.kind is ConvKind.WGRAD else 0)  # per row ahead
+    return math.ceil(r * s * vec + rows * window * vec + c.tile[1] * vec + (c.prefetch or 1) * ahead)
 
 
 def row_groups(c: KernelConfig) -> int:
@@ -667,12 +673,10 @@ def _vectors(problem: Conv2dProblem, schedule: Optional[str] = None, tap_split: 
         while widest > 1 and taps * widest > WGRAD_MAX_ACC:
             widest //= 2
     if schedule == COLS:  # the sums (or taps) and the input rows in fp32 (cols_registers): the widest that fits
-        (r, s), (sh, sw) = (problem.r, problem.s), (problem.stride_h, problem.stride_w)
-        if problem.kind is ConvKind.DGRAD and (sh, sw) != (1, 1):  # 2-column strips aligned to the stride
-            rows, window = -(-r // sh), (s - 1) // sw + (2 - 1) // sw + 1
-        else:
-            rows, window = r, s + sw  # of a 2-column strip (a stride-1 dgrad runs the fprop loop)
-        while widest > 1 and r * s * widest + rows * window * widest > COLS_MAX_REGS:
+        stride = (problem.stride_h, problem.stride_w)
+        gathered = problem.kind is ConvKind.DGRAD and stride != (1, 1)  # (a stride-1 dgrad runs the fprop loop)
+        rows, window = _cols_footprint(problem.r, problem.s, stride, 2, gathered)  # of a 2-column strip
+        while widest > 1 and problem.r * problem.s * widest + rows * window * widest > COLS_MAX_REGS:
             widest //= 2
     return [widest] + ([widest // 2] if widest >= 4 else [])
 

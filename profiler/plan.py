@@ -222,8 +222,8 @@ def plan_problem(
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
         side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
-        side += _prefetch_twins(side, by_family.pop(_COLS_AHEAD, []))
-        side += _capped_twins(side, by_family.pop(_COLS_CAPPED, []))
+        side += _twins_of(side, by_family.pop(_COLS_AHEAD, []), "prefetch")
+        side += _twins_of(side, by_family.pop(_COLS_CAPPED, []), "min_blocks")
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
@@ -302,19 +302,14 @@ def _side_budgets(max_candidates: int, problem: Conv2dProblem) -> dict:
     return {**_SIDE_BUDGETS, _PINGPONG: pingpong}
 
 
-def _prefetch_twins(side: list, twins: list) -> list:
-    """The "cols" prefetch twins (depthwise.prefetch_variant; `twins` as _rank_families lists them) of the "cols"
-    kernels in `side`: each kernel the cols budget takes is timed with and without its loads two rows ahead (the
-    model cannot tell which wins: more loads in flight, or more warps)."""
+def _twins_of(side: list, twins: list, field: str) -> list:
+    """The twins (`twins` as _rank_families lists them) of the "cols" kernels in `side` that differ from them in
+    `field` alone: each kernel the cols budget takes is timed beside its prefetch twin ("prefetch":
+    depthwise.prefetch_variant, loads two rows ahead) and, for fprop / dgrad, its register-capped twin
+    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM); the model cannot
+    tell which wins (more loads in flight, or more warps)."""
     taken = {t[1] for t in side}
-    return [t for t in twins if dataclasses.replace(t[1], prefetch=None) in taken]
-
-
-def _capped_twins(side: list, twins: list) -> list:
-    """The register-capped twins of the "cols" fprop / dgrad kernels in `side` (depthwise.min_blocks_variant: taps
-    read from shared memory, more CTAs per SM), timed beside them on top of the cols budget like the prefetch twins."""
-    taken = {t[1] for t in side}
-    return [t for t in twins if dataclasses.replace(t[1], min_blocks=None) in taken]
+    return [t for t in twins if dataclasses.replace(t[1], **{field: None}) in taken]
 
 
 def _family_key(kernel: KernelConfig):
