@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import threading
@@ -79,11 +80,24 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     lib.cb_workspace_size.restype = ctypes.c_int64
     lib.cb_run.argtypes = [ctypes.POINTER(CbConv2dArgs), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_char_p, ctypes.c_int]
+    if hasattr(lib, "cb_launch_memo"):  # the CUTLASS-based templates' launch memo (launch_memo.h.j2)
+        lib.cb_launch_memo.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+        lib.cb_launch_memo.restype = ctypes.c_int64
     return lib
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoState:
+    """A kernel library's launch memo: on or off, the calls it relaunched and those that took the full path."""
+
+    on: bool
+    relaunches: int
+    full: int
+
+
 class KernelLibrary:
-    """One compiled kernel, loaded. Thread-safe: each launch builds its own CUTLASS operator on the stack.
+    """One compiled kernel, loaded. Thread-safe: cb_run prepares a launch per call, or relaunches one it prepared
+    for the very same argument block, under the library's lock (the launch memo of the CUTLASS-based templates).
 
     It opens the file it is given without asking who wrote it; `load_kernel` is the checked way in."""
 
@@ -134,6 +148,18 @@ class KernelLibrary:
         self.launch(make_args(problem, split_k_slices, a, b, d, source, alpha, beta, bias), workspace, workspace_bytes,
                     stream)
 
+    def launch_memo(self, on: Optional[bool] = None) -> Optional[MemoState]:
+        """The library's launch memo (None where its template has none: depthwise, shared-memory im2col, the lowered
+        1x1 GEMM), switched on or off first unless `on` is None. The state is the library's, shared by every thread
+        and call site using it."""
+        fn = getattr(self._lib, "cb_launch_memo", None)
+        if fn is None:
+            return None
+        counters = (ctypes.c_int64 * 2)()
+        fn(-1 if on is None else int(on), counters)
+        now = bool(fn(-1, None))
+        return MemoState(now, int(counters[0]), int(counters[1]))
+
     def launch(self, args: CbConv2dArgs, workspace: int, workspace_bytes: int, stream: int) -> None:
         """The bare launch of already validated arguments (the kernel still runs its own can_implement)."""
         buf = ctypes.create_string_buffer(256)
@@ -173,6 +199,12 @@ def pointer_error(config: KernelConfig, problem: Conv2dProblem, a: int, b: int, 
 
 _loaded: dict[tuple[str, KernelConfig], KernelLibrary] = {}
 _lock = threading.Lock()
+
+
+def loaded_libraries() -> list[KernelLibrary]:
+    """The kernel libraries this process has loaded (each once)."""
+    with _lock:
+        return list(_loaded.values())
 
 
 def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, build_missing: bool = True) -> KernelLibrary:

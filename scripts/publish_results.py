@@ -133,6 +133,12 @@ def offload_tables(data: dict) -> list[str]:
         out.append(f"| {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | {r['step_ms']:.2f} | {spread} | "
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
                    f"{m.group(1) if m else '-'} |")
+    memo = [r for r in data.get("rows", []) if r.get("launch_memo")]
+    if memo:
+        out += ["", "The kernel libraries' launch memo over each mode's timed steps (relaunches of a prepared launch, "
+                "launches prepared anew; under CUDA graphs the replays call no library):", ""]
+        out += [f"- {r['model']} b{r['batch']} {'training' if r['training'] else 'inference'} {r['mode']}: "
+                f"{r['launch_memo']['relaunches']} relaunches, {r['launch_memo']['full']} prepared anew" for r in memo]
     prof = [r for r in data.get("rows", []) if r.get("profile")]
     if prof:
         out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed "

@@ -55,6 +55,7 @@ MODULE_KERNELS = {
     "im2col": lambda m: list(m.KERNELS.values()),
     "tune": lambda m: list(_plan_kernels(m.PROBLEMS, 2)), "depthwise": lambda m: m.all_kernels(),
     "s2d": lambda m: m.used_configs(), "smem_im2col": lambda m: m.used_configs(),
+    "launch_memo": lambda m: m.used_configs(),
 }
 
 
@@ -164,6 +165,8 @@ def main() -> int:
     ap.add_argument("--archive", type=Path, default=ROOT / ".kcache.tar.xz")
     ap.add_argument("--list", action="store_true", help="print the kernels and stop")
     ap.add_argument("--offload-only", action="store_true", help="the offload tests' and benchmark's kernels")
+    ap.add_argument("--families", action="store_true",
+                    help="the model-family runs' kernels alone (tests/test_gpu_families.py, tests/test_gpu_host_path.py)")
     ap.add_argument("--tests-only", action="store_true",
                     help="the GPU test modules' kernels and the model-family tests' (no ResNet/MobileNet runs)")
     ap.add_argument("--depthwise", action="store_true",
@@ -213,7 +216,10 @@ def main() -> int:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
         cfgs += offload_kernels(OFFLOAD_RUNS)
-    if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only):
+    if a.families:
+        cfgs += offload_kernels([])
+    if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only
+            or a.families):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)

@@ -309,10 +309,10 @@ def test_pingpong_rules():
 
 def test_render_pingpong_subpixel():
     """The sub-pixel config's ping-pong kernel takes the phases' Params (a group) and walks their tiles as one list;
-    cb_run zero-fills and launches it through run_subpixel; CUTLASS's grouped one-tile-per-CTA kernel is not built."""
+    cb_run zero-fills and launches it as prepare_subpixel prepared it; CUTLASS's grouped one-tile-per-CTA kernel is not built."""
     src = render(sm90_config(problem("dgrad", stride=2), (128, 128, 64), schedule=PINGPONG), "nvcc")
     assert "cb_pingpong_kernel(CUTLASS_GRID_CONSTANT GroupParams const group)" in src
-    assert "return cb_pingpong::run_subpixel(x, static_cast<cudaStream_t>(stream), msg, len);" in src
+    assert "return cb_pingpong::prepare_subpixel(x, list, msg, len);" in src
     assert "group_tile(group, first_tile)" in src and "cudaMemsetAsync" in src
     assert "cb_subpixel_kernel" not in src and "Params make_params(" not in src
     plain = render(sm90_config(problem("dgrad", stride=2), (128, 128, 64)), "nvcc")
@@ -324,7 +324,7 @@ def test_render_pingpong():
     source has none of it (its cache key, and so every kernel compiled before, is unchanged)."""
     src = render(sm90_config(problem(), (128, 64, 64), schedule=PINGPONG), "nvcc")
     assert "namespace cb_pingpong" in src and "cb_pingpong_kernel" in src
-    assert "return cb_pingpong::run(x, static_cast<cudaStream_t>(stream), msg, len);" in src
+    assert "return cb_pingpong::prepare(x, list, msg, len);" in src
     assert "// Kernel: the project's persistent ping-pong kernel" in src
     assert "//   schedule        pingpong" in src
     assert "sa.max_swizzle_size = 1;" in src

@@ -29,6 +29,9 @@ import torch.nn.functional as F
 log = logging.getLogger("cutlass_byoc.offload")
 
 MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_byoc-cudagraphs")
+#: Modes a run may add (--modes): cutlass_byoc with the kernel libraries' launch memo switched off while its steps are
+#: timed (every cb_run checks and prepares its launch anew), the memo's share of a step measured in the same process.
+EXTRA_MODES = ("cutlass_byoc-memo-off",)
 
 
 @dataclasses.dataclass
@@ -50,6 +53,7 @@ class BenchRow:
     training: bool = True
     profile: Optional[dict] = None  # --profile: where a step's time goes (profile_breakdown)
     rounds_ms: Optional[list] = None  # --rounds > 1: each round's ms per step (step_ms is their median)
+    launch_memo: Optional[tuple] = None  # cutlass_byoc modes: (relaunches, full-path launches) of the timed steps
 
     def record(self) -> dict:
         """The row as benchmarks/h200/offload.json holds it."""
@@ -59,6 +63,8 @@ class BenchRow:
                 "grad_rel_err_vs_eager": None if math.isnan(self.grad_rel_err) else self.grad_rel_err,
                 "fallbacks": self.fallbacks, "offload": self.offload,
                 **({"step_ms_rounds": [round(t, 4) for t in self.rounds_ms]} if self.rounds_ms else {}),
+                **({"launch_memo": {"relaunches": self.launch_memo[0], "full": self.launch_memo[1]}}
+                   if self.launch_memo else {}),
                 **({"profile": self.profile} if self.profile else {})}
 
     def line(self) -> str:
@@ -148,12 +154,12 @@ def compile_mode(model: nn.Module, mode: str, options: Optional[dict] = None):
         return torch.compile(model), None
     if mode == "inductor-cudagraphs":
         return torch.compile(model, mode="reduce-overhead"), None
-    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs"):
+    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs", "cutlass_byoc-memo-off"):
         from .backend import make_backend  # noqa: PLC0415
 
         backend = make_backend({**(options or {}), "cudagraphs": mode.endswith("-cudagraphs")})
         return torch.compile(model, backend=backend), backend
-    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    raise ValueError(f"mode: expected one of {MODES + EXTRA_MODES}, got {mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,27 +318,35 @@ def profile_steps(one: Callable[[], None], steps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            one()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    getattr(one, "begin", lambda: None)()  # a step that runs with the launch memos off (_memo_off)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                one()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    finally:
+        getattr(one, "end", lambda: None)()
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     return profile_breakdown(prof.key_averages(), kernels, steps, wall_ms)
 
 
 def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
+    getattr(fn, "begin", lambda: None)()
+    try:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    finally:
+        getattr(fn, "end", lambda: None)()
     return start.elapsed_time(end) / steps
 
 
@@ -406,25 +420,47 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
 
             def one(fwd=fwd) -> None:
                 fwd()
+        if mode == "cutlass_byoc-memo-off":
+            one = _memo_off(one)
+        memo0 = launch_memo_counts()
         if interleave:
             for _ in range(warmup):
                 one()
             ms = math.nan
         else:
-            ms = _timed_loop(one, steps, warmup)
+            for _ in range(warmup):
+                one()
+            memo0 = launch_memo_counts()  # the timed steps' launches only
+            ms = _timed_loop(one, steps, 0)
+        memo1 = launch_memo_counts()
         row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
                        training=case.training, profile=profile_steps(one) if profile and not interleave else None)
         if backend is not None:
             row.offload = backend.report().summary().splitlines()[0]
             row.fallbacks = len(library.RUNTIME.fallbacks)
+            if not interleave:
+                row.launch_memo = (memo1[0] - memo0[0], memo1[1] - memo0[1])
         rows.append(row)
         steppers.append(one)
         if not interleave:
             log.info("%s", row.line())
     if interleave:
-        times = interleaved_rounds(steppers, rounds, lambda one: _timed_loop(one, steps, 1))
+        memo: dict[int, list[int]] = {}
+
+        def time_one(one) -> float:  # the launch memo's counts over each mode's rounds (1 warm-up step each)
+            before = launch_memo_counts()
+            ms = _timed_loop(one, steps, 1)
+            after = launch_memo_counts()
+            tally = memo.setdefault(id(one), [0, 0])
+            tally[0] += after[0] - before[0]
+            tally[1] += after[1] - before[1]
+            return ms
+
+        times = interleaved_rounds(steppers, rounds, time_one)
         for row, one, ts in zip(rows, steppers, times):
             row.rounds_ms = ts
+            if row.mode.startswith("cutlass_byoc"):
+                row.launch_memo = tuple(memo.get(id(one), (0, 0)))
             row.step_ms = statistics.median(ts)
             if profile:
                 row.profile = profile_steps(one)
@@ -434,6 +470,23 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
         ind = next((q.step_ms for q in rows if q.mode == same), math.nan)
         r.speedup_vs_inductor = ind / r.step_ms
     return rows
+
+
+class _memo_off:
+    """A step run with the launch memos off: switched off before the first step of a timed loop and on again after
+    the loop (bench's timed loops call `begin` and `end` around their steps), so no step pays for the switch."""
+
+    def __init__(self, step: Callable[[], None]):
+        self.step = step
+
+    def __call__(self) -> None:
+        self.step()
+
+    def begin(self) -> None:
+        _launch_memos(False)
+
+    def end(self) -> None:
+        _launch_memos(True)
 
 
 def interleaved_rounds(steppers: Sequence, rounds: int, time_one: Callable) -> list[list[float]]:
@@ -545,12 +598,40 @@ def host_overhead(calls: int = 3000, warmup: int = 200,
             for path, what in (("call site: C++ fast path alone", nat.LAUNCH), ("call site: cb_run alone", nat.RUN)):
                 rows.append({"pass": kind, "path": path,
                              "us_per_call": nat.time_site(s, x.device, calls, what)})
+            # the same with the kernel libraries' launch memo off: every cb_run checks and prepares its launch
+            # (CUTLASS's arguments and Params, the TMA descriptors), as before the memo
+            memo = _launch_memos(False)
+            if memo:
+                rows.append({"pass": kind, "path": "cutlass_byoc call site (C++), launch memo off",
+                             "us_per_call": per_call(lambda: ours(s))})
+                rows.append({"pass": kind, "path": "call site: cb_run alone, launch memo off",
+                             "us_per_call": nat.time_site(s, x.device, calls, nat.RUN)})
+            _launch_memos(True)
         rows.append({"pass": kind, "path": "cutlass_byoc general path", "us_per_call": per_call(lambda: ours(-1))})
         rows.append({"pass": kind, "path": "aten (cuDNN)", "us_per_call": per_call(theirs)})
         assert library.site(s).launches > 0, f"{kind}: the call site never launched (it fell back to the general path)"
         if nat is not None:
             assert nat.calls(s) > 0, f"{kind}: the C++ path never launched"
     return rows
+
+
+def _launch_memos(on: Optional[bool] = None) -> dict[str, "object"]:
+    """The launch memo of every kernel library this process loaded that has one (name -> MemoState), each switched
+    on or off first unless `on` is None."""
+    from ..runtime import loaded_libraries  # noqa: PLC0415
+
+    out = {}
+    for lib in loaded_libraries():
+        state = lib.launch_memo(on)
+        if state is not None:
+            out[lib.name] = state
+    return out
+
+
+def launch_memo_counts() -> tuple[int, int]:
+    """(relaunches, full-path launches) summed over the loaded libraries' launch memos."""
+    states = _launch_memos().values()
+    return sum(m.relaunches for m in states), sum(m.full for m in states)
 
 
 def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.dtype, channels_last: bool) -> str:
@@ -562,6 +643,9 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
     for r in rows:
         if r.offload:
             lines.append(f"{r.model}: {r.offload}; {r.fallbacks} run-time fallbacks")
+        if r.launch_memo:
+            lines.append(f"{r.model} {r.mode}: launch memo over the timed steps: {r.launch_memo[0]} relaunches, "
+                         f"{r.launch_memo[1]} full-path launches (prepared anew)")
     for r in rows:
         if r.profile:
             q = r.profile
@@ -600,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     ap.add_argument("--nchw", action="store_true", help="NCHW model and input (default channels_last)")
     ap.add_argument("--select", choices=["heuristic", "cached", "tune"], default="cached")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES + EXTRA_MODES))
     ap.add_argument("--json", type=Path, default=None, help="write the rows (model, batch, training, mode, step_ms, ...)")
     ap.add_argument("--host-overhead", action="store_true", help="also measure host microseconds per call")
     ap.add_argument("--profile", action="store_true",
