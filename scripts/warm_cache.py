@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--archive", type=Path, default=ROOT / ".kcache.tar.xz")
     ap.add_argument("--list", action="store_true", help="print the kernels and stop")
     ap.add_argument("--offload-only", action="store_true", help="the offload tests' and benchmark's kernels")
+    ap.add_argument("--offload-tests", action="store_true",
+                    help="tests/test_gpu_offload.py's kernels alone (its batch-16 runs; not the benchmark's cases)")
     ap.add_argument("--families", action="store_true",
                     help="the model-family runs' kernels alone (tests/test_gpu_families.py, tests/test_gpu_host_path.py)")
     ap.add_argument("--tests-only", action="store_true",
@@ -218,8 +220,10 @@ def main() -> int:
         cfgs += offload_kernels(OFFLOAD_RUNS)
     if a.families:
         cfgs += offload_kernels([])
+    if a.offload_tests:
+        cfgs += offload_kernels([r for r in OFFLOAD_RUNS if r[1] == 16], [])
     if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only
-            or a.families):
+            or a.families or a.offload_tests):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)
