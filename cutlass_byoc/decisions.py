@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from importlib import resources
@@ -73,21 +74,30 @@ def current_gpu() -> Optional[GpuInfo]:
 DEPTHWISE_TEMPLATE = "conv2d_depthwise_direct.cu.j2"
 
 
+#: What a template pulls in: {% include "X" %}, {% import "X" ... %} and {% from "X" import ... %}.
+_TEMPLATE_DEPENDENCY = re.compile(r"""\{%-?\s*(?:include|import|from)\s+["']([^"']+)["']""")
+
+
 @functools.lru_cache(maxsize=None)
 def template_hash(depthwise: bool = False) -> str:
     """sha256 over the text of the kernel templates whose kernels compete for a problem: for a depthwise problem
-    (groups == C == K) the depthwise family's template, for any other problem every other template; both with the
-    shared includes. An edit of a template invalidates the decisions it could have changed, and only those (tuning
-    the depthwise kernels leaves a model's dense decisions standing, and the other way round)."""
-    h = hashlib.sha256()
+    (groups == C == K) the depthwise family's template, for any other problem every other template; each with the
+    templates it includes (followed through their includes). An edit of a template invalidates the decisions it could
+    have changed, and only those (tuning the depthwise kernels leaves a model's dense decisions standing, and the
+    other way round; the launch memo, included by the dense families only, is theirs)."""
     root = resources.files("cutlass_byoc.templates")
-    for entry in sorted(root.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".j2"):
+    texts = {e.name: e.read_bytes() for e in root.iterdir() if e.name.endswith(".j2")}
+    todo = [n for n in texts if n.endswith(".cu.j2") and (n == DEPTHWISE_TEMPLATE) == depthwise]
+    used: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in used or name not in texts:
             continue
-        family_template = entry.name.endswith(".cu.j2")
-        if family_template and (entry.name == DEPTHWISE_TEMPLATE) != depthwise:
-            continue
-        h.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
+        used.add(name)
+        todo += _TEMPLATE_DEPENDENCY.findall(texts[name].decode())
+    h = hashlib.sha256()
+    for name in sorted(used):
+        h.update(name.encode() + b"\0" + texts[name] + b"\0")
     return h.hexdigest()
 
 

@@ -122,6 +122,12 @@ def test_a_template_edit_invalidates_the_decisions_of_its_own_family_only(monkey
     assert dense2 != dense and depthwise2 == depthwise
     dense3, depthwise3 = rehash("conv2d_api.h.j2")  # the shared include: both
     assert dense3 != dense2 and depthwise3 != depthwise2
+    dense4, depthwise4 = rehash("launch_memo.h.j2")  # included by the dense families only
+    assert dense4 != dense3 and depthwise4 == depthwise3
+    dense5, depthwise5 = rehash("dependent_launch.j2")  # included by sm90 and depthwise
+    assert dense5 != dense4 and depthwise5 != depthwise4
+    (tmp_path / "unused.j2").write_text("{# no template includes this #}\n")
+    assert rehash("unused.j2") == (dense5, depthwise5)
 
 
 def test_stale_format_and_garbage_are_ignored(store, launch):
