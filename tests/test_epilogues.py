@@ -31,30 +31,31 @@ def fprop(c=64, k=64, dtype="f16", out=None, act=Activation.IDENTITY, source=Sou
 #: (config JSON, sha256 of render(config, "nvcc CMD") at cutlass_byoc 0.1.0) of existing kernels, taken before the
 #: bias-vector epilogue was added. A change here changes those kernels' sources, so their cache keys: every cached
 #: kernel would be rebuilt. Update only for a change meant to do that (and say so). Re-pinned once: the 3.x split-k
-#: change of the sm90 template (alpha/beta computed per kernel variant) changed the sm90 kernels' sources.
+#: change of the sm90 template (alpha/beta computed per kernel variant) changed the sm90 kernels' sources. Re-pinned
+#: again for the launch memo (templates/launch_memo.h.j2), which the 2.x and 3.x kernels' host code includes.
 EXISTING_SOURCES = [
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "optimized", "kind": "fprop", "schedule": null, "split_k_mode": "serial", "stages": 10, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 32], "warps": [2, 2, 1]}',
-     "9906e4b136982dea542bed1dc4a7764bc0fa82568d1c6b16f2c962ed2b7fcd1b"),  # fprop_f16_opt
+     "01be19de088cf07b133dffd277b76ecfe95f876205f9a590e3e87adec75a9d7e"),  # fprop_f16_opt
     ('{"activation": "relu", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "optimized", "kind": "fprop", "schedule": null, "split_k_mode": "serial", "stages": 10, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 32], "warps": [2, 2, 1]}',
-     "baccbb7411e75bc54c9db74541821dbf71b2a3c0b86e7f1cc1c1e0bb9023c86c"),  # fprop_f16_relu
+     "209bdd2b60c47018d8198cabf2166af4432059db0b6cfac1329eeef7e686b329"),  # fprop_f16_relu
     ('{"activation": "identity", "align_a": 1, "align_b": 1, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "few_channels", "kind": "fprop", "schedule": null, "split_k_mode": "serial", "stages": 2, "stride_support": "strided", "swizzle": 1, "tile": [64, 64, 32], "warps": [2, 2, 1]}',
-     "58d5dcbfcc3abcd777cf2120ba7ea1eb149b19ea2418fc18b823271f20217e01"),  # fprop_few
+     "fb51c1bd3bc92b6af7d456adfe11880af28075eec38b46be175e3084c0177e76"),  # fprop_few
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "fixed_channels", "kind": "fprop", "schedule": null, "split_k_mode": "serial", "stages": 10, "stride_support": "strided", "swizzle": 1, "tile": [64, 64, 32], "warps": [2, 2, 1]}',
-     "fddaa93121108352ef0f3d623c9a8a3eebbca462222ea057a591c53b6c38fed4"),  # fprop_fixed
+     "feeecd9de58444254cd3596182deee32fb46feb7386ef8015f0d77184ec93159"),  # fprop_fixed
     ('{"activation": "gelu", "align_a": 4, "align_b": 4, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f32", "element_acc": "f32", "element_b": "f32", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "optimized", "kind": "fprop", "schedule": null, "split_k_mode": "serial", "stages": 10, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 16], "warps": [2, 2, 1]}',
-     "8d49fd9258d60488fe051c0185fe8e6cebdd4148dbc04a40935cad4fdb070405"),  # fprop_tf32_to_f16_gelu
+     "0ba5c3153d9201e2131d2f3496eb12ed2e68b4bfcc9fc1f8c75cf352f7a1846a"),  # fprop_tf32_to_f16_gelu
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 4, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "optimized", "kind": "wgrad", "schedule": null, "split_k_mode": "parallel", "stages": 10, "stride_support": "strided", "swizzle": 1, "tile": [64, 64, 32], "warps": [2, 2, 1]}',
-     "d81a4ce0b234abb6dd93de07125c8ea1fc3189f45c298e2698a14e8357bbe6b7"),  # wgrad_parallel
+     "ef5a8f1061d70dc45a979094cf71852f5753456f921efcdf809290410870548e"),  # wgrad_parallel
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm80_implicit_gemm", "filter_rs": null, "iterator": "optimized", "kind": "dgrad", "schedule": null, "split_k_mode": "serial", "stages": 10, "stride_support": "strided", "swizzle": 1, "tile": [64, 64, 32], "warps": [2, 2, 1]}',
-     "44650793714c3e055ffedf72736f1cb031419b167f9e67d3eaa12dd1a708fadf"),  # dgrad_strided
+     "8e74d9b259f187c81675a028c20c4bfc704a8ffccedd63bef1757639d3ebd75b"),  # dgrad_strided
     ('{"activation": "silu", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm90_tma_wgmma", "filter_rs": null, "iterator": "optimized", "kind": "fprop", "schedule": "implicit_tma_ws", "split_k_mode": "serial", "stages": 8, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 64], "warps": [4, 1, 1]}',
-     "6a637b27d45e80f37b671607287d209979779525715131bdc8aea9d50a0cb414"),  # sm90_fprop_silu
+     "dbd262b97efc5958ed778d6e7ae5916341e17399f8ac9b19922d43eeeb8d7dd1"),  # sm90_fprop_silu
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "bf16", "element_acc": "f32", "element_b": "bf16", "element_out": "bf16", "family": "sm90_tma_wgmma", "filter_rs": null, "iterator": "optimized", "kind": "fprop", "schedule": "implicit_tma_ws", "split_k_mode": "serial", "stages": 8, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 64], "warps": [4, 1, 1]}',
-     "afb3c43a3395ca69124b1cbd0f69ef7f737fc5b22f71db9ea30262bf29deec58"),  # sm90_fprop_bias
+     "a4b61be95219ba4dca787ca1cd81f9641f9bce4a43f6520eb726811cc9b59767"),  # sm90_fprop_bias
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm90_tma_wgmma", "filter_rs": null, "iterator": "optimized", "kind": "wgrad", "schedule": "implicit_tma_ws", "split_k_mode": "serial", "stages": 8, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 64], "warps": [4, 1, 1]}',
-     "36a628135771b0eece40014beaeadff1ff783acba04ebed4be20a0be2a750385"),  # sm90_wgrad
+     "06e0637dbd1ac25d9781109ba76b0248164cabd0a2d3503f400e8cd3efafb9aa"),  # sm90_wgrad
     ('{"activation": "identity", "align_a": 8, "align_b": 8, "align_c": 8, "arch": 90, "cluster": [1, 1, 1], "element_a": "f16", "element_acc": "f32", "element_b": "f16", "element_out": "f16", "family": "sm90_tma_wgmma", "filter_rs": null, "iterator": "optimized", "kind": "dgrad", "schedule": "implicit_tma_ws", "split_k_mode": "serial", "stages": 8, "stride_support": "unity", "swizzle": 1, "tile": [64, 64, 64], "warps": [4, 1, 1]}',
-     "64bad2149fdd96dffd76ce322f577a27f132aec6e8b7b3e85d165dcd336c7498"),  # sm90_dgrad
+     "18cdde7f0dce167017e526040bc8025d82f9e4104622eda9d9cb81afeb78a318"),  # sm90_dgrad
 ]
 
 
