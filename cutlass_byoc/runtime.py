@@ -156,9 +156,8 @@ class KernelLibrary:
         if fn is None:
             return None
         counters = (ctypes.c_int64 * 2)()
-        fn(-1 if on is None else int(on), counters)
-        now = bool(fn(-1, None))
-        return MemoState(now, int(counters[0]), int(counters[1]))
+        was = bool(fn(-1 if on is None else int(on), counters))
+        return MemoState(was if on is None else bool(on), int(counters[0]), int(counters[1]))
 
     def launch(self, args: CbConv2dArgs, workspace: int, workspace_bytes: int, stream: int) -> None:
         """The bare launch of already validated arguments (the kernel still runs its own can_implement)."""

@@ -422,17 +422,13 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
                 fwd()
         if mode == "cutlass_byoc-memo-off":
             one = _memo_off(one)
-        memo0 = launch_memo_counts()
-        if interleave:
-            for _ in range(warmup):
-                one()
-            ms = math.nan
-        else:
-            for _ in range(warmup):
-                one()
+        for _ in range(warmup):
+            one()
+        ms = math.nan  # interleaved: timed in the rounds below
+        if not interleave:
             memo0 = launch_memo_counts()  # the timed steps' launches only
             ms = _timed_loop(one, steps, 0)
-        memo1 = launch_memo_counts()
+            memo1 = launch_memo_counts()
         row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
                        training=case.training, profile=profile_steps(one) if profile and not interleave else None)
         if backend is not None:
