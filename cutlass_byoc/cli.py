@@ -242,7 +242,9 @@ def cmd_tune(args) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6])
     if any(r[4].endswith("*") for r in rows[1:]):
-        print("* cuDNN was faster: the backend leaves these convs to PyTorch (option prefer_cudnn=False offloads them)")
+        print("* cuDNN was faster: under CUDA graphs the backend leaves these convs to PyTorch; without them only where "
+              "cuDNN wins by more than the host credit (option host_credit_us, default 10 us; prefer_cudnn=False "
+              "offloads them all)")
     counts: dict[str, int] = {}
     for o in report.outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1

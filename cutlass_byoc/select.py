@@ -83,18 +83,21 @@ _cudnn_memo: dict[tuple, Optional[str]] = {}
 CUDNN_FASTER = "cuDNN is faster"
 
 
-def cudnn_faster(problem: Conv2dProblem) -> Optional[str]:
-    """Why the backend should leave `problem` to PyTorch (cuDNN): its recorded decision measured cuDNN at or below
-    the tuned winner's time (both timed by the profiler on the same operands). None when there is no decision,
-    no cuDNN time in it, or the kernel is faster. Remembered like `choose`."""
-    key = (problem, cache_root_path(), generation())
+def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optional[str]:
+    """Why the backend should leave `problem` to PyTorch (cuDNN): its recorded decision measured cuDNN faster than the
+    tuned winner (both timed by the profiler on the same operands) by more than `host_credit_us`, the host time an
+    offloaded call saves over aten's convolution where the step is launched op by op (OffloadOptions.host_credit_us;
+    0 under CUDA graphs, where host time is gone). None when there is no decision, no cuDNN time in it, or the kernel
+    is faster after the credit. Remembered like `choose`."""
+    key = (problem, float(host_credit_us), cache_root_path(), generation())
     if key not in _cudnn_memo:
         from .decisions import lookup  # noqa: PLC0415
 
         dec = lookup(problem)
         why = None
-        if dec is not None and dec.cudnn_us is not None and dec.cudnn_us <= dec.time_us:
-            why = (f"{CUDNN_FASTER}: {dec.cudnn_us:.1f} us vs {dec.time_us:.1f} us for the tuned "
+        if dec is not None and dec.cudnn_us is not None and dec.cudnn_us + host_credit_us <= dec.time_us:
+            credit = f" + {host_credit_us:.1f} us host credit" if host_credit_us else ""
+            why = (f"{CUDNN_FASTER}: {dec.cudnn_us:.1f} us{credit} vs {dec.time_us:.1f} us for the tuned "
                    f"{dec.launch.name} (decision cache; prefer_cudnn=False offloads it anyway)")
         _cudnn_memo[key] = why
     return _cudnn_memo[key]

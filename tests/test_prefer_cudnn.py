@@ -53,7 +53,7 @@ class ConvBiasRelu(nn.Module):
 
 
 def _fused_loses(monkeypatch, seen):
-    def fake(problem):
+    def fake(problem, **_):
         seen.append(problem)
         return "cuDNN is faster: 1.0 us vs 2.0 us" if problem.epilogue.activation is Activation.RELU else None
     monkeypatch.setattr(pat_mod, "cudnn_faster", fake)
@@ -78,7 +78,7 @@ def test_partitioner_leaves_the_conv_to_pytorch_where_cudnn_is_faster(monkeypatc
 
 
 def test_backward_passes_each_go_by_their_own_decision(monkeypatch):
-    def fake(problem):
+    def fake(problem, **_):
         return "cuDNN is faster: 1.0 us vs 2.0 us" if problem.kind.value == "wgrad" else None
     monkeypatch.setattr(pat_mod, "cudnn_faster", fake)
     m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False))
@@ -116,7 +116,7 @@ def test_select_tune_tunes_before_partitioning_so_the_first_compile_keeps_cudnn(
     def fake_tune(report):  # "tunes" the report's problems: cuDNN wins every wgrad
         tuned.update(report.problems)
 
-    def faster(problem):
+    def faster(problem, **_):
         return "cuDNN is faster: 1.0 us vs 2.0 us" if problem in tuned and problem.kind.value == "wgrad" else None
 
     monkeypatch.setattr(part_mod, "_can_tune", lambda: True)
@@ -146,10 +146,68 @@ def test_a_backward_left_whole_to_cudnn_after_its_inputs_changed_layout(monkeypa
     must not be taken for an op that failed on them (that raised in the partitioner, and the whole graph was left
     to PyTorch)."""
     monkeypatch.setattr(pat_mod, "cudnn_faster",
-                        lambda p: "cuDNN is faster: 1.0 us vs 2.0 us" if p.kind.value != "fprop" else None)
+                        lambda p, **_: "cuDNN is faster: 1.0 us vs 2.0 us" if p.kind.value != "fprop" else None)
     m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False))
     x = torch.randn(2, 8, 8, 8, requires_grad=True)
     gm, rep = explain(m, x, training=True, options=OffloadOptions(require_cuda=False, strict=True))
     assert rep.failure is None
     assert all(e.offloaded is (e.kind is Pass.FPROP) for e in rep.entries), rep.summary()
     gm.graph.lint()
+
+
+def test_host_credit_moves_the_bar_by_the_host_time_an_offloaded_call_saves(gpu_here):
+    """cuDNN must beat the tuned kernel by more than the credit to keep the conv: 10 us for us, 8 for cuDNN keeps it
+    without credit and offloads it with a 2.5 us one; the reason names the credit."""
+    p = Conv2dProblem.make("fprop", 8, 64, 28, 28, 64, 3, padding=1)
+    record_decision(p, default_launch(p), 10.0, gpu=GPU, cudnn_us=8.0)
+    assert sel.cudnn_faster(p).startswith("cuDNN is faster: 8.0 us vs 10.0 us")
+    assert sel.cudnn_faster(p, host_credit_us=2.5) is None
+    why = sel.cudnn_faster(p, host_credit_us=1.5)
+    assert why.startswith("cuDNN is faster: 8.0 us + 1.5 us host credit vs 10.0 us")
+
+
+@pytest.mark.parametrize("options, credit", [
+    ({}, pat_mod.DEFAULT_HOST_CREDIT_US),
+    ({"cudagraphs": True}, 0.0),
+    ({"mode": "reduce-overhead"}, 0.0),
+    ({"mode": "max-autotune"}, 0.0),
+    ({"mode": "max-autotune-no-cudagraphs"}, pat_mod.DEFAULT_HOST_CREDIT_US),
+    ({"host_credit_us": 3}, 3.0),
+    ({"host_credit_us": 3.5, "cudagraphs": True}, 3.5),
+])
+def test_host_credit_is_given_only_without_cuda_graphs(options, credit):
+    assert OffloadOptions(**options).cudnn_credit_us() == credit
+
+
+def test_host_credit_follows_inductors_own_cudagraphs_setting():
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert OffloadOptions().cudnn_credit_us() == 0.0
+    with inductor_config.patch({"triton.cudagraphs": False}):
+        assert OffloadOptions().cudnn_credit_us() == pat_mod.DEFAULT_HOST_CREDIT_US
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "10", True])
+def test_host_credit_must_be_a_finite_nonnegative_number(bad):
+    with pytest.raises(ValueError, match="host_credit_us"):
+        OffloadOptions(host_credit_us=bad)
+
+
+def test_partitioner_offloads_a_slightly_slower_kernel_without_graphs_and_keeps_cudnn_under_graphs(gpu_here):
+    """End to end on recorded decisions: every problem of a conv+bias+ReLU training graph measured 4 us slower than
+    cuDNN. Without CUDA graphs (host-bound steps) the 10 us credit offloads all three passes; under CUDA graphs
+    (options or Inductor's config) and with host_credit_us=0 all three stay with cuDNN."""
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False))
+    x = torch.randn(2, 8, 8, 8, requires_grad=True)
+    _, probe = explain(m, x, training=True, options=OffloadOptions(require_cuda=False, prefer_cudnn=False))
+    assert probe.problems
+    for p in probe.problems:
+        record_decision(p, default_launch(p), 14.0, gpu=GPU, cudnn_us=10.0)
+    _, rep = explain(m, x, training=True, options=CPU)
+    assert rep.entries and all(e.offloaded for e in rep.entries), rep.summary()
+    for opts in (OffloadOptions(require_cuda=False, cudagraphs=True), OffloadOptions(require_cuda=False,
+                                                                                     host_credit_us=0)):
+        _, rep = explain(m, x, training=True, options=opts)
+        assert rep.entries and not any(e.offloaded for e in rep.entries), rep.summary()
+        assert all("cuDNN is faster: 10.0 us vs 14.0 us" in e.reason for e in rep.entries)

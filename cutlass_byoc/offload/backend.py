@@ -11,7 +11,9 @@ transpose is needed around any conv. Everything not offloaded is compiled by Ind
 
 Options (a dict or keyword arguments, see :class:`OffloadOptions`): ``select`` = ``"tune"`` (profile on the first
 call of each new problem), ``"cached"`` (recorded decisions, else the heuristic; the default) or ``"heuristic"``;
-switches for fprop/dgrad/wgrad/transposed offload and epilogue/cast fusion; ``require_cuda``; ``cudagraphs=True``
+switches for fprop/dgrad/wgrad/transposed offload and epilogue/cast fusion; ``prefer_cudnn`` and its
+``host_credit_us`` (without CUDA graphs a kernel up to that much slower than cuDNN is still offloaded: it saves more
+host time than it costs); ``require_cuda``; ``cudagraphs=True``
 (or ``torch.compile(..., mode="reduce-overhead")``) for Inductor's CUDA graphs around everything, the offloaded ops
 included (they allocate their workspaces per call from the caching allocator and never synchronize); ``strict``.
 

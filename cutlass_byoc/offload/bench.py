@@ -31,7 +31,9 @@ log = logging.getLogger("cutlass_byoc.offload")
 MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_byoc-cudagraphs")
 #: Modes a run may add (--modes): cutlass_byoc with the kernel libraries' launch memo switched off while its steps are
 #: timed (every cb_run checks and prepares its launch anew), the memo's share of a step measured in the same process.
-EXTRA_MODES = ("cutlass_byoc-memo-off",)
+EXTRA_MODES = ("cutlass_byoc-memo-off", "cutlass_byoc-no-host-credit")
+#: cutlass_byoc-no-host-credit: prefer_cudnn without the host credit (host_credit_us=0), i.e. every conv whose
+#: decision measured cuDNN faster stays with cuDNN as under CUDA graphs: what the credit gains in the same process.
 
 
 @dataclasses.dataclass
@@ -154,10 +156,11 @@ def compile_mode(model: nn.Module, mode: str, options: Optional[dict] = None):
         return torch.compile(model), None
     if mode == "inductor-cudagraphs":
         return torch.compile(model, mode="reduce-overhead"), None
-    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs", "cutlass_byoc-memo-off"):
+    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs", "cutlass_byoc-memo-off", "cutlass_byoc-no-host-credit"):
         from .backend import make_backend  # noqa: PLC0415
 
-        backend = make_backend({**(options or {}), "cudagraphs": mode.endswith("-cudagraphs")})
+        extra = {"host_credit_us": 0.0} if mode == "cutlass_byoc-no-host-credit" else {}
+        backend = make_backend({**(options or {}), **extra, "cudagraphs": mode.endswith("-cudagraphs")})
         return torch.compile(model, backend=backend), backend
     raise ValueError(f"mode: expected one of {MODES + EXTRA_MODES}, got {mode!r}")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections import Counter
 from typing import Callable, Optional, Sequence
 
@@ -59,6 +60,9 @@ ACTIVATION_FNS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 CONV_PARAMS = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: OffloadOptions.host_credit_us without CUDA graphs: the low end of the host time an offloaded call saved over
+#: aten.convolution in the offload bench's host-overhead rows on the H200 (aten 24-31 us, our call site 11-13 us)
+DEFAULT_HOST_CREDIT_US = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +89,22 @@ class OffloadOptions:
     # leave a conv to PyTorch where the decision cache says cuDNN was faster than the tuned kernel (select cached or
     # tune; the heuristic has no measurement to go by)
     prefer_cudnn: bool = True
+    # prefer_cudnn's handicap for cuDNN, in us per call: the host time an offloaded call saves over aten's convolution
+    # (the offload bench's host-overhead rows: 11-20 us on the H200's host). Without CUDA graphs a training step is
+    # host-bound (ResNet-50 b32: ~19 ms of host time per step, ~10 ms of GPU work), so a kernel up to that much slower
+    # than cuDNN still shortens the step; under graphs host time is gone and the kernel must win outright. None: the
+    # default below without CUDA graphs, 0 with them (options.cudagraphs, a mode that turns them on, or Inductor's
+    # config at compile time); a number applies in both.
+    host_credit_us: Optional[float] = None
     mode: Optional[str] = None  # torch.compile's mode, passed to Inductor ("reduce-overhead" implies cudagraphs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))
+        credit = self.host_credit_us
+        if credit is not None and (isinstance(credit, bool) or not isinstance(credit, (int, float)) or not
+                                   math.isfinite(credit) or credit < 0):
+            raise ValueError(f"cutlass_byoc options: host_credit_us must be None or a finite number >= 0 (us per "
+                             f"call), got {credit!r}")
 
     @classmethod
     def from_any(cls, options: "OffloadOptions | dict | None" = None, **kwargs) -> "OffloadOptions":
@@ -101,6 +117,28 @@ class OffloadOptions:
         if unknown:
             raise ValueError(f"cutlass_byoc options: unknown {sorted(unknown)}; expected some of {sorted(fields)}")
         return cls(**merged)
+
+    def cudnn_credit_us(self) -> float:
+        """The host credit prefer_cudnn gives our kernels now (see host_credit_us): read at partition time, inside
+        Inductor's compile, where its config patches (cudagraphs from options or mode) are in effect."""
+        if self.host_credit_us is not None:
+            return float(self.host_credit_us)
+        return 0.0 if self.uses_cudagraphs() else DEFAULT_HOST_CREDIT_US
+
+    def uses_cudagraphs(self) -> bool:
+        """Whether the compiled graphs run under CUDA graphs: these options ask for them, or Inductor's config has
+        them on (a mode's or the user's own setting)."""
+        if self.cudagraphs:
+            return True
+        try:
+            from torch._inductor import config as inductor_config  # noqa: PLC0415
+            from torch._inductor import list_mode_options  # noqa: PLC0415
+
+            if self.mode not in (None, "default") and list_mode_options(self.mode).get("triton.cudagraphs"):
+                return True
+            return bool(inductor_config.triton.cudagraphs)
+        except Exception:  # noqa: BLE001 - Inductor's private config moved: assume graphs (no credit, the safe side)
+            return True
 
     @property
     def compile_time_select(self) -> SelectMode:
@@ -412,7 +450,7 @@ def kernel_for(problem: Conv2dProblem, options: OffloadOptions) -> LaunchConfig:
     if why:
         raise Reject(f"size: {why}")
     if options.prefer_cudnn and options.compile_time_select is SelectMode.CACHED:
-        why = cudnn_faster(problem)
+        why = cudnn_faster(problem, host_credit_us=options.cudnn_credit_us())
         if why:
             raise PreferPyTorch(why)
     launch = _choose(problem, options.compile_time_select)
