@@ -81,6 +81,8 @@ def _choose(problem: Conv2dProblem, mode: SelectMode) -> Optional[LaunchConfig]:
 _cudnn_memo: dict[tuple, Optional[str]] = {}
 #: how cudnn_faster's reasons begin (the offload report counts them)
 CUDNN_FASTER = "cuDNN is faster"
+#: how host_credit_note's notes begin (the offload report counts them)
+HOST_CREDIT = "offloaded on the host credit"
 
 
 def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optional[str]:
@@ -101,6 +103,18 @@ def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optiona
                    f"{dec.launch.name} (decision cache; prefer_cudnn=False offloads it anyway)")
         _cudnn_memo[key] = why
     return _cudnn_memo[key]
+
+
+def host_credit_note(problem: Conv2dProblem, host_credit_us: float) -> Optional[str]:
+    """For an offloaded problem: a note saying it was offloaded on the host credit (cuDNN measured faster, by no more
+    than the credit), with both times; None otherwise."""
+    if host_credit_us <= 0 or cudnn_faster(problem) is None or cudnn_faster(problem, host_credit_us) is not None:
+        return None
+    from .decisions import lookup  # noqa: PLC0415
+
+    dec = lookup(problem)
+    return (f"{HOST_CREDIT}: cuDNN measured {dec.cudnn_us:.1f} us vs {dec.time_us:.1f} us, within the "
+            f"{host_credit_us:.1f} us an offloaded call saves in host time")
 
 
 # ---------------------------------------------------------------------------------------------- offset views

@@ -206,8 +206,18 @@ def test_partitioner_offloads_a_slightly_slower_kernel_without_graphs_and_keeps_
         record_decision(p, default_launch(p), 14.0, gpu=GPU, cudnn_us=10.0)
     _, rep = explain(m, x, training=True, options=CPU)
     assert rep.entries and all(e.offloaded for e in rep.entries), rep.summary()
+    n = len(rep.entries)
+    assert all(any(note.startswith("offloaded on the host credit: cuDNN measured 10.0 us vs 14.0 us") for note in
+                   e.notes) for e in rep.entries), rep.summary()
+    assert f"({n} on the host credit, cuDNN measured faster)" in rep.summary().splitlines()[0]
     for opts in (OffloadOptions(require_cuda=False, cudagraphs=True), OffloadOptions(require_cuda=False,
                                                                                      host_credit_us=0)):
         _, rep = explain(m, x, training=True, options=opts)
         assert rep.entries and not any(e.offloaded for e in rep.entries), rep.summary()
         assert all("cuDNN is faster: 10.0 us vs 14.0 us" in e.reason for e in rep.entries)
+        assert "host credit" not in rep.summary().splitlines()[0]
+    # a kernel that wins outright is offloaded without a credit note
+    for p in probe.problems:
+        record_decision(p, default_launch(p), 9.0, gpu=GPU, cudnn_us=10.0)
+    _, rep = explain(m, x, training=True, options=CPU)
+    assert all(e.offloaded and not any("host credit" in note for note in e.notes) for e in rep.entries)

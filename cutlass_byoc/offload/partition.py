@@ -618,6 +618,7 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
         rw = _Rewriter(g, options, report)
         rw.run_fprop()
         rw.run_backward()
+        _note_host_credit(report, options)
         changed = bool(rw.new_nodes)
         if changed:
             rw.fix_layouts()
@@ -634,6 +635,23 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
     if changed and options.prebuild:
         prebuild(report, options)
     return report
+
+
+def _note_host_credit(report: OffloadReport, options: OffloadOptions) -> None:
+    """Note on each offloaded entry whose decision measured cuDNN faster, within the host credit, both times."""
+    from ..select import SelectMode, host_credit_note  # noqa: PLC0415
+
+    if not options.prefer_cudnn or options.compile_time_select is not SelectMode.CACHED:
+        return
+    credit = options.cudnn_credit_us()
+    if credit <= 0:
+        return
+    problems = {p.name: p for p in report.problems}
+    for e in report.entries:
+        problem = problems.get(e.problem) if e.offloaded else None
+        note = host_credit_note(problem, credit) if problem is not None else None
+        if note:
+            e.notes.append(note)
 
 
 def _can_tune() -> bool:

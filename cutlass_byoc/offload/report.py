@@ -8,7 +8,7 @@ import enum
 import logging
 from typing import Optional
 
-from ..select import CUDNN_FASTER
+from ..select import CUDNN_FASTER, HOST_CREDIT
 
 log = logging.getLogger("cutlass_byoc.offload")
 
@@ -101,7 +101,10 @@ class OffloadReport:
             return (f"cutlass_byoc offload report for {self.graph}: nothing offloaded, the graph was compiled as "
                     f"without this backend: {self.failure}")
         faster = sum(1 for e in self.entries if not e.offloaded and (e.reason or "").startswith(CUDNN_FASTER))
-        kept = f" ({faster} left to cuDNN, measured faster)" if faster else ""
+        credit = sum(1 for e in self.entries if e.offloaded and any(n.startswith(HOST_CREDIT) for n in e.notes))
+        kept = "; ".join(s for s in (f"{faster} left to cuDNN, measured faster" if faster else "",
+                                     f"{credit} on the host credit, cuDNN measured faster" if credit else "") if s)
+        kept = f" ({kept})" if kept else ""
         lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded{kept}; "
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
                  f"{self.layout_restores} layout restores"]
