@@ -221,3 +221,33 @@ def test_partitioner_offloads_a_slightly_slower_kernel_without_graphs_and_keeps_
         record_decision(p, default_launch(p), 9.0, gpu=GPU, cudnn_us=10.0)
     _, rep = explain(m, x, training=True, options=CPU)
     assert all(e.offloaded and not any("host credit" in note for note in e.notes) for e in rep.entries)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("cutlass_byoc", {"cudagraphs": False}),
+    ("cutlass_byoc-cudagraphs", {"cudagraphs": True}),
+    ("cutlass_byoc-no-host-credit", {"cudagraphs": False, "host_credit_us": 0.0}),
+    ("cutlass_byoc-memo-off", {"cudagraphs": False}),
+    ("cutlass_byoc-no-wgrad-cudagraphs", {"cudagraphs": True, "wgrad": False}),
+    ("cutlass_byoc-wgrad-only-cudagraphs", {"cudagraphs": True, "fprop": False, "dgrad": False}),
+])
+def test_bench_modes_pass_their_options(monkeypatch, mode, expected):
+    """Each offload-bench mode builds the backend with the case's options plus its own; a name ending in -cudagraphs
+    turns CUDA graphs on (and is compared with inductor-cudagraphs)."""
+    from cutlass_byoc.offload import backend as backend_mod
+    from cutlass_byoc.offload import bench
+
+    seen = {}
+    monkeypatch.setattr(backend_mod, "make_backend", lambda opts: seen.setdefault("opts", opts))
+    monkeypatch.setattr(bench.torch, "compile", lambda model, backend=None, **_: ("compiled", backend))
+    run, backend = bench.compile_mode("model", mode, {"select": "cached"})
+    assert seen["opts"] == {"select": "cached", **expected}
+    assert backend is seen["opts"]
+    assert mode in bench.MODES + bench.EXTRA_MODES
+
+
+def test_bench_rejects_unknown_mode():
+    from cutlass_byoc.offload import bench
+
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        bench.compile_mode("model", "cutlass_byoc-typo", None)

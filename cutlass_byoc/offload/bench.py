@@ -29,11 +29,21 @@ import torch.nn.functional as F
 log = logging.getLogger("cutlass_byoc.offload")
 
 MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_byoc-cudagraphs")
-#: Modes a run may add (--modes): cutlass_byoc with the kernel libraries' launch memo switched off while its steps are
-#: timed (every cb_run checks and prepares its launch anew), the memo's share of a step measured in the same process.
-EXTRA_MODES = ("cutlass_byoc-memo-off", "cutlass_byoc-no-host-credit")
-#: cutlass_byoc-no-host-credit: prefer_cudnn without the host credit (host_credit_us=0), i.e. every conv whose
-#: decision measured cuDNN faster stays with cuDNN as under CUDA graphs: what the credit gains in the same process.
+#: Modes a run may add (--modes), each the cutlass_byoc backend with these options over the case's own (a name ending
+#: in -cudagraphs: with CUDA graphs, compared with inductor-cudagraphs), to split a result in the same process:
+#: - cutlass_byoc-memo-off: the kernel libraries' launch memo switched off while the steps are timed (every cb_run
+#:   checks and prepares its launch anew), the memo's share of a step;
+#: - cutlass_byoc-no-host-credit: prefer_cudnn without the host credit (host_credit_us=0), i.e. every conv whose
+#:   decision measured cuDNN faster stays with cuDNN as under CUDA graphs: what the credit gains;
+#: - cutlass_byoc-no-wgrad-cudagraphs, cutlass_byoc-wgrad-only-cudagraphs: under CUDA graphs, wgrad left to PyTorch,
+#:   or only wgrad offloaded: which passes' kernels gain or lose in the step, against the tune's prediction.
+EXTRA_MODE_OPTIONS: dict[str, dict] = {
+    "cutlass_byoc-memo-off": {},
+    "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
+    "cutlass_byoc-no-wgrad-cudagraphs": {"wgrad": False},
+    "cutlass_byoc-wgrad-only-cudagraphs": {"fprop": False, "dgrad": False},
+}
+EXTRA_MODES = tuple(EXTRA_MODE_OPTIONS)
 
 
 @dataclasses.dataclass
@@ -156,10 +166,10 @@ def compile_mode(model: nn.Module, mode: str, options: Optional[dict] = None):
         return torch.compile(model), None
     if mode == "inductor-cudagraphs":
         return torch.compile(model, mode="reduce-overhead"), None
-    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs", "cutlass_byoc-memo-off", "cutlass_byoc-no-host-credit"):
+    if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs") or mode in EXTRA_MODE_OPTIONS:
         from .backend import make_backend  # noqa: PLC0415
 
-        extra = {"host_credit_us": 0.0} if mode == "cutlass_byoc-no-host-credit" else {}
+        extra = EXTRA_MODE_OPTIONS.get(mode, {})
         backend = make_backend({**(options or {}), **extra, "cudagraphs": mode.endswith("-cudagraphs")})
         return torch.compile(model, backend=backend), backend
     raise ValueError(f"mode: expected one of {MODES + EXTRA_MODES}, got {mode!r}")
