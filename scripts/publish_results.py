@@ -313,19 +313,38 @@ def offload_key(row: dict) -> tuple:
     return row["model"], row["batch"], row["training"], row["mode"]
 
 
+def _host_runs(entries: list) -> dict:
+    """Host-overhead rows grouped by their run number, in order: {run: [rows]}."""
+    runs: dict = {}
+    for h in entries:
+        runs.setdefault(h.get("run", 1), []).append(h)
+    return runs
+
+
+def _measured(rows: list) -> frozenset:
+    return frozenset((h.get("pass"), h.get("path"), h.get("us_per_call")) for h in rows)
+
+
 def merge_offload(published: dict, new: dict) -> dict:
     """`new` (the given folders' offload.json) with the rows of `published` that it does not re-measure put first,
-    in their order, and the published host-overhead rows kept (runs numbered on after them)."""
+    in their order, and the published host-overhead rows kept (runs numbered on after them). A run of `new` whose
+    host-overhead rows are exactly a published run's is that run published again (a folder merged twice) and is
+    not added a second time."""
     measured = {offload_key(r) for r in new["rows"]}
     kept = [r for r in published.get("rows", []) if offload_key(r) not in measured]
     runs = published.get("runs", 1)
-    for h in new.get("host_overhead", []):
-        h["run"] = h.get("run", 1) + runs
-    merged = dict(new, rows=kept + new["rows"], runs=runs + new.get("runs", 1),
-                  host_overhead=published.get("host_overhead", []) + new.get("host_overhead", []))
+    seen = {_measured(rows) for rows in _host_runs(published.get("host_overhead", [])).values()}
+    added, again = [], 0
+    for rows in _host_runs(new.get("host_overhead", [])).values():
+        if _measured(rows) in seen:
+            again += 1
+            continue
+        added += [dict(h, run=runs + len({a["run"] for a in added}) + 1) for h in rows]
+    merged = dict(new, rows=kept + new["rows"], runs=runs + new.get("runs", 1) - again,
+                  host_overhead=published.get("host_overhead", []) + added)
     if kept and published.get("steps") != new.get("steps"):
-        seen = str(published.get("steps")).split(" / ")
-        merged["steps"] = " / ".join(dict.fromkeys(seen + str(new.get("steps")).split(" / ")))
+        seen_steps = str(published.get("steps")).split(" / ")
+        merged["steps"] = " / ".join(dict.fromkeys(seen_steps + str(new.get("steps")).split(" / ")))
     return merged
 
 

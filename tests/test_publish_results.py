@@ -230,3 +230,26 @@ def test_offload_table_names_the_offloaded_passes_of_training_and_inference(pr):
                         "cuDNN, measured faster); 0 channels_last conversions")
     text = "\n".join(pr.offload_tables(offload_file([train, infer], [])))
     assert "| 0 | fprop 26/53, dgrad 21/52, wgrad 52/53 |" in text and "| 0 | fprop 32/53 |" in text, text
+
+
+def test_merge_offload_twice_adds_no_host_run_again(pr, tmp_path):
+    """Merging a folder that is already published (e.g. several calls merged again with one more) replaces its rows
+    and does not add its host-overhead run a second time; a new run is numbered after the published ones."""
+    results = tmp_path / "h200"
+    call1, call2 = tmp_path / "call1", tmp_path / "call2"
+    call1.mkdir()
+    call2.mkdir()
+    (call1 / "offload.json").write_text(json.dumps(offload_file(
+        [offload_row("resnet50", 32, True, "inductor", 9.8)], [{"pass": "fprop", "path": "aten", "us_per_call": 20.0},
+                                                               {"pass": "dgrad", "path": "aten", "us_per_call": 21.0}])))
+    (call2 / "offload.json").write_text(json.dumps(offload_file(
+        [offload_row("resnet50", 64, True, "inductor", 14.0)], [{"pass": "fprop", "path": "aten", "us_per_call": 30.0}])))
+    pr.publish([call1], results, merge_offload_rows=True)
+    first = json.loads((results / "offload.json").read_text())
+    pr.publish([call1, call2], results, merge_offload_rows=True)
+    merged = json.loads((results / "offload.json").read_text())
+    assert [(r["batch"], r["step_ms"]) for r in merged["rows"]] == [(32, 9.8), (64, 14.0)]
+    runs = first["runs"]
+    assert [(h["us_per_call"], h["run"]) for h in merged["host_overhead"]] == [
+        (h["us_per_call"], h["run"]) for h in first["host_overhead"]] + [(30.0, runs + 1)]
+    assert merged["runs"] == runs + 1

@@ -60,9 +60,9 @@ ACTIVATION_FNS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 CONV_PARAMS = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: OffloadOptions.host_credit_us without CUDA graphs: the low end of the host time an offloaded call saved over
-#: aten.convolution in the offload bench's host-overhead rows on the H200 (runs 25-30: aten 24-43 us, our C++ call
-#: site 11-21 us, at least 11 us saved per call)
+#: OffloadOptions.host_credit_us without CUDA graphs: below most of the host time an offloaded call saved over
+#: aten.convolution in the offload bench's host-overhead rows on the H200 (runs 25-32: aten 16-46 us, our C++ call
+#: site 7-22 us; saved 6-24 us a call, median 14, 4 of 24 below 10)
 DEFAULT_HOST_CREDIT_US = 10.0
 
 
