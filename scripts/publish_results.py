@@ -115,14 +115,19 @@ def splitk_table(rows: list) -> list[str]:
     return out
 
 
+def _run(row: dict) -> str:
+    return f"run {row['run']}: " if "run" in row else ""
+
+
 def offload_tables(data: dict) -> list[str]:
     out = [f"Training steps and inference through `torch.compile` ({data.get('device')}, torch {data.get('torch')}, "
            f"cuDNN {data.get('cudnn')}, {data.get('image')}x{data.get('image')}, autocast {data.get('dtype')}, "
            f"channels_last, {data.get('steps')} timed steps (per round where rounds are given: the modes of a case "
            "interleaved, the median round); `vs Inductor` = Inductor's time in the same mode, with or "
-           "without CUDA graphs, over this row's):", "",
-           "| model | batch | training | mode | step ms | rounds: min-max ms | vs Inductor | fallbacks | offloaded |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "without CUDA graphs, over this row's, in the same run; `run` = the device call that measured the row, "
+           "numbered as in the host-overhead table (`-`: published before rows carried it)):", "",
+           "| run | model | batch | training | mode | step ms | rounds: min-max ms | vs Inductor | fallbacks | offloaded |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
         # the conv passes the backend offloaded (the rest left to PyTorch: no kernel, or cuDNN measured faster)
         # (inference graphs have fprop only)
@@ -130,14 +135,15 @@ def offload_tables(data: dict) -> list[str]:
         # --rounds: the modes interleaved, step ms the median round; else one run of the timed steps
         rounds = r.get("step_ms_rounds")
         spread = f"{len(rounds)}: {min(rounds):.2f}-{max(rounds):.2f}" if rounds else "1"
-        out.append(f"| {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | {r['step_ms']:.2f} | {spread} | "
+        out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | "
+                   f"{r['step_ms']:.2f} | {spread} | "
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
                    f"{m.group(1) if m else '-'} |")
     memo = [r for r in data.get("rows", []) if r.get("launch_memo")]
     if memo:
         out += ["", "The kernel libraries' launch memo over each mode's timed steps (relaunches of a prepared launch, "
                 "launches prepared anew; under CUDA graphs the replays call no library):", ""]
-        out += [f"- {r['model']} b{r['batch']} {'training' if r['training'] else 'inference'} {r['mode']}: "
+        out += [f"- {_run(r)}{r['model']} b{r['batch']} {'training' if r['training'] else 'inference'} {r['mode']}: "
                 f"{r['launch_memo']['relaunches']} relaunches, {r['launch_memo']['full']} prepared anew" for r in memo]
     prof = [r for r in data.get("rows", []) if r.get("profile")]
     if prof:
@@ -146,12 +152,12 @@ def offload_tables(data: dict) -> list[str]:
                 "replay without their ops, so their columns apply only without graphs; the GPU timeline: busy = the union of the "
                 "kernels, launch gaps = gaps between kernels up to 10 µs, host gaps = longer ones, the GPU waiting "
                 "for the host):", "",
-                "| model | batch | mode | wall ms | GPU kernels ms | GPU ms: "
+                "| run | model | batch | mode | wall ms | GPU kernels ms | GPU ms: "
                 f"{', '.join(title for _, title in SOURCE_COLUMNS)} | "
                 "kernels | GPU busy ms | launch gaps ms | "
                 "host gaps: ms, count | graph replays, launches outside graphs | "
                 "offloaded convs: calls, host ms, GPU ms | aten convs: calls, host ms, GPU ms |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in prof:
             q = r["profile"]
             split = [f"{q[t + '_calls']:.0f}, {q[t + '_cpu_ms']:.2f}, {q[t + '_gpu_ms']:.2f}"
@@ -162,7 +168,7 @@ def offload_tables(data: dict) -> list[str]:
                         f"{_f(q.get('host_gaps'), '.0f')}")
             src = q.get("gpu_ms_by_source")  # (profiles of earlier runs have none)
             by_source = ", ".join(f"{src.get(k, 0.0):.2f}" for k, _ in SOURCE_COLUMNS) if src else "-"
-            out.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
+            out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
                        f"{q['gpu_kernel_ms']:.2f} | {by_source} | {timeline} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")
     if host:
@@ -328,19 +334,21 @@ def _measured(rows: list) -> frozenset:
 def merge_offload(published: dict, new: dict) -> dict:
     """`new` (the given folders' offload.json) with the rows of `published` that it does not re-measure put first,
     in their order, and the published host-overhead rows kept (runs numbered on after them). A run of `new` whose
-    host-overhead rows are exactly a published run's is that run published again (a folder merged twice) and is
-    not added a second time."""
+    host-overhead rows are exactly a published run's is that run published again (a folder merged twice): its rows
+    keep that run's number and its host-overhead rows are not added a second time."""
     measured = {offload_key(r) for r in new["rows"]}
     kept = [r for r in published.get("rows", []) if offload_key(r) not in measured]
     runs = published.get("runs", 1)
-    seen = {_measured(rows) for rows in _host_runs(published.get("host_overhead", [])).values()}
-    added, again = [], 0
-    for rows in _host_runs(new.get("host_overhead", [])).values():
-        if _measured(rows) in seen:
-            again += 1
-            continue
-        added += [dict(h, run=runs + len({a["run"] for a in added}) + 1) for h in rows]
-    merged = dict(new, rows=kept + new["rows"], runs=runs + new.get("runs", 1) - again,
+    seen = {_measured(rows): run for run, rows in _host_runs(published.get("host_overhead", [])).items()}
+    number: dict = {}  # the new file's run -> its number in the merged file
+    for run, rows in _host_runs(new.get("host_overhead", [])).items():
+        number[run] = seen.get(_measured(rows)) or runs + 1 + sum(n > runs for n in number.values())
+    for run in sorted({r.get("run", 1) for r in new["rows"]} - set(number)):  # a run without host rows
+        number[run] = runs + 1 + sum(n > runs for n in number.values())
+    added = [dict(h, run=number[h.get("run", 1)]) for h in new.get("host_overhead", [])
+             if number[h.get("run", 1)] > runs]
+    rows = [dict(r, run=number[r.get("run", 1)]) for r in new["rows"]]
+    merged = dict(new, rows=kept + rows, runs=max([runs, *number.values()]),
                   host_overhead=published.get("host_overhead", []) + added)
     if kept and published.get("steps") != new.get("steps"):
         seen_steps = str(published.get("steps")).split(" / ")
@@ -395,6 +403,8 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
                 runs = 1 if offload is None else offload.get("runs", 1) + 1
                 for h in data.get("host_overhead", []):
                     h["run"] = runs  # host overheads of separate device calls (their spread shows the noise)
+                for r in data.get("rows", []):
+                    r["run"] = runs  # which call measured the row (rows of one case and mode from several calls)
                 if offload is None:
                     offload = data
                 else:

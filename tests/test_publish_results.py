@@ -216,7 +216,7 @@ def test_profile_table_lists_the_sources_in_the_headers_order(pr):
                                            "other": 0.125}}
     lines = pr.offload_tables(offload_file([row], []))
     header = next(line for line in lines if "GPU ms: ours, cuDNN+cuBLAS, Triton, aten, other" in line)
-    body = next(line for line in lines if line.startswith("| resnet50 | 32 | cutlass_byoc-cudagraphs | 11.00"))
+    body = next(line for line in lines if line.startswith("| - | resnet50 | 32 | cutlass_byoc-cudagraphs | 11.00"))
     assert header and "| 1.50, 0.50, 3.00, 0.25, 0.12 |" in body, body
 
 
@@ -253,3 +253,7 @@ def test_merge_offload_twice_adds_no_host_run_again(pr, tmp_path):
     assert [(h["us_per_call"], h["run"]) for h in merged["host_overhead"]] == [
         (h["us_per_call"], h["run"]) for h in first["host_overhead"]] + [(30.0, runs + 1)]
     assert merged["runs"] == runs + 1
+    # each row says which run measured it, call1's keeping its number, and the tables show it
+    assert [r["run"] for r in merged["rows"]] == [first["rows"][0]["run"], runs + 1]
+    lines = pr.offload_tables(merged)
+    assert any(line.startswith(f"| {runs + 1} | resnet50 | 64 | True | inductor | 14.00") for line in lines)
