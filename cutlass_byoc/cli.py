@@ -13,6 +13,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -201,7 +202,40 @@ def _model_items(args) -> list:
     log.info("%s", report.summary())
     if not problems:
         raise UsageError(f"--model {args.model}: no conv of this model is offloaded (see the report with -v)")
-    return [WorkloadItem(f"{args.model.split(':')[-1]}#{i}", p) for i, p in enumerate(problems)]
+    counts = collections.Counter(report.problems)
+    return [WorkloadItem(f"{args.model.split(':')[-1]}#{i}", p, count=counts[p]) for i, p in enumerate(problems)]
+
+
+def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
+    """--model: the traced step's conv passes (each problem times its count) summed from the tune's times, for the
+    plans the backend would run: cuDNN alone, under CUDA graphs (the faster of the two per pass), without them (the
+    host credit), all on our kernels. None when no problem has both times."""
+    from .select import keeps_cudnn  # noqa: PLC0415
+
+    by_problem = {o.problem: o for o in outcomes}
+    total = sum(it.count for it in items)
+    cudnn = graphs = credit = ours = 0.0
+    n = n_graphs = n_credit = 0
+    for it in items:
+        o = by_problem.get(it.problem)
+        if o is None or o.time_us is None or o.cudnn_us is None:
+            continue
+        t, c, k = o.time_us, o.cudnn_us, it.count
+        n += k
+        cudnn += c * k
+        ours += t * k
+        graphs += (c if keeps_cudnn(c, t) else t) * k
+        n_graphs += 0 if keeps_cudnn(c, t) else k
+        credit += (c if keeps_cudnn(c, t, host_credit_us) else t) * k
+        n_credit += 0 if keeps_cudnn(c, t, host_credit_us) else k
+    if not n:
+        return None
+    part = f"{n} of the traced step's {total} conv passes" if n < total else f"the traced step's {n} conv passes"
+    return (f"per step ({part}, summed from the tune's times: each pass alone, L2 flushed; a prediction, not a "
+            f"measurement of the step): cuDNN alone {cudnn / 1e3:.2f} ms; under CUDA graphs {graphs / 1e3:.2f} ms, "
+            f"{n_graphs} passes on our kernels (the faster per pass); without them {credit / 1e3:.2f} ms of GPU time, "
+            f"{n_credit} on ours (host credit {host_credit_us:g} us, and each saves host time); all on ours "
+            f"{ours / 1e3:.2f} ms")
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -245,6 +279,12 @@ def cmd_tune(args) -> int:
         print("* cuDNN was faster: under CUDA graphs the backend leaves these convs to PyTorch; without them only where "
               "cuDNN wins by more than the host credit (option host_credit_us, default 10 us; prefer_cudnn=False "
               "offloads them all)")
+    if args.model:
+        from .offload.patterns import DEFAULT_HOST_CREDIT_US  # noqa: PLC0415
+
+        summary = step_summary(items, report.outcomes, DEFAULT_HOST_CREDIT_US)
+        if summary:
+            print(summary)
     counts: dict[str, int] = {}
     for o in report.outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1

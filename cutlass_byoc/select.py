@@ -85,6 +85,12 @@ CUDNN_FASTER = "cuDNN is faster"
 HOST_CREDIT = "offloaded on the host credit"
 
 
+def keeps_cudnn(cudnn_us: float, time_us: float, host_credit_us: float = 0.0) -> bool:
+    """prefer_cudnn's rule: a conv stays with cuDNN where cuDNN's time plus the host credit is at most the tuned
+    kernel's."""
+    return cudnn_us + host_credit_us <= time_us
+
+
 def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optional[str]:
     """Why the backend should leave `problem` to PyTorch (cuDNN): its recorded decision measured cuDNN faster than the
     tuned winner (both timed by the profiler on the same operands) by more than `host_credit_us`, the host time an
@@ -97,7 +103,7 @@ def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optiona
 
         dec = lookup(problem)
         why = None
-        if dec is not None and dec.cudnn_us is not None and dec.cudnn_us + host_credit_us <= dec.time_us:
+        if dec is not None and dec.cudnn_us is not None and keeps_cudnn(dec.cudnn_us, dec.time_us, host_credit_us):
             credit = f" + {host_credit_us:.1f} us host credit" if host_credit_us else ""
             why = (f"{CUDNN_FASTER}: {dec.cudnn_us:.1f} us{credit} vs {dec.time_us:.1f} us for the tuned "
                    f"{dec.launch.name} (decision cache; prefer_cudnn=False offloads it anyway)")

@@ -53,6 +53,7 @@ class WorkloadItem:
     layer: str  # the layer's name, shared by its three kinds
     problem: Conv2dProblem
     resnet50: bool = False
+    count: int = 1  # how many conv passes of a traced step (--model) run this problem
 
     @property
     def kind(self) -> ConvKind:

@@ -56,3 +56,58 @@ def test_bad_model_spec_names_the_flag(spec, match):
     args = build_parser().parse_args(["bench", "--model", "models:resnet18", "--kind", "fprop"])
     with pytest.raises(UsageError, match="--model"):
         _items_from_args(args)
+
+
+def test_cli_model_items_count_the_step_passes():
+    """Each item counts the conv passes of the traced step that run its problem (ResNet-50's repeated bottlenecks share
+    problems): the counts sum to every offloaded pass."""
+    args = build_parser().parse_args(["tune", "--model", "models:resnet50", "--batch", "2", "--image", "64"])
+    items = _items_from_args(args)
+    _, rep = model_problems("models:resnet50", 2, image=64)
+    assert sum(it.count for it in items) == len(rep.problems) > len(items)
+    assert max(it.count for it in items) > 1
+
+
+def test_step_summary_sums_the_plans():
+    """`tune --model`'s per-step line: cuDNN alone, the CUDA-graphs plan (the faster per pass), the host-credit plan
+    and all on ours, each problem weighted by its count; problems without both times are left out and said."""
+    from types import SimpleNamespace
+
+    from cutlass_byoc.cli import step_summary
+    from cutlass_byoc.workloads import WorkloadItem
+
+    p = [object() for _ in range(4)]
+    items = [WorkloadItem("a", p[0], count=3), WorkloadItem("b", p[1], count=2), WorkloadItem("c", p[2]),
+             WorkloadItem("d", p[3])]
+    outcomes = [SimpleNamespace(problem=p[0], time_us=10.0, cudnn_us=20.0),  # ours faster
+                SimpleNamespace(problem=p[1], time_us=25.0, cudnn_us=20.0),  # cuDNN faster by 5: within the credit
+                SimpleNamespace(problem=p[2], time_us=50.0, cudnn_us=30.0),  # cuDNN faster by 20: stays with cuDNN
+                SimpleNamespace(problem=p[3], time_us=5.0, cudnn_us=None)]   # no cuDNN time: left out
+    line = step_summary(items, outcomes, 10.0)
+    # cuDNN 3*20+2*20+30 = 130; graphs 3*10+2*20+30 = 100 (3 ours); credit 3*10+2*25+30 = 110 (5 ours);
+    # ours 3*10+2*25+50 = 130 us
+    assert "6 of the traced step's 7 conv passes" in line
+    assert "cuDNN alone 0.13 ms" in line and "under CUDA graphs 0.10 ms, 3 passes on our kernels" in line
+    assert "without them 0.11 ms of GPU time, 5 on ours (host credit 10 us" in line and "all on ours 0.13 ms" in line
+    assert step_summary(items[3:], outcomes, 10.0) is None
+
+
+def test_cli_tune_model_prints_the_step_line(monkeypatch, capsys, tmp_path):
+    """`tune --model` prints the per-step line from its outcomes (here a fake tune: ours 10 us, cuDNN 12 us on every
+    problem, so both plans put every pass on our kernels)."""
+    from cutlass_byoc import cli
+    from cutlass_byoc.profiler import tune as T
+
+    def fake_tune(problems, **kw):
+        return T.TuneReport(tuple(T.ProblemOutcome(p, T.TUNED, None, 10.0, cudnn_us=12.0) for p in problems), None,
+                            True)
+
+    monkeypatch.setattr(T, "tune_workload", fake_tune)
+    rc = cli.main(["tune", "--model", "models:resnet18", "--batch", "2", "--image", "64", "--no-progress",
+                   "--cache-dir", str(tmp_path)])
+    assert rc == cli.EXIT_OK
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per step ("))
+    _, rep = model_problems("models:resnet18", 2, image=64)
+    n = len(rep.problems)
+    assert f"the traced step's {n} conv passes" in line
+    assert f"cuDNN alone {n * 12 / 1e3:.2f} ms" in line and f"{n} passes on our kernels" in line
