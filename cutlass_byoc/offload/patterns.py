@@ -91,7 +91,7 @@ class OffloadOptions:
     # tune; the heuristic has no measurement to go by)
     prefer_cudnn: bool = True
     # prefer_cudnn's handicap for cuDNN, in us per call: the host time an offloaded call saves over aten's convolution
-    # (the offload bench's host-overhead rows: 11-20 us on the H200's host). Without CUDA graphs a training step is
+    # (the offload bench's host-overhead rows: 6-24 us on the H200, median 14). Without CUDA graphs a training step is
     # host-bound (ResNet-50 b32: ~19 ms of host time per step, ~10 ms of GPU work), so a kernel up to that much slower
     # than cuDNN still shortens the step; under graphs host time is gone and the kernel must win outright. None: the
     # default below without CUDA graphs, 0 with them (options.cudagraphs, a mode that turns them on, or Inductor's
