@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # cutlass_byoc.bench (torch-free at import) recomputes a merged bench's summary
@@ -289,8 +290,78 @@ def multigpu_tables(folder: Path) -> list[str]:
     return parts
 
 
+def _latest(rows: list, model: str, batch: int, mode: str) -> Optional[dict]:
+    """The last published training row of (model, batch, mode): file order is call order."""
+    found = [r for r in rows if r["model"] == model and r["batch"] == batch and r["training"] and r["mode"] == mode]
+    return found[-1] if found else None
+
+
+def _step_cell(rows: list, model: str, batch: int, mode: str) -> str:
+    r = _latest(rows, model, batch, mode)
+    if r is None or r.get("speedup_vs_inductor_same_mode") is None:
+        return "-"
+    others = [q["speedup_vs_inductor_same_mode"] for q in rows if q is not r and q["model"] == model and
+              q["batch"] == batch and q["training"] and q["mode"] == mode and q.get("speedup_vs_inductor_same_mode")]
+    run = f"run {r['run']}" if "run" in r else "an earlier run"
+    also = f"; other runs {', '.join(f'{x:.3f}' for x in others)}" if others else ""
+    return f"{r['speedup_vs_inductor_same_mode']:.3f} ({run}{also})"
+
+
+def goals_table(results: Path = RESULTS) -> list[str]:
+    """The open issues' goal figures next to what the published files measured (nothing here is typed: every number
+    comes from bench.json, bench-depthwise.json and offload.json; the goals are the issues' words)."""
+    out = ["Against the goals of the open issues (each figure computed from the files below; `vs Inductor` rows: the "
+           "latest run of the case and mode, and the other runs' ratios):", "",
+           "| goal | measured | from |", "|---|---|---|"]
+    n = len(out)
+    bench = results / "bench.json"
+    if bench.exists():
+        cells = [r for r in json.loads(bench.read_text()).get("rows", []) if r.get("resnet50") and r.get("ratio")]
+        if cells:
+            worst = min(cells, key=lambda r: r["ratio"])
+            low = sum(1 for r in cells if r["ratio"] < 0.9)
+            out.append(f"| ResNet-50 layers: geomean cuDNN/ours >= 1.15, no cell below 0.9 | geomean "
+                       f"{_geomean([r['ratio'] for r in cells]):.3f} over {len(cells)} cells; {low} below 0.9 (worst "
+                       f"{worst['layer']} {worst['kind']} {worst['ratio']:.2f}) | bench.json |")
+            wg = [r["ratio"] for r in cells if r["kind"] == "wgrad"]
+            out.append(f"| ResNet-50 wgrad geomean >= 1.0 | {_geomean(wg):.3f} over {len(wg)} cells | bench.json |")
+    dw = results / "bench-depthwise.json"
+    if dw.exists():
+        cells = [r for r in json.loads(dw.read_text()).get("rows", []) if r.get("depthwise") and r.get("ratio")]
+        if cells:
+            by = {k: [r["ratio"] for r in cells if r["kind"] == k] for k in ("fprop", "dgrad", "wgrad")}
+            out.append(f"| depthwise: fprop >= 1.0x cuDNN, dgrad and wgrad >= 2x | fprop {_geomean(by['fprop']):.3f}, "
+                       f"dgrad {_geomean(by['dgrad']):.3f}, wgrad {_geomean(by['wgrad']):.3f} (geomeans; cells below "
+                       f"the goal: {sum(1 for x in by['fprop'] if x < 1.0)} of {len(by['fprop'])} fprop, "
+                       f"{sum(1 for x in by['dgrad'] if x < 2.0)} of {len(by['dgrad'])} dgrad, "
+                       f"{sum(1 for x in by['wgrad'] if x < 2.0)} of {len(by['wgrad'])} wgrad) | bench-depthwise.json |")
+    off = results / "offload.json"
+    if off.exists():
+        data = json.loads(off.read_text())
+        rows = data.get("rows", [])
+        for model, goal, batches in (("resnet50", ">= 1.10x Inductor", (32, 64)),
+                                     ("mobilenet_v2", "faster than Inductor", (32, 64))):
+            for b in batches:
+                for mode, what in (("cutlass_byoc", "without CUDA graphs"), ("cutlass_byoc-cudagraphs",
+                                                                             "with CUDA graphs")):
+                    cell = _step_cell(rows, model, b, mode)
+                    if cell != "-":
+                        out.append(f"| {model} b{b} training step {goal}, {what} | {cell} | offload.json |")
+        host = data.get("host_overhead", [])
+        if host:
+            last = max(h.get("run", 1) for h in host)
+            mine = {(h["pass"], h["path"]): h["us_per_call"] for h in host if h.get("run", 1) == last}
+            per = [f"{k} {mine[(k, 'cutlass_byoc call site (C++)')]:.1f} vs {mine[(k, 'aten (cuDNN)')]:.1f}"
+                   for k in ("fprop", "dgrad", "wgrad")
+                   if (k, "cutlass_byoc call site (C++)") in mine and (k, "aten (cuDNN)") in mine]
+            if per:
+                out.append(f"| host time per offloaded call at or below aten.convolution's (aim 10-15 µs) | run "
+                           f"{last}, ours vs aten µs: {'; '.join(per)} | offload.json |")
+    return out + [""] if len(out) > n else []
+
+
 def render(results: Path = RESULTS) -> str:
-    parts: list[str] = []
+    parts: list[str] = goals_table(results)
     for name, fn in (("bench.json", bench_tables), ("bench-splitk.json", splitk_table),
                      ("bench-depthwise.json", bench_tables), ("offload.json", offload_tables)):
         path = results / name

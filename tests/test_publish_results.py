@@ -257,3 +257,34 @@ def test_merge_offload_twice_adds_no_host_run_again(pr, tmp_path):
     assert [r["run"] for r in merged["rows"]] == [first["rows"][0]["run"], runs + 1]
     lines = pr.offload_tables(merged)
     assert any(line.startswith(f"| {runs + 1} | resnet50 | 64 | True | inductor | 14.00") for line in lines)
+
+
+def test_goals_table_reads_the_published_files(pr, tmp_path):
+    """The goals summary: every figure computed from the published files (the latest run of a case and mode, with the
+    others' ratios), nothing for files that are not there."""
+    results = tmp_path / "h200"
+    results.mkdir()
+    assert pr.goals_table(results) == []
+    rows = [dict(offload_row("resnet50", 32, True, "cutlass_byoc", 9.0), speedup_vs_inductor_same_mode=1.05, run=1),
+            dict(offload_row("resnet50", 32, True, "cutlass_byoc", 8.0), speedup_vs_inductor_same_mode=1.15, run=2),
+            dict(offload_row("resnet50", 64, True, "cutlass_byoc-cudagraphs", 8.0), speedup_vs_inductor_same_mode=1.02)]
+    host = [{"pass": "fprop", "path": "cutlass_byoc call site (C++)", "us_per_call": 30.0, "run": 1},
+            {"pass": "fprop", "path": "cutlass_byoc call site (C++)", "us_per_call": 12.0, "run": 2},
+            {"pass": "fprop", "path": "aten (cuDNN)", "us_per_call": 25.0, "run": 2}]
+    (results / "offload.json").write_text(json.dumps(offload_file(rows, host)))
+    dense = [dict(bench_row(f"l{i}", kind, 10.0, 10.0 * r), resnet50=True, depthwise=False)
+             for i, (kind, r) in enumerate([("fprop", 1.2), ("wgrad", 0.8), ("wgrad", 1.25)])]
+    (results / "bench.json").write_text(json.dumps(bench_file(dense, "2.x")))
+    dw = [bench_row("dw", "fprop", 10.0, 9.0), bench_row("dw", "dgrad", 10.0, 25.0), bench_row("dw", "wgrad", 10.0, 15.0)]
+    (results / "bench-depthwise.json").write_text(json.dumps(bench_file(dw, "2.x")))
+    text = "\n".join(pr.goals_table(results))
+    assert "geomean 1.063 over 3 cells; 1 below 0.9 (worst l1 wgrad 0.80)" in text
+    assert "| ResNet-50 wgrad geomean >= 1.0 | 1.000 over 2 cells |" in text
+    assert "fprop 0.900, dgrad 2.500, wgrad 1.500 (geomeans; cells below the goal: 1 of 1 fprop, 0 of 1 dgrad, " \
+           "1 of 1 wgrad)" in text
+    assert "| resnet50 b32 training step >= 1.10x Inductor, without CUDA graphs | 1.150 (run 2; other runs 1.050) |" \
+        in text
+    assert "| resnet50 b64 training step >= 1.10x Inductor, with CUDA graphs | 1.020 (an earlier run) |" in text
+    assert "run 2, ours vs aten µs: fprop 12.0 vs 25.0 |" in text
+    assert "mobilenet_v2" not in text
+    assert pr.render(results).startswith("Against the goals of the open issues")
