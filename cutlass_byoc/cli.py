@@ -224,10 +224,11 @@ def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
         n += k
         cudnn += c * k
         ours += t * k
-        graphs += (c if keeps_cudnn(c, t) else t) * k
-        n_graphs += 0 if keeps_cudnn(c, t) else k
-        credit += (c if keeps_cudnn(c, t, host_credit_us) else t) * k
-        n_credit += 0 if keeps_cudnn(c, t, host_credit_us) else k
+        cudnn_graphs, cudnn_credit = keeps_cudnn(c, t), keeps_cudnn(c, t, host_credit_us)
+        graphs += (c if cudnn_graphs else t) * k
+        n_graphs += 0 if cudnn_graphs else k
+        credit += (c if cudnn_credit else t) * k
+        n_credit += 0 if cudnn_credit else k
     if not n:
         return None
     part = f"{n} of the traced step's {total} conv passes" if n < total else f"the traced step's {n} conv passes"

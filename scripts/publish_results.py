@@ -290,20 +290,16 @@ def multigpu_tables(folder: Path) -> list[str]:
     return parts
 
 
-def _latest(rows: list, model: str, batch: int, mode: str) -> Optional[dict]:
-    """The last published training row of (model, batch, mode): file order is call order."""
-    found = [r for r in rows if r["model"] == model and r["batch"] == batch and r["training"] and r["mode"] == mode]
-    return found[-1] if found else None
-
-
 def _step_cell(rows: list, model: str, batch: int, mode: str) -> str:
-    r = _latest(rows, model, batch, mode)
-    if r is None or r.get("speedup_vs_inductor_same_mode") is None:
+    """The last published training row of (model, batch, mode) (file order is call order) and the other runs'."""
+    found = [r for r in rows if r["model"] == model and r["batch"] == batch and r["training"] and r["mode"] == mode
+             and r.get("speedup_vs_inductor_same_mode") is not None]
+    if not found:
         return "-"
-    others = [q["speedup_vs_inductor_same_mode"] for q in rows if q is not r and q["model"] == model and
-              q["batch"] == batch and q["training"] and q["mode"] == mode and q.get("speedup_vs_inductor_same_mode")]
+    *others, r = found
     run = f"run {r['run']}" if "run" in r else "an earlier run"
-    also = f"; other runs {', '.join(f'{x:.3f}' for x in others)}" if others else ""
+    ratios = ", ".join(format(q["speedup_vs_inductor_same_mode"], ".3f") for q in others)
+    also = f"; other runs {ratios}" if others else ""
     return f"{r['speedup_vs_inductor_same_mode']:.3f} ({run}{also})"
 
 
@@ -411,11 +407,11 @@ def merge_offload(published: dict, new: dict) -> dict:
     kept = [r for r in published.get("rows", []) if offload_key(r) not in measured]
     runs = published.get("runs", 1)
     seen = {_measured(rows): run for run, rows in _host_runs(published.get("host_overhead", [])).items()}
-    number: dict = {}  # the new file's run -> its number in the merged file
-    for run, rows in _host_runs(new.get("host_overhead", [])).items():
-        number[run] = seen.get(_measured(rows)) or runs + 1 + sum(n > runs for n in number.values())
-    for run in sorted({r.get("run", 1) for r in new["rows"]} - set(number)):  # a run without host rows
-        number[run] = runs + 1 + sum(n > runs for n in number.values())
+    host = _host_runs(new.get("host_overhead", []))
+    number: dict = {}  # the new file's run -> its number in the merged file: a published one's, or the next
+    for run in sorted(set(host) | {r.get("run", 1) for r in new["rows"]}):
+        again = seen.get(_measured(host[run])) if run in host else None
+        number[run] = again if again is not None else max([runs, *number.values()]) + 1
     added = [dict(h, run=number[h.get("run", 1)]) for h in new.get("host_overhead", [])
              if number[h.get("run", 1)] > runs]
     rows = [dict(r, run=number[r.get("run", 1)]) for r in new["rows"]]
