@@ -43,7 +43,10 @@ OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), 
                 ("resnet50", 32, True, True), ("resnet50", 64, True, True), ("mobilenet_v2", 32, True, True),
                 ("mobilenet_v2", 64, True, True), ("resnet50", 1, True, False), ("resnet50", 32, True, False)]
 #: (family, batch, image) of tests/test_gpu_families.py and tests/test_gpu_host_path.py (fp16 autocast, training)
-FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated")] + [("chain_pool", 8, 32)]
+FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated", "convnext", "resnext",
+                                          "mobilenet_v3", "inception", "aspp", "multiplier", "paddings",
+                                          "shared_frozen", "slices", "weight_std", "dense", "regnet", "odd_channels")]
+FAMILY_RUNS += [("chain_pool", 8, 32)]
 
 
 #: each GPU test module's kernels, by the module's name without test_gpu_ (--modules; all of them: --tests-only)
@@ -107,7 +110,9 @@ def _launch_kernels(model, batch: int, image: int, channels_last: bool, training
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
     from cutlass_byoc.select import choose  # noqa: PLC0415
 
-    c = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+    from models import input_channels  # noqa: PLC0415
+
+    c = input_channels(model)
     problems, rep = model_problems(model, batch, training=training, image=image, in_channels=c,
                                    channels_last=channels_last)
     kernels = []

@@ -281,6 +281,277 @@ class Dilated(nn.Module):
         return self.s2(y)
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor (ConvNeXt's, through a permute)."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)  # 7x7 depthwise with bias
+        self.norm = nn.LayerNorm(c)
+        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+
+    def forward(self, x):
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.pw2(F.gelu(self.pw1(self.norm(y)))) * self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXtLike(nn.Module):
+    """ConvNeXt's pieces: a 4x4 stride-4 patchify stem with bias, LayerNorm2d, 7x7 depthwise blocks with bias whose
+    pointwise layers are Linear in NHWC, a 2x2 stride-2 downsampling conv."""
+
+    in_channels = 3
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 4, stride=4), LayerNorm2d(32))
+        self.b1 = ConvNeXtBlock(32)
+        self.down = nn.Sequential(LayerNorm2d(32), nn.Conv2d(32, 64, 2, stride=2))
+        self.b2 = ConvNeXtBlock(64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.b2(self.down(self.b1(self.stem(x)))).mean((2, 3)))
+
+
+class ResNeXtBlock(nn.Module):
+    """A ResNeXt bottleneck: 1x1, 3x3 with 8 groups (left to PyTorch), 1x1, residual."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(16, 64, 1, bias=False), nn.BatchNorm2d(64)
+        self.c2, self.b2 = nn.Conv2d(64, 64, 3, padding=1, groups=8, bias=False), nn.BatchNorm2d(64)
+        self.c3, self.b3 = nn.Conv2d(64, 16, 1, bias=False), nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        y = F.relu(self.b2(self.c2(y)))
+        return F.relu(x + self.b3(self.c3(y)))
+
+
+class SqueezeExcite(nn.Module):
+    """Squeeze-and-excitation: 1x1 convs with bias on the pooled 1x1 image, a gate multiplying the input."""
+
+    def __init__(self, c: int, gate=torch.sigmoid, act=F.relu):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+        self.gate, self.act = gate, act
+
+    def forward(self, x):
+        return x * self.gate(self.fc2(self.act(self.fc1(x.mean((2, 3), keepdim=True)))))
+
+
+class MobileNetV3Block(nn.Module):
+    """MobileNetV3's block: 1x1 expansion, 5x5 stride-2 depthwise, hardswish, SE with hardsigmoid, 1x1 projection;
+    a 1x1 head with bias."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.exp, self.bn1 = nn.Conv2d(16, 48, 1, bias=False), nn.BatchNorm2d(48)
+        self.dw, self.bn2 = nn.Conv2d(48, 48, 5, stride=2, padding=2, groups=48, bias=False), nn.BatchNorm2d(48)
+        self.se = SqueezeExcite(48, F.hardsigmoid)
+        self.proj, self.bn3 = nn.Conv2d(48, 24, 1, bias=False), nn.BatchNorm2d(24)
+        self.head = nn.Conv2d(24, 10, 1)
+
+    def forward(self, x):
+        y = F.hardswish(self.bn1(self.exp(x)))
+        y = self.se(F.hardswish(self.bn2(self.dw(y))))
+        return self.head(self.bn3(self.proj(y)))
+
+
+class InceptionLike(nn.Module):
+    """Inception's asymmetric 1x7 / 7x1 convs, a pooled 1x1 branch and a channel concat."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(16, 16, 1)
+        self.b1, self.b2 = nn.Conv2d(16, 16, (1, 7), padding=(0, 3)), nn.Conv2d(16, 24, (7, 1), padding=(3, 0))
+        self.p = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        return torch.cat([F.relu(self.a(x)), F.relu(self.b2(F.relu(self.b1(x)))),
+                          F.relu(self.p(F.avg_pool2d(x, 3, 1, 1)))], 1)
+
+
+class ASPP(nn.Module):
+    """DeepLab's atrous spatial pyramid pooling: dilated 3x3 branches, a 1x1 conv on the pooled image upsampled
+    bilinearly, a 1x1 fuse."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList([nn.Conv2d(16, 16, 1, bias=False)] +
+                                      [nn.Conv2d(16, 16, 3, padding=d, dilation=d, bias=False) for d in (2, 3)])
+        self.pool = nn.Conv2d(16, 16, 1)
+        self.fuse = nn.Conv2d(64, 16, 1)
+
+    def forward(self, x):
+        g = F.interpolate(self.pool(x.mean((2, 3), keepdim=True)), size=x.shape[-2:], mode="bilinear",
+                          align_corners=False)
+        return self.fuse(torch.cat([F.relu(b(x)) for b in self.branches] + [g], 1))
+
+
+class Multiplier(nn.Module):
+    """Depthwise with channel multiplier 2 (groups == C, K == 2C) and a 2-group conv, both left to PyTorch, then a
+    plain depthwise conv; SiLU between."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(16, 32, 3, padding=1, groups=16)
+        self.b = nn.Conv2d(32, 32, 3, padding=1, groups=2)
+        self.c = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+
+    def forward(self, x):
+        return self.c(F.silu(self.b(F.silu(self.a(x)))))
+
+
+class Paddings(nn.Module):
+    """Reflect and circular padding modes, padding="same" with an even kernel (asymmetric), a 1x3 kernel at stride
+    3."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.r = nn.Conv2d(16, 16, 3, padding=1, padding_mode="reflect")
+        self.c = nn.Conv2d(16, 16, 3, padding=1, padding_mode="circular")
+        self.s = nn.Conv2d(16, 16, 4, padding="same")
+        self.v = nn.Conv2d(16, 16, (1, 3), stride=3)
+
+    def forward(self, x):
+        return self.v(self.s(self.c(self.r(x))))
+
+
+class SharedFrozen(nn.Module):
+    """One conv applied twice (its weight gradient sums two passes), a frozen conv (no weight gradient), and a conv
+    whose pre-activation output is used twice (the activation must not be fused)."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(16, 16, 3, padding=1)
+        self.frozen = nn.Conv2d(16, 16, 1)
+        self.frozen.requires_grad_(False)
+        self.d = nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.c(F.relu(self.c(x))))
+        z = self.d(self.frozen(y))
+        return F.relu(z) + 0.5 * z
+
+
+class Slices(nn.Module):
+    """Convs over views: a channel slice at an offset, a strided spatial slice, an offset spatial slice."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(8, 16, 3, padding=1)
+        self.b = nn.Conv2d(16, 16, 3, padding=1)
+        self.c = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        y = self.a(x[:, 3:11])
+        z = self.b(y[..., ::2, ::2])
+        return self.c(z[:, :, 1:, 1:]).mean((2, 3)) + y.mean((2, 3))[:, :8]
+
+
+class WeightStandardized(nn.Module):
+    """A conv whose weight is computed in the graph (weight standardization, as BiT and NFNets), GroupNorm, SiLU."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16, 3, 3) * 0.1)
+        self.norm = nn.GroupNorm(4, 16)
+
+    def forward(self, x):
+        w = (self.w - self.w.mean((1, 2, 3), keepdim=True)) / (self.w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return F.silu(self.norm(F.conv2d(x, w, padding=1)))
+
+
+class DenseLike(nn.Module):
+    """DenseNet layers: BN-ReLU-1x1-BN-ReLU-3x3, each output concatenated to its input."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        c = 16
+        for _ in range(3):
+            self.layers.append(nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, 32, 1, bias=False),
+                                             nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 8, 3, padding=1, bias=False)))
+            c += 8
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return x
+
+
+class RegNetLike(nn.Module):
+    """RegNetY's block: 1x1, a strided 3x3 of group width 8 (left to PyTorch), SE, 1x1, a strided 1x1 shortcut."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32)
+        self.c2, self.b2 = nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=4, bias=False), nn.BatchNorm2d(32)
+        self.se = SqueezeExcite(32)
+        self.c3, self.b3 = nn.Conv2d(32, 32, 1, bias=False), nn.BatchNorm2d(32)
+        self.short = nn.Conv2d(16, 32, 1, stride=2, bias=False)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        y = self.se(F.relu(self.b2(self.c2(y))))
+        return F.relu(self.b3(self.c3(y)) + self.short(x))
+
+
+class OddChannels(nn.Module):
+    """Odd channel counts: a 1-channel image (a slice of the input), 10 and 7 channels, 33 outputs; leaky ReLU and
+    tanh (not fused)."""
+
+    in_channels = 3
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(1, 10, 5, stride=2, padding=2)
+        self.b = nn.Conv2d(10, 7, 3)
+        self.c = nn.Conv2d(7, 33, 3, stride=2, padding=1, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(F.leaky_relu(self.a(x[:, :1])))))
+
+
 FAMILIES = {"chain": lambda: Chain(False), "chain_pool": lambda: Chain(True), "unet": UNet, "grouped": Grouped,
-            "dilated": Dilated}
+            "dilated": Dilated, "convnext": ConvNeXtLike, "resnext": ResNeXtBlock, "mobilenet_v3": MobileNetV3Block,
+            "inception": InceptionLike, "aspp": ASPP, "multiplier": Multiplier, "paddings": Paddings,
+            "shared_frozen": SharedFrozen, "slices": Slices, "weight_std": WeightStandardized, "dense": DenseLike,
+            "regnet": RegNetLike, "odd_channels": OddChannels}
+
+
+def input_channels(model: nn.Module) -> int:
+    """The channels of the image a family (or model) takes: its `in_channels`, else its first conv's."""
+    c = getattr(model, "in_channels", None)
+    return c if isinstance(c, int) else next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from models import FAMILIES
+from models import FAMILIES, input_channels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def test_family_training_step_vs_fp32(family):
 
     torch.manual_seed(0)
     base = FAMILIES[family]().cuda().to(memory_format=CL).train()
-    c = next(m for m in base.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+    c = input_channels(base)
     x = torch.randn(8, c, 64, 64, device="cuda").contiguous(memory_format=CL)
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False

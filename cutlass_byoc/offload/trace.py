@@ -42,7 +42,8 @@ def trace(model: torch.nn.Module, *inputs: torch.Tensor, training: bool = False,
           autocast: Optional[torch.dtype] = None, decompositions: Optional[str] = "inductor",
           loss_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, tracing_mode: str = "fake"
           ) -> fx.GraphModule:
-    """The aten graph of ``model(*inputs)`` (training: with the backward of ``loss_fn(output)``, default sum).
+    """The aten graph of ``model(*inputs)`` (training: with the backward of ``loss_fn(output)``, default sum, to
+    the parameters that require a gradient).
 
     Placeholders: the parameters, the buffers, then the inputs. Nothing is computed (fake tensors)."""
     params = dict(model.named_parameters())
@@ -57,7 +58,9 @@ def trace(model: torch.nn.Module, *inputs: torch.Tensor, training: bool = False,
     if training:
         def fn(p, b, *xs):
             loss = loss_fn(forward(p, b, *xs))
-            return loss, torch.autograd.grad(loss, list(p.values()))
+            # frozen parameters (requires_grad False, e.g. a fine-tuned model's backbone) get no gradient, as in
+            # the model's own backward: their convs have no wgrad
+            return loss, torch.autograd.grad(loss, [v for v in p.values() if v.requires_grad])
     else:
         def fn(p, b, *xs):
             with torch.no_grad():
