@@ -194,7 +194,64 @@ def mobilenet_v2(num_classes: int = 1000) -> MobileNetV2:
     return MobileNetV2(num_classes)
 
 
-MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
+# ---------------------------------------------------------------------------------------------- ConvNeXt-T
+class _LayerNorm2dCL(nn.LayerNorm):
+    """torchvision's LayerNorm2d: LayerNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
+                            self.eps).permute(0, 3, 1, 2)
+
+
+class CNBlock(nn.Module):
+    def __init__(self, dim: int, layer_scale: float = 1e-6) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(dim, dim, kernel_size=7, padding=3, groups=dim, bias=True),
+            _Permute([0, 2, 3, 1]), nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, 4 * dim), nn.GELU(),
+            nn.Linear(4 * dim, dim), _Permute([0, 3, 1, 2]))
+        self.layer_scale = nn.Parameter(torch.ones(dim, 1, 1) * layer_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_scale * self.block(x) + x  # stochastic depth 0 (torchvision's default is 0.1 at train)
+
+
+class _Permute(nn.Module):
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.permute(x, self.dims)
+
+
+class ConvNeXt(nn.Module):
+    """torchvision's ConvNeXt (convnext_tiny: depths 3-3-9-3, widths 96-768), same modules' shapes and forward;
+    a 4x4 stride-4 stem with bias, 7x7 depthwise convs with bias, 2x2 stride-2 downsampling convs."""
+
+    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, dims[0], kernel_size=4, stride=4, bias=True),
+                                                 _LayerNorm2dCL(dims[0], eps=1e-6))]
+        for i, (depth, dim) in enumerate(zip(depths, dims)):
+            layers.append(nn.Sequential(*[CNBlock(dim) for _ in range(depth)]))
+            if i + 1 < len(dims):
+                layers.append(nn.Sequential(_LayerNorm2dCL(dim, eps=1e-6),
+                                            nn.Conv2d(dim, dims[i + 1], kernel_size=2, stride=2)))
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(_LayerNorm2dCL(dims[-1], eps=1e-6), nn.Flatten(1),
+                                        nn.Linear(dims[-1], num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.avgpool(self.features(x)))
+
+
+def convnext_tiny(num_classes: int = 1000) -> ConvNeXt:
+    return ConvNeXt(num_classes=num_classes)
+
+
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "convnext_tiny": convnext_tiny}
 
 
 def conv_counts(model: nn.Module) -> dict[str, int]:
