@@ -130,7 +130,13 @@ COLS = "cols"
 #: kernel spills or runs one CTA per SM.
 ROWS_MAX_REGS = 192
 #: Registers a "cols" thread may need (`cols_registers`): past this it runs fewer than 4 CTAs of 128 threads per SM, or
-#: spills.
+#: spills. Measured on the H200 (2026-12-03): wider vectors past this bound, their taps in shared memory and capped at
+#: 2-3 CTAs (5x5 at vector 4, 3x3 at vector 8; 168-252 registers), cut the 5x5 kernels' instructions per output from
+#: 76 to 52-55, but none beat the planner's best on the 15 cells tried (8 MobileNetV2 / EfficientNet-B0 layers, fprop
+#: and stride-1 dgrad): each cell's best variant ran 0-20% slower, 1-column strips 4-7x slower. The "cols" kernels are
+#: bound by load latency at their occupancy, not by their instruction count (ncu, EfficientNet-B0's 240-channel 5x5
+#: fprop: 14.1 M warp instructions, 0.65 issued per scheduler per cycle at 27% occupancy; cuDNN's xmma depthwise
+#: kernel 14.6 M at 0.78).
 COLS_MAX_REGS = 128
 #: The rows ahead a "cols" kernel's prefetch twin (`prefetch_variant`) issues its loads: two rows of loads in flight
 #: per thread instead of one. A 144-channel 56x56 layer's "cols" kernels ran at 1.6-2.3 TB/s on the H200 with 12-16

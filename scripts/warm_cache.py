@@ -42,7 +42,8 @@ from cutlass_byoc.offload.bench import host_overhead_problems  # noqa: E402
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
                 ("resnet50", 32, True, True), ("resnet50", 64, True, True), ("mobilenet_v2", 32, True, True),
                 ("mobilenet_v2", 64, True, True), ("resnet50", 1, True, False), ("resnet50", 32, True, False),
-                ("convnext_tiny", 16, True, True), ("convnext_tiny", 32, True, True)]
+                ("convnext_tiny", 16, True, True), ("convnext_tiny", 32, True, True),
+                ("efficientnet_b0", 16, True, True)]
 #: (family, batch, image) of tests/test_gpu_families.py and tests/test_gpu_host_path.py (fp16 autocast, training)
 FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated", "convnext", "resnext",
                                           "mobilenet_v3", "inception", "aspp", "multiplier", "paddings",

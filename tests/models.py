@@ -251,7 +251,66 @@ def convnext_tiny(num_classes: int = 1000) -> ConvNeXt:
     return ConvNeXt(num_classes=num_classes)
 
 
-MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "convnext_tiny": convnext_tiny}
+# ---------------------------------------------------------------------------------------------- EfficientNet-B0
+class _SqueezeExcitation(nn.Module):
+    """torchvision.ops.SqueezeExcitation with EfficientNet's SiLU: pooled 1x1 convs with bias, a sigmoid gate."""
+
+    def __init__(self, cin: int, squeeze: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = nn.Conv2d(cin, squeeze, 1), nn.Conv2d(squeeze, cin, 1)
+        self.activation, self.scale_activation = nn.SiLU(inplace=True), nn.Sigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+
+
+class MBConv(nn.Module):
+    def __init__(self, expand_ratio: int, kernel: int, stride: int, cin: int, cout: int) -> None:
+        super().__init__()
+        self.use_res_connect = stride == 1 and cin == cout
+        expanded = _make_divisible(cin * expand_ratio, 8)
+        layers: list[nn.Module] = []
+        if expanded != cin:
+            layers.append(Conv2dNormActivation(cin, expanded, kernel_size=1, activation_layer=nn.SiLU))
+        layers += [Conv2dNormActivation(expanded, expanded, kernel_size=kernel, stride=stride, groups=expanded,
+                                        activation_layer=nn.SiLU),
+                   _SqueezeExcitation(expanded, max(1, cin // 4)),
+                   Conv2dNormActivation(expanded, cout, kernel_size=1, activation_layer=None)]
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) + x if self.use_res_connect else self.block(x)  # stochastic depth 0 (torchvision: 0.2)
+
+
+class EfficientNet(nn.Module):
+    """torchvision's efficientnet_b0 (same modules' shapes and forward; stochastic depth and dropout left out): a 3x3
+    stride-2 stem, MBConv blocks with 3x3 / 5x5 depthwise convs, SiLU and squeeze-excitation, a 1x1 head to 1280."""
+
+    SETTINGS = ((1, 3, 1, 32, 16, 1), (6, 3, 2, 16, 24, 2), (6, 5, 2, 24, 40, 2), (6, 3, 2, 40, 80, 3),
+                (6, 5, 1, 80, 112, 3), (6, 5, 2, 112, 192, 4), (6, 3, 1, 192, 320, 1))
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [Conv2dNormActivation(3, 32, kernel_size=3, stride=2, activation_layer=nn.SiLU)]
+        for expand, kernel, stride, cin, cout, n in self.SETTINGS:
+            layers.append(nn.Sequential(*[MBConv(expand, kernel, stride if i == 0 else 1, cin if i == 0 else cout,
+                                                 cout) for i in range(n)]))
+        layers.append(Conv2dNormActivation(320, 1280, kernel_size=1, activation_layer=nn.SiLU))
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def efficientnet_b0(num_classes: int = 1000) -> EfficientNet:
+    return EfficientNet(num_classes)
+
+
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "convnext_tiny": convnext_tiny,
+          "efficientnet_b0": efficientnet_b0}
 
 
 def conv_counts(model: nn.Module) -> dict[str, int]:

@@ -1,6 +1,6 @@
-"""GPU tests of the offload (H200): ResNet-50, MobileNetV2 and ConvNeXt-T training steps under fp16 autocast,
-channels_last, with the cutlass_byoc backend against eager (loss and gradients close; the relative errors are printed
-and recorded). The step-time benchmark against Inductor (with and without CUDA graphs) is the GPU round's
+"""GPU tests of the offload (H200): ResNet-50, MobileNetV2, ConvNeXt-T and EfficientNet-B0 training steps under fp16
+autocast, channels_last, with the cutlass_byoc backend against eager (loss and gradients close; the relative errors are
+printed and recorded). The step-time benchmark against Inductor (with and without CUDA graphs) is the GPU round's
 offload-bench step (``python -m cutlass_byoc.offload.bench``), which writes benchmarks/h200/offload.json."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _check(name, base, x, y, modes=("eager", "inductor", "cutlass_byoc"), option
     return runs["cutlass_byoc"], errs, vs_eager
 
 
-@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2", "convnext_tiny"])
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2", "convnext_tiny", "efficientnet_b0"])
 def test_training_step_matches_eager(name, record_property):
     from cutlass_byoc.offload import Pass
 
