@@ -187,6 +187,31 @@ def test_family_through_torch_compile_eager_backend(family):
                 assert err <= 1e-4 and _rel(o, e) <= 1e-4, f"{family} {name}: fp32 error {err:.2e}"
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_through_torch_compile_with_inductor(family):
+    """The path users run: torch.compile with the backend and Inductor (its CPU code here, the offloaded ops on their
+    reference), strict, so neither a partitioner error nor an Inductor failure on the offloaded graph (which would
+    otherwise recompile it without offload) passes: fp32 loss and gradients as eager's."""
+    torch.manual_seed(0)
+    m = FAMILIES[family]()
+    x = _input(m)
+    truth_model = copy.deepcopy(m).double()
+    weights = torch.randn(truth_model(x.double()).shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    truth = _projected_step(truth_model, x.double(), False, weights)
+    backend = make_backend(OPTS, inductor=True)
+    torch._dynamo.reset()
+    library.RUNTIME.clear()
+    mine = copy.deepcopy(m)
+    ours = _projected_step(mine, x, False, weights, torch.compile(mine, backend=backend))
+    rep = backend.report()
+    assert rep.failure is None and rep.offloaded, rep.summary()
+    assert library.RUNTIME.reference_calls >= len(rep.offloaded)
+    pairs = [("out", ours[0], truth[0]), ("dx", ours[1], truth[1])] + [(n, ours[2][n], truth[2][n]) for n in truth[2]]
+    for name, o, t in pairs:
+        assert _rel(o, t) <= 1e-4, f"{family} {name}: fp32 error {_rel(o, t):.2e}"
+
+
 def test_frozen_parameters_trace_without_their_weight_gradient():
     """A model with frozen convs (a fine-tuned backbone) traces for explain and `tune --model`: no wgrad for them."""
     from cutlass_byoc.offload.trace import model_problems
