@@ -155,6 +155,33 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _truth(m, x):
+    """The projection weights and the float64 truth's (output, input gradient, parameter gradients) of family `m`."""
+    truth_model = copy.deepcopy(m).double()
+    weights = torch.randn(truth_model(x.double()).shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    return weights, _projected_step(truth_model, x.double(), False, weights)
+
+
+def _backend_step(m, x, autocast, weights, inductor):
+    """One projected step of a copy of `m` through torch.compile with the backend (strict); the report must show
+    offloaded convs, which ran (their CPU reference)."""
+    backend = make_backend(OPTS, inductor=inductor)
+    torch._dynamo.reset()
+    library.RUNTIME.clear()
+    mine = copy.deepcopy(m)
+    ours = _projected_step(mine, x, autocast, weights, torch.compile(mine, backend=backend))
+    rep = backend.report()
+    assert rep.failure is None and rep.offloaded, rep.summary()
+    assert library.RUNTIME.reference_calls >= len(rep.offloaded)
+    return ours
+
+
+def _pairs(step, truth):
+    """(name, ours, truth) of the output, the input gradient and each parameter's gradient."""
+    return [("out", step[0], truth[0]), ("dx", step[1], truth[1])] + [(n, step[2][n], truth[2][n]) for n in truth[2]]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_through_torch_compile_eager_backend(family):
     """Every family through torch.compile with the backend (graphs run eagerly, the ops' reference on the CPU):
@@ -163,28 +190,16 @@ def test_family_through_torch_compile_eager_backend(family):
     torch.manual_seed(0)
     m = FAMILIES[family]()
     x = _input(m)
-    truth_model = copy.deepcopy(m).double()
-    out64 = truth_model(x.double())
-    weights = torch.randn(out64.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    truth = _projected_step(truth_model, x.double(), False, weights)
+    weights, truth = _truth(m, x)
     for autocast in (False, True):
-        eager = _projected_step(copy.deepcopy(m), x, autocast, weights)
-        backend = make_backend(OPTS, inductor=False)
-        torch._dynamo.reset()
-        library.RUNTIME.clear()
-        mine = copy.deepcopy(m)
-        ours = _projected_step(mine, x, autocast, weights, torch.compile(mine, backend=backend))
-        rep = backend.report()
-        assert rep.failure is None and rep.offloaded, rep.summary()
-        assert library.RUNTIME.reference_calls >= len(rep.offloaded)  # the offloaded ops ran (their CPU reference)
-        pairs = [("out", ours[0], eager[0], truth[0]), ("dx", ours[1], eager[1], truth[1])]
-        pairs += [(n, ours[2][n], eager[2][n], truth[2][n]) for n in truth[2]]
-        for name, o, e, t in pairs:
-            err, eager_err = _rel(o, t), _rel(e, t)
+        eager_step = _projected_step(copy.deepcopy(m), x, autocast, weights)
+        eager = {name: e for name, e, _ in _pairs(eager_step, truth)}
+        for name, o, t in _pairs(_backend_step(m, x, autocast, weights, inductor=False), truth):
+            err, eager_err = _rel(o, t), _rel(eager[name], t)
             if autocast:
                 assert err <= 2.5 * eager_err + 1e-3, f"{family} {name}: bf16 error {err:.2e}, eager's {eager_err:.2e}"
             else:
-                assert err <= 1e-4 and _rel(o, e) <= 1e-4, f"{family} {name}: fp32 error {err:.2e}"
+                assert err <= 1e-4 and _rel(o, eager[name]) <= 1e-4, f"{family} {name}: fp32 error {err:.2e}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -195,20 +210,8 @@ def test_family_through_torch_compile_with_inductor(family):
     torch.manual_seed(0)
     m = FAMILIES[family]()
     x = _input(m)
-    truth_model = copy.deepcopy(m).double()
-    weights = torch.randn(truth_model(x.double()).shape, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(1))
-    truth = _projected_step(truth_model, x.double(), False, weights)
-    backend = make_backend(OPTS, inductor=True)
-    torch._dynamo.reset()
-    library.RUNTIME.clear()
-    mine = copy.deepcopy(m)
-    ours = _projected_step(mine, x, False, weights, torch.compile(mine, backend=backend))
-    rep = backend.report()
-    assert rep.failure is None and rep.offloaded, rep.summary()
-    assert library.RUNTIME.reference_calls >= len(rep.offloaded)
-    pairs = [("out", ours[0], truth[0]), ("dx", ours[1], truth[1])] + [(n, ours[2][n], truth[2][n]) for n in truth[2]]
-    for name, o, t in pairs:
+    weights, truth = _truth(m, x)
+    for name, o, t in _pairs(_backend_step(m, x, False, weights, inductor=True), truth):
         assert _rel(o, t) <= 1e-4, f"{family} {name}: fp32 error {_rel(o, t):.2e}"
 
 
