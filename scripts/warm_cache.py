@@ -37,6 +37,7 @@ from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
 from cutlass_byoc.offload.bench import host_overhead_problems  # noqa: E402
+from models import FAMILIES, input_channels  # noqa: E402
 
 #: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
@@ -45,10 +46,7 @@ OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), 
                 ("convnext_tiny", 16, True, True), ("convnext_tiny", 32, True, True),
                 ("efficientnet_b0", 16, True, True)]
 #: (family, batch, image) of tests/test_gpu_families.py and tests/test_gpu_host_path.py (fp16 autocast, training)
-FAMILY_RUNS = [(name, 8, 64) for name in ("chain", "chain_pool", "unet", "grouped", "dilated", "convnext", "resnext",
-                                          "mobilenet_v3", "inception", "aspp", "multiplier", "paddings",
-                                          "shared_frozen", "slices", "weight_std", "dense", "regnet", "odd_channels")]
-FAMILY_RUNS += [("chain_pool", 8, 32)]
+FAMILY_RUNS = [(name, 8, 64) for name in sorted(FAMILIES)] + [("chain_pool", 8, 32)]
 
 
 #: each GPU test module's kernels, by the module's name without test_gpu_ (--modules; all of them: --tests-only)
@@ -112,8 +110,6 @@ def _launch_kernels(model, batch: int, image: int, channels_last: bool, training
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
     from cutlass_byoc.select import choose  # noqa: PLC0415
 
-    from models import input_channels  # noqa: PLC0415
-
     c = input_channels(model)
     problems, rep = model_problems(model, batch, training=training, image=image, in_channels=c,
                                    channels_last=channels_last)
@@ -153,7 +149,7 @@ def host_overhead_kernels() -> list[KernelConfig]:
 
 
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
-    from models import FAMILIES, MODELS  # noqa: PLC0415
+    from models import MODELS  # noqa: PLC0415
 
     out: list[KernelConfig] = []
     for name, batch, channels_last, training in runs:
