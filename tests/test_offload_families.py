@@ -215,6 +215,26 @@ def test_family_through_torch_compile_with_inductor(family):
         assert _rel(o, t) <= 1e-4, f"{family} {name}: fp32 error {_rel(o, t):.2e}"
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_inference_through_torch_compile_with_inductor(family):
+    """Inference as served: eval mode under torch.inference_mode, torch.compile with the backend and Inductor (strict):
+    the forward graph is partitioned (no backward passes) and the output is the float64 truth's within 1e-4."""
+    torch.manual_seed(0)
+    m = FAMILIES[family]().eval()
+    x = _input(m)
+    truth = copy.deepcopy(m).double()(x.double())
+    backend = make_backend(OPTS, inductor=True)
+    torch._dynamo.reset()
+    library.RUNTIME.clear()
+    with torch.inference_mode():
+        out = torch.compile(m, backend=backend)(x)
+    rep = backend.report()
+    assert rep.failure is None and rep.offloaded, rep.summary()
+    assert {e.kind for e in rep.entries} == {Pass.FPROP} | ({Pass.TRANSPOSED_FPROP} if family == "unet" else set())
+    assert library.RUNTIME.reference_calls >= len(rep.offloaded)
+    assert _rel(out.double(), truth) <= 1e-4, f"{family}: error {_rel(out.double(), truth):.2e}"
+
+
 def test_frozen_parameters_trace_without_their_weight_gradient():
     """A model with frozen convs (a fine-tuned backbone) traces for explain and `tune --model`: no wgrad for them."""
     from cutlass_byoc.offload.trace import model_problems
