@@ -235,6 +235,51 @@ def test_family_inference_through_torch_compile_with_inductor(family):
     assert _rel(out.double(), truth) <= 1e-4, f"{family}: error {_rel(out.double(), truth):.2e}"
 
 
+def _batches(dynamic, sizes=(4, 3, 2, 4)):
+    """Training steps of the chain family compiled with `dynamic` over batches of `sizes`, each against eager; the
+    offloaded ops' calls per step (their CPU reference) and the backend."""
+    torch.manual_seed(0)
+    m = FAMILIES["chain"]()
+    ref = copy.deepcopy(m)
+    backend = make_backend(OPTS, inductor=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend=backend, dynamic=dynamic)
+    calls = []
+    for n in sizes:
+        library.RUNTIME.clear()
+        x = torch.randn(n, input_channels(m), 16, 16)
+        out = compiled(x)
+        out.square().sum().backward()
+        expect = ref(x)
+        expect.square().sum().backward()
+        assert _rel(out, expect) <= 1e-5, n
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-4, n
+            p.grad = q.grad = None
+        calls.append(library.RUNTIME.reference_calls)
+    return calls, backend
+
+
+def test_a_smaller_last_batch_makes_a_dynamic_graph_with_a_warning(caplog, monkeypatch):
+    """torch.compile's default: after a second batch size it recompiles with a symbolic batch, whose convs stay in
+    PyTorch, and that graph then serves every later step, the full batch too. Results stay right, and the backend
+    says so once, as a warning naming the remedy (dynamic=False)."""
+    monkeypatch.setattr(sys.modules["cutlass_byoc.offload.report"], "_dynamic_warned", False)
+    calls, backend = _batches(dynamic=None)
+    assert calls[0] == 11 and calls[1:] == [0, 0, 0], calls  # 4 fprop, 3 dgrad, 4 wgrad at the first batch only
+    assert {e.reason.split(":")[0] for e in backend.report().rejected} == {"dynamic shape"}
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "dynamic=False" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_dynamic_false_keeps_every_batch_size_offloaded():
+    """torch.compile(..., dynamic=False): one static graph per batch size, each offloaded, the first one met again
+    when its size comes back."""
+    calls, backend = _batches(dynamic=False)
+    assert calls == [11, 11, 11, 11], calls
+    assert not backend.report().rejected and len(backend.reports) == 3, backend.report().summary()
+
+
 def test_frozen_parameters_trace_without_their_weight_gradient():
     """A model with frozen convs (a fine-tuned backbone) traces for explain and `tune --model`: no wgrad for them."""
     from cutlass_byoc.offload.trace import model_problems

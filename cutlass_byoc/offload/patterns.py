@@ -37,6 +37,7 @@ from ..config import LaunchConfig
 from ..problem import Conv2dProblem, Epilogue, ProblemError
 from ..select import SelectMode, choose, cudnn_faster
 from ..types import Activation, ConvKind, DType, SourceKind
+from .report import DYNAMIC_SHAPE
 
 log = logging.getLogger("cutlass_byoc.offload")
 
@@ -358,7 +359,8 @@ def static_shape(t: torch.Tensor, what: str) -> tuple[int, ...]:
 
 
 def _raise_dynamic(t, what):
-    raise Reject(f"dynamic shape: {what} has symbolic sizes {tuple(t.shape)}; kernels are chosen per static shape")
+    raise Reject(f"{DYNAMIC_SHAPE}: {what} has symbolic sizes {tuple(t.shape)}; kernels are chosen per static shape "
+                 "(torch.compile(..., dynamic=False) keeps every graph static)")
 
 
 def pair(v, name: str) -> tuple[int, int]:

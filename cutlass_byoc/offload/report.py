@@ -13,6 +13,25 @@ from ..select import CUDNN_FASTER, HOST_CREDIT
 log = logging.getLogger("cutlass_byoc.offload")
 
 
+#: The reason a conv with symbolic sizes is left to PyTorch starts with this (patterns.py's shape check).
+DYNAMIC_SHAPE = "dynamic shape"
+_dynamic_warned = False
+
+
+def _warn_dynamic_once() -> None:
+    """Say once per process, as a warning, why a graph with symbolic sizes runs its convs in PyTorch: torch.compile
+    recompiles with a dynamic batch after it sees a second batch size (a training loop's smaller last batch), and
+    that graph then serves every later step, the full batch included, so the offload would end quietly there."""
+    global _dynamic_warned
+    if not _dynamic_warned:
+        _dynamic_warned = True
+        log.warning("cutlass_byoc: a graph with dynamic (symbolic) sizes was compiled, and its convolutions run in "
+                    "PyTorch: kernels are chosen per static shape. torch.compile makes a dimension dynamic once it "
+                    "sees a second size (e.g. a smaller last batch), and that graph then serves every later call. "
+                    "Pass dynamic=False to torch.compile (one static, offloaded graph per shape) or drop the "
+                    "smaller last batch (DataLoader(drop_last=True)).")
+
+
 class Pass(str, enum.Enum):
     """Which convolution pass a report entry is about."""
 
@@ -77,6 +96,8 @@ class OffloadReport:
             log.info("offload %s", entry.line())
         else:
             log.info("not offloaded %s", entry.line())
+            if (entry.reason or "").startswith(DYNAMIC_SHAPE):
+                _warn_dynamic_once()
         return entry
 
     @property
