@@ -195,12 +195,11 @@ def mobilenet_v2(num_classes: int = 1000) -> MobileNetV2:
 
 
 # ---------------------------------------------------------------------------------------------- ConvNeXt-T
-class _LayerNorm2dCL(nn.LayerNorm):
-    """torchvision's LayerNorm2d: LayerNorm over the channels of an NCHW tensor."""
+class LayerNorm2d(nn.LayerNorm):
+    """torchvision's LayerNorm2d: LayerNorm over the channels of an NCHW tensor, through a permute."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
-                            self.eps).permute(0, 3, 1, 2)
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 class CNBlock(nn.Module):
@@ -232,15 +231,15 @@ class ConvNeXt(nn.Module):
     def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), num_classes: int = 1000) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, dims[0], kernel_size=4, stride=4, bias=True),
-                                                 _LayerNorm2dCL(dims[0], eps=1e-6))]
+                                                 LayerNorm2d(dims[0], eps=1e-6))]
         for i, (depth, dim) in enumerate(zip(depths, dims)):
             layers.append(nn.Sequential(*[CNBlock(dim) for _ in range(depth)]))
             if i + 1 < len(dims):
-                layers.append(nn.Sequential(_LayerNorm2dCL(dim, eps=1e-6),
+                layers.append(nn.Sequential(LayerNorm2d(dim, eps=1e-6),
                                             nn.Conv2d(dim, dims[i + 1], kernel_size=2, stride=2)))
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.classifier = nn.Sequential(_LayerNorm2dCL(dims[-1], eps=1e-6), nn.Flatten(1),
+        self.classifier = nn.Sequential(LayerNorm2d(dims[-1], eps=1e-6), nn.Flatten(1),
                                         nn.Linear(dims[-1], num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,14 +251,15 @@ def convnext_tiny(num_classes: int = 1000) -> ConvNeXt:
 
 
 # ---------------------------------------------------------------------------------------------- EfficientNet-B0
-class _SqueezeExcitation(nn.Module):
-    """torchvision.ops.SqueezeExcitation with EfficientNet's SiLU: pooled 1x1 convs with bias, a sigmoid gate."""
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops.SqueezeExcitation: 1x1 convs with bias on the pooled 1x1 image, a gate scaling the input."""
 
-    def __init__(self, cin: int, squeeze: int) -> None:
+    def __init__(self, cin: int, squeeze: int, activation: Callable[..., nn.Module] = nn.ReLU,
+                 scale_activation: Callable[..., nn.Module] = nn.Sigmoid) -> None:
         super().__init__()
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc1, self.fc2 = nn.Conv2d(cin, squeeze, 1), nn.Conv2d(squeeze, cin, 1)
-        self.activation, self.scale_activation = nn.SiLU(inplace=True), nn.Sigmoid()
+        self.activation, self.scale_activation = activation(), scale_activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
@@ -275,7 +275,7 @@ class MBConv(nn.Module):
             layers.append(Conv2dNormActivation(cin, expanded, kernel_size=1, activation_layer=nn.SiLU))
         layers += [Conv2dNormActivation(expanded, expanded, kernel_size=kernel, stride=stride, groups=expanded,
                                         activation_layer=nn.SiLU),
-                   _SqueezeExcitation(expanded, max(1, cin // 4)),
+                   SqueezeExcitation(expanded, max(1, cin // 4), activation=nn.SiLU),
                    Conv2dNormActivation(expanded, cout, kernel_size=1, activation_layer=None)]
         self.block = nn.Sequential(*layers)
 
@@ -397,27 +397,6 @@ class Dilated(nn.Module):
         return self.s2(y)
 
 
-class LayerNorm2d(nn.LayerNorm):
-    """LayerNorm over the channels of an NCHW tensor (ConvNeXt's, through a permute)."""
-
-    def forward(self, x):
-        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-
-class ConvNeXtBlock(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)  # 7x7 depthwise with bias
-        self.norm = nn.LayerNorm(c)
-        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-        self.gamma = nn.Parameter(torch.full((c,), 0.5))
-
-    def forward(self, x):
-        y = self.dw(x).permute(0, 2, 3, 1)
-        y = self.pw2(F.gelu(self.pw1(self.norm(y)))) * self.gamma
-        return x + y.permute(0, 3, 1, 2)
-
-
 class ConvNeXtLike(nn.Module):
     """ConvNeXt's pieces: a 4x4 stride-4 patchify stem with bias, LayerNorm2d, 7x7 depthwise blocks with bias whose
     pointwise layers are Linear in NHWC, a 2x2 stride-2 downsampling conv."""
@@ -427,9 +406,9 @@ class ConvNeXtLike(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 4, stride=4), LayerNorm2d(32))
-        self.b1 = ConvNeXtBlock(32)
+        self.b1 = CNBlock(32, layer_scale=0.5)  # ConvNeXt-T's block, its branch scaled up to matter
         self.down = nn.Sequential(LayerNorm2d(32), nn.Conv2d(32, 64, 2, stride=2))
-        self.b2 = ConvNeXtBlock(64)
+        self.b2 = CNBlock(64, layer_scale=0.5)
         self.head = nn.Linear(64, 10)
 
     def forward(self, x):
@@ -453,18 +432,6 @@ class ResNeXtBlock(nn.Module):
         return F.relu(x + self.b3(self.c3(y)))
 
 
-class SqueezeExcite(nn.Module):
-    """Squeeze-and-excitation: 1x1 convs with bias on the pooled 1x1 image, a gate multiplying the input."""
-
-    def __init__(self, c: int, gate=torch.sigmoid, act=F.relu):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
-        self.gate, self.act = gate, act
-
-    def forward(self, x):
-        return x * self.gate(self.fc2(self.act(self.fc1(x.mean((2, 3), keepdim=True)))))
-
-
 class MobileNetV3Block(nn.Module):
     """MobileNetV3's block: 1x1 expansion, 5x5 stride-2 depthwise, hardswish, SE with hardsigmoid, 1x1 projection;
     a 1x1 head with bias."""
@@ -475,7 +442,7 @@ class MobileNetV3Block(nn.Module):
         super().__init__()
         self.exp, self.bn1 = nn.Conv2d(16, 48, 1, bias=False), nn.BatchNorm2d(48)
         self.dw, self.bn2 = nn.Conv2d(48, 48, 5, stride=2, padding=2, groups=48, bias=False), nn.BatchNorm2d(48)
-        self.se = SqueezeExcite(48, F.hardsigmoid)
+        self.se = SqueezeExcitation(48, 12, scale_activation=nn.Hardsigmoid)
         self.proj, self.bn3 = nn.Conv2d(48, 24, 1, bias=False), nn.BatchNorm2d(24)
         self.head = nn.Conv2d(24, 10, 1)
 
@@ -633,7 +600,7 @@ class RegNetLike(nn.Module):
         super().__init__()
         self.c1, self.b1 = nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32)
         self.c2, self.b2 = nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=4, bias=False), nn.BatchNorm2d(32)
-        self.se = SqueezeExcite(32)
+        self.se = SqueezeExcitation(32, 8)
         self.c3, self.b3 = nn.Conv2d(32, 32, 1, bias=False), nn.BatchNorm2d(32)
         self.short = nn.Conv2d(16, 32, 1, stride=2, bias=False)
 
