@@ -214,8 +214,10 @@ def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
 
     by_problem = {o.problem: o for o in outcomes}
     total = sum(it.count for it in items)
-    cudnn = graphs = credit = ours = 0.0
-    n = n_graphs = n_credit = 0
+    credits = {"graphs": 0.0, "credit": host_credit_us}  # the two plans: prefer_cudnn's rule at each credit
+    plan_us, plan_ours = dict.fromkeys(credits, 0.0), dict.fromkeys(credits, 0)
+    cudnn = ours = 0.0
+    n = 0
     for it in items:
         o = by_problem.get(it.problem)
         if o is None or o.time_us is None or o.cudnn_us is None:
@@ -224,19 +226,18 @@ def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
         n += k
         cudnn += c * k
         ours += t * k
-        cudnn_graphs, cudnn_credit = keeps_cudnn(c, t), keeps_cudnn(c, t, host_credit_us)
-        graphs += (c if cudnn_graphs else t) * k
-        n_graphs += 0 if cudnn_graphs else k
-        credit += (c if cudnn_credit else t) * k
-        n_credit += 0 if cudnn_credit else k
+        for plan, credit in credits.items():
+            keep = keeps_cudnn(c, t, credit)
+            plan_us[plan] += (c if keep else t) * k
+            plan_ours[plan] += 0 if keep else k
     if not n:
         return None
     part = f"{n} of the traced step's {total} conv passes" if n < total else f"the traced step's {n} conv passes"
     return (f"per step ({part}, summed from the tune's times: each pass alone, L2 flushed; a prediction, not a "
-            f"measurement of the step): cuDNN alone {cudnn / 1e3:.2f} ms; under CUDA graphs {graphs / 1e3:.2f} ms, "
-            f"{n_graphs} passes on our kernels (the faster per pass); without them {credit / 1e3:.2f} ms of GPU time, "
-            f"{n_credit} on ours (host credit {host_credit_us:g} us, and each saves host time); all on ours "
-            f"{ours / 1e3:.2f} ms")
+            f"measurement of the step): cuDNN alone {cudnn / 1e3:.2f} ms; under CUDA graphs "
+            f"{plan_us['graphs'] / 1e3:.2f} ms, {plan_ours['graphs']} passes on our kernels (the faster per pass); "
+            f"without them {plan_us['credit'] / 1e3:.2f} ms of GPU time, {plan_ours['credit']} on ours (host credit "
+            f"{host_credit_us:g} us, and each saves host time); all on ours {ours / 1e3:.2f} ms")
 
 
 # ---------------------------------------------------------------------------------------------- tune

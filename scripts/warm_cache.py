@@ -37,7 +37,7 @@ from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
 from cutlass_byoc.offload.bench import host_overhead_problems  # noqa: E402
-from models import FAMILIES, input_channels  # noqa: E402
+from models import FAMILIES, MODELS, input_channels  # noqa: E402
 
 #: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
@@ -126,8 +126,6 @@ def tune_model_kernels(models: list[str], batch: int, training: bool, max_candid
     """The kernels `cutlass-byoc tune --model M --batch B [--training] --amp fp16 --max-candidates K` plans for each
     model (tests/models.py's resnet18 / resnet50 / mobilenet_v2, torchvision's twins; or a `pkg.module:factory`
     spec), traced on fake tensors here: carried to the GPU round, its tune-model step then compiles nothing."""
-    from models import MODELS  # noqa: PLC0415
-
     from cutlass_byoc.offload.trace import load_model, model_problems  # noqa: PLC0415
 
     out: list[KernelConfig] = []
@@ -149,8 +147,6 @@ def host_overhead_kernels() -> list[KernelConfig]:
 
 
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
-    from models import MODELS  # noqa: PLC0415
-
     out: list[KernelConfig] = []
     for name, batch, channels_last, training in runs:
         torch.manual_seed(0)
