@@ -37,16 +37,21 @@ from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
 from cutlass_byoc.offload.bench import host_overhead_problems  # noqa: E402
-from models import FAMILIES, MODELS, input_channels  # noqa: E402
+from models import DYNAMIC_BATCHES, DYNAMIC_FAMILIES, FAMILIES, MODELS, input_channels  # noqa: E402
 
 #: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
                 ("resnet50", 32, True, True), ("resnet50", 64, True, True), ("mobilenet_v2", 32, True, True),
                 ("mobilenet_v2", 64, True, True), ("resnet50", 1, True, False), ("resnet50", 32, True, False),
                 ("convnext_tiny", 16, True, True), ("convnext_tiny", 32, True, True),
-                ("efficientnet_b0", 16, True, True)]
+                ("efficientnet_b0", 16, True, True),
+                # the offload bench's dynamic modes at batch 32: the step at the smaller batch (bench.DYNAMIC_FRACTION)
+                ("resnet50", 24, True, True)]
 #: (family, batch, image) of tests/test_gpu_families.py and tests/test_gpu_host_path.py (fp16 autocast, training)
 FAMILY_RUNS = [(name, 8, 64) for name in sorted(FAMILIES)] + [("chain_pool", 8, 32)]
+#: tests/test_gpu_dynamic.py's other batch sizes: the dynamic graph's plan (the second size) and, where the plan's
+#: launch cannot take a batch size, the launch chosen for it
+FAMILY_RUNS += [(name, n, 64) for name in DYNAMIC_FAMILIES for n in sorted(set(DYNAMIC_BATCHES) - {8})]
 
 
 #: each GPU test module's kernels, by the module's name without test_gpu_ (--modules; all of them: --tests-only)

@@ -631,6 +631,11 @@ FAMILIES = {"chain": lambda: Chain(False), "chain_pool": lambda: Chain(True), "u
             "inception": InceptionLike, "aspp": ASPP, "multiplier": Multiplier, "paddings": Paddings,
             "shared_frozen": SharedFrozen, "slices": Slices, "weight_std": WeightStandardized, "dense": DenseLike,
             "regnet": RegNetLike, "odd_channels": OddChannels}
+#: tests/test_gpu_dynamic.py: families trained through torch.compile's default over these batch sizes (64x64): the
+#: graph turns dynamic at the second size (its plan's batch), which then serves the rest (each size met again runs
+#: on the C++ path's binding of that size)
+DYNAMIC_FAMILIES = ("chain", "convnext", "dense", "mobilenet_v3", "paddings", "resnext")
+DYNAMIC_BATCHES = (8, 5, 8, 3, 5, 8)
 
 
 def input_channels(model: nn.Module) -> int:

@@ -198,6 +198,31 @@ def _child() -> None:
         except RuntimeError as e:
             assert words in str(e), e
 
+    # a dynamic site (symbolic batch): one binding per batch size, each call on the one its operands match; a batch
+    # size with no binding goes to the twin; the chain keeps the newest kMaxVariants (8) bindings
+    rec5 = _Recorder()
+    i5, site5, run5 = _site(p, rec5)
+    site5.dynamic = True
+    nat.set_site(i5, site5.state.native_spec(), "fake fprop n=2")
+    runs = [run5]
+    for n in range(3, 11):  # 8 more: the n=2 binding is dropped
+        pn = p.replace(n=n)
+        _, s_n, run_n = _site(pn, rec5)
+        runs.append(run_n)
+        nat.add_site_variant(i5, s_n.state.native_spec(), f"fake fprop n={n}")
+    for n in (3, 10, 5):
+        xn = _t(n, 16, 8, 8)
+        yn = fprop(xn, w, None, None, i5)
+        c = rec5.calls[-1]
+        assert (c["n"], c["a"], c["d"]) == (n, xn.data_ptr(), yn.data_ptr()) and yn.shape == (n, 32, 8, 8), c
+    assert len(rec5.calls) == 3 and nat.calls(i5) == 3
+    y_2 = fprop(x, w, None, None, i5)  # n=2: dropped from the chain, the twin (the reference on the CPU)
+    assert len(rec5.calls) == 3
+    torch.testing.assert_close(y_2.float(), ref(x.float()), rtol=2e-3, atol=2e-2)
+    for bad in (x.to(torch.float32), _t(3, 16, 8, 9)):  # a bound batch size, other operands wrong: the twin
+        fprop(bad, w, None, None, i5)
+    assert len(rec5.calls) == 3
+
     # malformed specs are refused by name
     for field, value, words in (("abi", 99, "ABI"), ("off_d", 10_000, "offset"), ("source_dim", 3, "source_dim")):
         bad = native.SiteSpec.from_buffer_copy(spec)  # a good spec, one field spoilt
@@ -205,6 +230,11 @@ def _child() -> None:
         try:
             nat.set_site(i, bad, "bad")
             raise AssertionError(f"{field}={value} was accepted")
+        except ValueError as e:
+            assert words in str(e), e
+        try:
+            nat.add_site_variant(i5, bad, "bad")
+            raise AssertionError(f"{field}={value} was accepted as a variant")
         except ValueError as e:
             assert words in str(e), e
     print("native call-site checks passed")

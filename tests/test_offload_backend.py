@@ -327,3 +327,18 @@ def test_inductor_kernels_groups_triton_kernels_by_the_ops_they_fuse():
         "ops": "triton_red_fused__native_batch_norm_legit_functional", "a": [0.75, 3.0], "b": [0.7, 3.0],
         "ms_diff": -0.05}
     assert by["triton_poi_fused__to_copy"]["ms_diff"] == -0.1 and len(rows) == 3
+
+
+def test_bench_dynamic_modes_compile_like_their_static_twins():
+    """The offload bench's dynamic modes (a smaller batch after the first step, then the full batch through the
+    dynamic graph): inductor-dynamic is plain torch.compile, cutlass_byoc-dynamic the backend with the case's
+    options; both selectable."""
+    from cutlass_byoc.offload import bench
+
+    assert {"inductor-dynamic", "cutlass_byoc-dynamic"} <= set(bench.EXTRA_MODES)
+    assert 0 < bench.DYNAMIC_FRACTION < 1
+    m = torch.nn.Conv2d(3, 8, 3)
+    run, backend = bench.compile_mode(m, "inductor-dynamic")
+    assert backend is None and run is not m
+    run, backend = bench.compile_mode(m, "cutlass_byoc-dynamic", {"select": "heuristic"})
+    assert backend is not None and backend.options.select.value == "heuristic" and not backend.options.cudagraphs

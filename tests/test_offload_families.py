@@ -235,13 +235,13 @@ def test_family_inference_through_torch_compile_with_inductor(family):
     assert _rel(out.double(), truth) <= 1e-4, f"{family}: error {_rel(out.double(), truth):.2e}"
 
 
-def _batches(dynamic, sizes=(4, 3, 2, 4)):
+def _batches(dynamic, sizes=(4, 3, 2, 4), **options):
     """Training steps of the chain family compiled with `dynamic` over batches of `sizes`, each against eager; the
     offloaded ops' calls per step (their CPU reference) and the backend."""
     torch.manual_seed(0)
     m = FAMILIES["chain"]()
     ref = copy.deepcopy(m)
-    backend = make_backend(OPTS, inductor=False)
+    backend = make_backend({**OPTS, **options}, inductor=False)
     torch._dynamo.reset()
     compiled = torch.compile(m, backend=backend, dynamic=dynamic)
     calls = []
@@ -260,16 +260,42 @@ def _batches(dynamic, sizes=(4, 3, 2, 4)):
     return calls, backend
 
 
-def test_a_smaller_last_batch_makes_a_dynamic_graph_with_a_warning(caplog, monkeypatch):
-    """torch.compile's default: after a second batch size it recompiles with a symbolic batch, whose convs stay in
-    PyTorch, and that graph then serves every later step, the full batch too. Results stay right, and the backend
-    says so once, as a warning naming the remedy (dynamic=False)."""
+def test_a_smaller_last_batch_keeps_the_offload(caplog, monkeypatch):
+    """torch.compile's default: after a second batch size it recompiles with a symbolic batch, and that graph then
+    serves every later step, the full batch too. Its convs are offloaded all the same (planned at the batch size
+    it was traced at, each size bound at its first call): every pass of every step, results equal eager's, and no
+    warning."""
     monkeypatch.setattr(sys.modules["cutlass_byoc.offload.report"], "_dynamic_warned", False)
     calls, backend = _batches(dynamic=None)
-    assert calls[0] == 11 and calls[1:] == [0, 0, 0], calls  # 4 fprop, 3 dgrad, 4 wgrad at the first batch only
-    assert {e.reason.split(":")[0] for e in backend.report().rejected} == {"dynamic shape"}
+    assert calls == [11, 11, 11, 11], calls  # 4 fprop, 3 dgrad, 4 wgrad at every batch size
+    static, dyn = backend.reports[0], backend.reports[-1]
+    assert not static.rejected and not dyn.rejected, dyn.summary()
+    assert not any(e.notes for e in static.offloaded)
+    assert len(dyn.offloaded) == 11 and all(any(n.startswith("dynamic batch: planned at N=3") for n in e.notes)
+                                            for e in dyn.offloaded), dyn.summary()
+    sites = [library.site(i) for i in range(len(library._SITES))]
+    assert sum(s.dynamic for s in sites) == 11
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "dynamic" in r.getMessage()]
+
+
+def test_dynamic_batch_off_leaves_symbolic_graphs_to_pytorch_with_a_warning(caplog, monkeypatch):
+    """OffloadOptions(dynamic_batch=False): the dynamic graph's convs stay in PyTorch (the reason names the
+    option), once warned, results right."""
+    monkeypatch.setattr(sys.modules["cutlass_byoc.offload.report"], "_dynamic_warned", False)
+    calls, backend = _batches(dynamic=None, dynamic_batch=False)
+    assert calls[0] == 11 and calls[1:] == [0, 0, 0], calls
+    reasons = {e.reason for e in backend.report().rejected}
+    assert all(r.startswith("dynamic shape") and "dynamic_batch=False" in r for r in reasons), reasons
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "dynamic=False" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_symbolic_image_sizes_are_left_to_pytorch():
+    """dynamic=True marks every size symbolic: the images' too, which no kernel takes (the reason says which)."""
+    calls, backend = _batches(dynamic=True, sizes=(4, 2))
+    assert calls == [0, 0], calls
+    reasons = {e.reason for e in backend.report().rejected}
+    assert reasons and all("only the batch size may be symbolic" in r for r in reasons), reasons
 
 
 def test_dynamic_false_keeps_every_batch_size_offloaded():

@@ -147,3 +147,124 @@ def test_partitioner_gives_every_op_its_own_site():
         site = library.site(s)
         assert site.kind == {library.FPROP: "fprop", library.DGRAD: "dgrad", library.WGRAD: "wgrad"}[n.target]
         assert site.problem.name in {e.problem for e in rep.offloaded}
+
+
+# ---------------------------------------------------------------------------------------------- dynamic batch
+class _FakePrep:
+    """What ops.bind returns, for a fake library."""
+
+    def __init__(self, problem, launch, run):
+        from cutlass_byoc.runtime import make_args
+
+        self.lib = type("Lib", (), {"_lib": type("L", (), {"cb_run": run})(), "name": launch.name})()
+        self.template = make_args(problem, launch.split_k_slices)
+        self.workspace_bytes = 64 * launch.split_k_slices
+        self.align_bytes = (16, 16, 16)
+        self.source_bytes = self.bias_bytes = 0
+
+
+def _fake_binding(monkeypatch, plan, decided=None):
+    """ops.bind checking the config rules as the real one does (then a fake library), select.choose giving `plan`
+    for every problem, and `decided` recorded for the problems it maps; the launches bound, in order."""
+    from cutlass_byoc import ops, select
+    from cutlass_byoc.offload import native
+    from cutlass_byoc.ops import UnsupportedConvError
+
+    bound = []
+
+    def bind(problem, launch):
+        why = launch.reject_reason(problem)
+        if why:
+            raise UnsupportedConvError(why)
+        bound.append((problem.n, launch))
+        return _FakePrep(problem, launch, FakeRun())
+
+    monkeypatch.setattr(ops, "bind", bind)
+    monkeypatch.setattr(select, "choose", lambda problem, mode=None: plan)
+    monkeypatch.setattr(select, "lookup_decision", lambda problem: (decided or {}).get(problem))
+    monkeypatch.setattr(native, "load", lambda: None)
+    return bound
+
+
+def _parallel_wgrad_launch(problem, splits):
+    from cutlass_byoc.candidates import sm80_candidates
+    from cutlass_byoc.config import LaunchConfig
+    from cutlass_byoc.types import SplitKMode
+
+    cfg = next(c for c in sm80_candidates(problem) if c.split_k_mode is SplitKMode.PARALLEL)
+    return LaunchConfig(cfg, splits)
+
+
+def test_a_dynamic_site_binds_each_batch_size_once_with_the_plan_launch(monkeypatch):
+    """A symbolic-batch site: planned at N=4 (8 parallel split-k slices of a wgrad); each batch size met binds once,
+    the plan's launch where its rules accept the problem, its split count halved where the shorter reduction needs
+    it (N=1: 64 pixels, 2 slices of 32), each binding its own problem's shapes; later calls only check and launch."""
+    p = Conv2dProblem.make("wgrad", 4, 16, 8, 8, 32, 3, padding=1)
+    plan = _parallel_wgrad_launch(p, 8)
+    bound = _fake_binding(monkeypatch, plan)
+    i = library.register_site("wgrad", p, "cached", dynamic=True)
+    site = library.site(i)
+    assert site.bind_batch(4).a_shape == (4, 32, 8, 8)
+    st1 = site.bind_batch(1)
+    assert st1.a_shape == (1, 32, 8, 8) and st1.b_shape == (1, 16, 8, 8) and st1.out_size == (32, 16, 3, 3)
+    assert [(n, launch.split_k_slices) for n, launch in bound] == [(4, 8), (1, 2)]
+    assert {launch.kernel for _, launch in bound} == {plan.kernel}  # the same compiled kernel
+    assert site.bind_batch(1) is st1 and len(bound) == 2  # once per size
+    gy, x = t(1, 32, 8, 8), t(1, 16, 8, 8)
+    gw = site(gy, x, None)
+    (call,) = st1.run.calls  # the N=1 binding's launch, its own argument block and workspace
+    assert gw.shape == (32, 16, 3, 3) and (call["n"], call["a"], call["d"]) == (1, gy.data_ptr(), gw.data_ptr())
+    assert call["ws_len"] == 64 * 2
+    assert site(t(2, 32, 8, 8), t(1, 16, 8, 8), None) is None  # operands of two batch sizes: the general path
+    # the fake implementation: fprop / dgrad take the batch of their first operand, wgrad's output is static
+    assert site.empty_output(torch.empty(3, 32, 8, 8)).shape == (32, 16, 3, 3)
+    pf = Conv2dProblem.make("fprop", 4, 16, 8, 8, 32, 3, padding=1)
+    fsite = library.site(library.register_site("fprop", pf, "cached", dynamic=True))
+    assert fsite.empty_output(torch.empty(3, 16, 8, 8)).shape == (3, 32, 8, 8)
+
+
+def test_a_dynamic_site_prefers_the_decision_recorded_for_that_batch(monkeypatch):
+    p = Conv2dProblem.make("wgrad", 4, 16, 8, 8, 32, 3, padding=1)
+    plan = _parallel_wgrad_launch(p, 8)
+    p2 = p.replace(n=2)
+    tuned = _parallel_wgrad_launch(p2, 1)
+    bound = _fake_binding(monkeypatch, plan, decided={p2: tuned})
+    site = library.site(library.register_site("wgrad", p, "cached", dynamic=True))
+    site.bind_batch(2)
+    site.bind_batch(4)
+    site.bind_batch(3)  # no decision, the plan's 8 slices exceed the 192 pixels: 4
+    assert [(n, launch.split_k_slices) for n, launch in bound] == [(2, 1), (4, 8), (3, 4)]
+    # select="heuristic" never reads decisions
+    bound.clear()
+    hsite = library.site(library.register_site("wgrad", p, "heuristic", dynamic=True))
+    hsite.bind_batch(2)
+    assert [(n, launch.split_k_slices) for n, launch in bound] == [(2, 4)]  # the plan's, halved for 128 pixels
+
+
+def test_a_dynamic_site_that_no_launch_takes_uses_the_general_path(monkeypatch):
+    p = Conv2dProblem.make("fprop", 4, 16, 8, 8, 32, 3, padding=1)
+    bound = _fake_binding(monkeypatch, None)
+    site = library.site(library.register_site("fprop", p, "cached", dynamic=True))
+    assert site.bind_batch(2) is False and site.bind_batch(2) is False and not bound
+
+
+def test_dynamic_site_ops_run_on_every_batch_size(monkeypatch):
+    """The call-site ops of a dynamic site on the general path (CPU: the reference) at several batch sizes: the
+    dgrad twin takes the batch from grad_output, not the plan's problem."""
+    import torch.nn.functional as F
+
+    p = Conv2dProblem.make("dgrad", 4, 16, 8, 8, 32, 3, padding=1)
+    i = library.register_site("dgrad", p, "heuristic", dynamic=True)
+    w = torch.randn(32, 16, 3, 3)
+    for n in (4, 3, 1):
+        gy = torch.randn(n, 32, 8, 8)
+        gx = library.DGRAD(gy, w, i)
+        ref = torch.nn.grad.conv2d_input([n, 16, 8, 8], w, gy, 1, 1)
+        assert gx.shape == (n, 16, 8, 8) and gx.dtype == torch.float16  # the site's output type
+        torch.testing.assert_close(gx.float(), ref, rtol=1e-2, atol=2e-2)
+    x = torch.randn(2, 16, 8, 8)
+    f = library.site(library.register_site("fprop", Conv2dProblem.make("fprop", 4, 16, 8, 8, 32, 3, padding=1,
+                                                                       dtype="f32"),
+                                           "heuristic", dynamic=True))
+    torch.testing.assert_close(library.FPROP(x, w, None, None, f.index), F.conv2d(x, w, padding=1), rtol=1e-4,
+                               atol=1e-4)

@@ -10,7 +10,8 @@
 // spec (shapes, dtypes, channels_last layout, device, pointer alignment), allocates the output and the workspace
 // from PyTorch's caching allocator, fills the pointers into a copy of the argument block and calls the library's
 // cb_run on the current stream. No Python runs, nothing synchronizes, nothing persists between calls (safe to
-// capture in CUDA graphs).
+// capture in CUDA graphs). A site whose graph has a symbolic batch size gets one spec per batch size met
+// (cb_site_add), and a call runs on the first whose checks it passes.
 //
 // Whatever the fast path cannot take (a site not bound yet, or bound to the general path; operands that differ
 // from the spec; the native path switched off) is redispatched to the op's Python twin (cutlass_byoc::*_site_py),
@@ -80,10 +81,15 @@ struct Site {
   c10::ScalarType dt_a, dt_b, dt_out, dt_source, dt_bias;
   std::string name;
   std::atomic<int64_t> calls{0};
+  // A site with a symbolic batch size (a dynamic graph) has one binding per batch size met: the newest first, each
+  // with the operand shapes of its own problem; a call takes the first whose checks it passes.
+  std::shared_ptr<Site> next;
 };
+constexpr int kMaxVariants = 8;  // bindings kept per site (the oldest dropped: its calls take the Python twin)
 
 // Sites are only ever added (one per offloaded call of a compiled graph) and replaced whole; readers take a
-// shared_ptr copy under a mutex held for a few instructions.
+// shared_ptr copy under a mutex held for a few instructions. A site's chain of bindings is immutable once
+// published (a new binding is a new head pointing at the old chain).
 std::mutex g_mutex;
 std::vector<std::shared_ptr<Site>> g_sites;
 std::atomic<bool> g_enabled{true};
@@ -193,9 +199,11 @@ at::Tensor fprop_site(const at::Tensor& input, const at::Tensor& weight, const s
   if (g_enabled.load(std::memory_order_relaxed)) {
     if (auto site = find_site(index)) {
       // the epilogue source is the residual when there is one (then the bias is the second pointer), else the bias
-      auto y = residual.has_value() ? launch(*site, input, weight, residual, bias)
-                                    : launch(*site, input, weight, bias, std::nullopt);
-      if (y) return *y;
+      for (Site* s = site.get(); s; s = s->next.get()) {
+        auto y = residual.has_value() ? launch(*s, input, weight, residual, bias)
+                                      : launch(*s, input, weight, bias, std::nullopt);
+        if (y) return *y;
+      }
     }
   }
   static const auto twin = python_twin("cutlass_byoc::fprop_site_py")
@@ -209,7 +217,8 @@ template <const char* kTwin>
 at::Tensor two_operand_site(const at::Tensor& a, const at::Tensor& b, int64_t index) {
   if (g_enabled.load(std::memory_order_relaxed)) {
     if (auto site = find_site(index)) {
-      if (auto y = launch(*site, a, b, std::nullopt, std::nullopt)) return *y;
+      for (Site* s = site.get(); s; s = s->next.get())
+        if (auto y = launch(*s, a, b, std::nullopt, std::nullopt)) return *y;
     }
   }
   static const auto twin = python_twin(kTwin).typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
@@ -236,20 +245,19 @@ extern "C" {
 
 int64_t cb_sites_abi() { return kSpecAbi; }
 
-// Bind site `index` to `spec` (copied; its argument block too). Returns 0, or -1 with `msg` set.
-int cb_site_set(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len) {
-  auto fail = [&](const std::string& why) {
-    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
-    return -1;
-  };
-  if (index < 0) return fail("negative site index");
-  if (spec == nullptr || spec->abi != kSpecAbi) return fail("SiteSpec ABI mismatch");
-  if (spec->run == nullptr || spec->args == nullptr) return fail("no cb_run or argument block");
-  if (spec->args_bytes <= 0 || spec->args_bytes > kMaxArgsBytes) return fail("argument block size out of range");
+}  // extern "C"
+
+namespace {
+
+// A Site from `spec` (copied; its argument block too), or nullptr with `why` set.
+std::shared_ptr<Site> make_site(const SiteSpec* spec, const char* name, std::string& why) {
+  if (spec == nullptr || spec->abi != kSpecAbi) return why = "SiteSpec ABI mismatch", nullptr;
+  if (spec->run == nullptr || spec->args == nullptr) return why = "no cb_run or argument block", nullptr;
+  if (spec->args_bytes <= 0 || spec->args_bytes > kMaxArgsBytes) return why = "argument block size out of range", nullptr;
   for (int64_t off : {spec->off_a, spec->off_b, spec->off_d, spec->off_source, spec->off_bias})
     if (off < 0 || off + static_cast<int64_t>(sizeof(void*)) > spec->args_bytes)
-      if (!(off == spec->off_bias && spec->bias_len < 0)) return fail("pointer offset outside the argument block");
-  if (spec->source_dim != -1 && spec->source_dim != 1 && spec->source_dim != 4) return fail("source_dim");
+      if (!(off == spec->off_bias && spec->bias_len < 0)) return why = "pointer offset outside the argument block", nullptr;
+  if (spec->source_dim != -1 && spec->source_dim != 1 && spec->source_dim != 4) return why = "source_dim", nullptr;
   auto site = std::make_shared<Site>();
   site->spec = *spec;
   site->args.fill(0);
@@ -262,8 +270,60 @@ int cb_site_set(int64_t index, const SiteSpec* spec, const char* name, char* msg
   site->dt_source = dtype(spec->source_dim > 0 ? spec->dt_source : spec->dt_out);
   site->dt_bias = dtype(spec->bias_len >= 0 ? spec->dt_bias : spec->dt_out);
   site->name = name ? name : "";
+  return site;
+}
+
+// Copy of `site` (its argument block, spec and call count) pointing at `next`: chains are never changed in place.
+std::shared_ptr<Site> relink(const Site& site, std::shared_ptr<Site> next) {
+  auto copy = std::make_shared<Site>();
+  copy->spec = site.spec;
+  copy->args = site.args;
+  copy->dt_a = site.dt_a, copy->dt_b = site.dt_b, copy->dt_out = site.dt_out;
+  copy->dt_source = site.dt_source, copy->dt_bias = site.dt_bias;
+  copy->name = site.name;
+  copy->calls.store(site.calls.load());
+  copy->next = std::move(next);
+  return copy;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bind site `index` to `spec` (copied; its argument block too), replacing what it had. Returns 0, or -1 with `msg`.
+int cb_site_set(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len) {
+  std::string why;
+  if (index < 0) why = "negative site index";
+  auto site = why.empty() ? make_site(spec, name, why) : nullptr;
+  if (!site) {
+    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
+    return -1;
+  }
   std::lock_guard<std::mutex> lock(g_mutex);
   if (index >= static_cast<int64_t>(g_sites.size())) g_sites.resize(static_cast<size_t>(index) + 1);
+  g_sites[static_cast<size_t>(index)] = std::move(site);
+  return 0;
+}
+
+// One more binding of site `index` (a dynamic site's binding at another batch size), tried before the ones it has;
+// at most kMaxVariants are kept, the oldest dropped. Returns 0, or -1 with `msg` set.
+int cb_site_add(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len) {
+  std::string why;
+  if (index < 0) why = "negative site index";
+  auto site = why.empty() ? make_site(spec, name, why) : nullptr;
+  if (!site) {
+    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
+    return -1;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (index >= static_cast<int64_t>(g_sites.size())) g_sites.resize(static_cast<size_t>(index) + 1);
+  // the kept bindings, newest first, copied into a new chain (readers may hold the old one)
+  std::vector<const Site*> kept;
+  for (const Site* s = g_sites[static_cast<size_t>(index)].get(); s && kept.size() + 1 < kMaxVariants; s = s->next.get())
+    kept.push_back(s);
+  std::shared_ptr<Site> chain;
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) chain = relink(**it, std::move(chain));
+  site->next = std::move(chain);
   g_sites[static_cast<size_t>(index)] = std::move(site);
   return 0;
 }
@@ -275,14 +335,15 @@ void cb_site_clear(int64_t index) {
 }
 
 int64_t cb_site_calls(int64_t index) {
-  auto site = find_site(index);
-  return site ? site->calls.load() : 0;
+  int64_t n = 0;
+  for (auto site = find_site(index); site; site = site->next) n += site->calls.load();
+  return n;
 }
 
 void cb_sites_reset_calls() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  for (auto& s : g_sites)
-    if (s) s->calls.store(0);
+  for (auto& head : g_sites)
+    for (Site* s = head.get(); s; s = s->next.get()) s->calls.store(0);
 }
 
 // 0: every call takes the Python twin (debugging, A/B checks); 1: the fast path runs.

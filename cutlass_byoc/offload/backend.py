@@ -21,9 +21,10 @@ The report of each compiled graph is logged (logger ``cutlass_byoc.offload``) an
 :func:`reports`, or ``backend.reports`` of a :func:`make_backend` instance; what the ops did at run time (kernel
 launches, fallbacks with reasons) is in :data:`cutlass_byoc.offload.library.RUNTIME`.
 
-Shapes: kernels are chosen per static shape, so convolutions with symbolic sizes are left to PyTorch (with the
-reason "dynamic shape"). torch.compile marks a dimension dynamic after it sees a second size (a smaller last
-batch); ``torch.compile(..., dynamic=False)`` keeps every graph static, and offloaded.
+Shapes: torch.compile marks the batch dimension dynamic after it sees a second batch size (a smaller last batch).
+Such convolutions are offloaded, planned at the traced batch size, each batch size bound at its first call
+(:class:`.library.CallSite`; ``dynamic_batch=False`` leaves them to PyTorch). Other symbolic sizes are left to
+PyTorch (with the reason "dynamic shape"); ``torch.compile(..., dynamic=False)`` keeps every graph static.
 """
 
 from __future__ import annotations

@@ -36,14 +36,21 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-no-host-credit: prefer_cudnn without the host credit (host_credit_us=0), i.e. every conv whose
 #:   decision measured cuDNN faster stays with cuDNN as under CUDA graphs: what the credit gains;
 #: - cutlass_byoc-no-wgrad-cudagraphs, cutlass_byoc-wgrad-only-cudagraphs: under CUDA graphs, wgrad left to PyTorch,
-#:   or only wgrad offloaded: which passes' kernels gain or lose in the step, against the tune's prediction.
+#:   or only wgrad offloaded: which passes' kernels gain or lose in the step, against the tune's prediction;
+#: - cutlass_byoc-dynamic (and inductor-dynamic, plain Inductor the same way): after the first step, one step at a
+#:   smaller batch (DYNAMIC_FRACTION of it: a training loop's last batch), so torch.compile recompiles with a
+#:   symbolic batch size, and that dynamic graph serves the timed steps at the full batch; compared with
+#:   inductor-dynamic when the run has it.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
     "cutlass_byoc-no-wgrad-cudagraphs": {"wgrad": False},
     "cutlass_byoc-wgrad-only-cudagraphs": {"fprop": False, "dgrad": False},
+    "cutlass_byoc-dynamic": {},
 }
-EXTRA_MODES = tuple(EXTRA_MODE_OPTIONS)
+EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
+#: the dynamic modes' smaller batch, as a fraction of the case's batch
+DYNAMIC_FRACTION = 0.75
 
 
 @dataclasses.dataclass
@@ -162,7 +169,7 @@ def compile_mode(model: nn.Module, mode: str, options: Optional[dict] = None):
     """The model as run in `mode`, and the cutlass_byoc backend object (None for the other modes)."""
     if mode == "eager":
         return model, None
-    if mode == "inductor":
+    if mode in ("inductor", "inductor-dynamic"):
         return torch.compile(model), None
     if mode == "inductor-cudagraphs":
         return torch.compile(model, mode="reduce-overhead"), None
@@ -407,6 +414,11 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             first = time.perf_counter() - t0
             grads = [p.grad.detach().clone() for p in model.parameters()]
             model.zero_grad(set_to_none=True)
+            if mode.endswith("-dynamic"):  # a smaller batch: the recompile with a symbolic batch size
+                small = max(1, int(case.batch * DYNAMIC_FRACTION))
+                _step(run, x[:small], y[:small], None, dtype)
+                torch.cuda.synchronize()
+                model.zero_grad(set_to_none=True)
             if ref is None:
                 ref = (loss, grads)
             lerr, gerr, gmax = relative_errors(loss, grads, *ref)
@@ -425,6 +437,10 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             out = fwd()
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
+            if mode.endswith("-dynamic"):  # a smaller batch: the recompile with a symbolic batch size
+                with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+                    run(x[:max(1, int(case.batch * DYNAMIC_FRACTION))])
+                torch.cuda.synchronize()
             if ref is None:
                 ref = (out, None)
             lerr = _rel(out, ref[0])
@@ -474,8 +490,10 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             if profile:
                 row.profile = profile_steps(one)
             log.info("%s", row.line())
+    modes_run = {q.mode for q in rows}
     for r in rows:
-        same = "inductor-cudagraphs" if r.mode.endswith("-cudagraphs") else "inductor"
+        same = ("inductor-cudagraphs" if r.mode.endswith("-cudagraphs") else "inductor-dynamic"
+                if r.mode.endswith("-dynamic") and "inductor-dynamic" in modes_run else "inductor")
         ind = next((q.step_ms for q in rows if q.mode == same), math.nan)
         r.speedup_vs_inductor = ind / r.step_ms
     return rows

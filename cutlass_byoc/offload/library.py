@@ -255,14 +255,21 @@ class CallSite:
     """One offloaded call of a compiled graph: its problem, resolved when the graph is compiled; the launch bound at
     its first call (:meth:`bind`); every call after that only checks its operands against the binding and launches.
 
+    A site with a symbolic batch size (``dynamic``: torch.compile's dynamic graph) has its problem at the size the
+    graph was traced at (the plan) and one binding per batch size met at run time (:meth:`bind_batch`), each bound
+    at that size's first call: the decision recorded for that exact problem if there is one, else the plan's launch
+    (its split count lowered where the smaller reduction needs it), else the selection's launch for that problem.
+    Each binding is checked for its own problem (the config rules and the kernel's can_implement) like any other.
+
     ``__call__`` returns None where the call must take the general path: the binding failed (the reason is recorded
     there), or the operands differ from what the site was compiled for (shape, dtype, layout, or a pointer alignment
     the kernel cannot take)."""
 
-    __slots__ = ("kind", "problem", "select", "source_shape", "state", "calls", "index", "__weakref__")
+    __slots__ = ("kind", "problem", "select", "source_shape", "state", "calls", "index", "dynamic", "batches",
+                 "__weakref__")
 
     def __init__(self, kind: str, problem, select: str, source_shape: Optional[tuple] = None,
-                 index: int = -1) -> None:
+                 index: int = -1, dynamic: bool = False) -> None:
         self.index = index  # in the site table (the ops' `site` argument)
         self.kind = kind
         self.problem = problem
@@ -270,6 +277,8 @@ class CallSite:
         self.source_shape = source_shape  # the epilogue source's shape: (K,) for a bias, the output's for a residual
         self.state = None  # None: not bound yet; False: general path; else a _Bound
         self.calls = 0
+        self.dynamic = dynamic  # symbolic batch size: self.problem is the plan, one binding per batch size
+        self.batches: dict[int, object] = {}  # dynamic: batch size -> _Bound, or False (general path)
 
     @property
     def launches(self) -> int:
@@ -288,25 +297,83 @@ class CallSite:
         return _TORCH_DTYPES[self.problem.element_out.value]
 
     def empty_output(self, like: torch.Tensor) -> torch.Tensor:
-        """The output's metadata (the call-site ops' fake implementation): channels_last, the problem's shape."""
+        """The output's metadata (the call-site ops' fake implementation): channels_last, the problem's shape; with
+        a symbolic batch, `like`'s batch size (the first operand's: input or grad_output) for fprop and dgrad."""
         n, h, w, c = self.problem.out_shape
+        if self.dynamic and self.kind != "wgrad":
+            n = like.shape[0]
         return like.new_empty((n, c, h, w), dtype=self.out_dtype).contiguous(memory_format=CL)
 
     def bind(self, device: torch.device):
         """Choose the launch and prepare it (``ops.bind``); False if the site must take the general path."""
-        from .. import ops  # noqa: PLC0415
         from ..select import choose  # noqa: PLC0415
 
+        self.state = self._bind(self.problem, (lambda: choose(self.problem, self.select),), self.source_shape, False)
+        return self.state
+
+    def bind_batch(self, n: int):
+        """The binding of a dynamic site at batch size `n` (made once per size); False for the general path."""
+        st = self.batches.get(n)
+        if st is None:
+            problem = self.problem if n == self.problem.n else self.problem.replace(n=n)
+            src = self.source_shape
+            if src is not None and len(src) == 4:  # a residual: the output's shape at this batch
+                src = (n, *src[1:])
+            st = self.batches[n] = self._bind(problem, self._batch_launches(problem), src, True)
+        return st
+
+    def _batch_launches(self, problem) -> list:
+        """Launches to try for `problem` (this site's problem at another batch size), in order, each a thunk: the
+        decision recorded for it; the plan's launch, then with its split count halved down to 1 (a smaller batch
+        has a shorter wgrad reduction; the same compiled kernel); the selection's launch for it."""
+        import dataclasses as dc  # noqa: PLC0415
+
+        from ..select import SelectMode, choose, deterministic_required, honour_determinism, lookup_decision  # noqa: PLC0415
+
+        def decided():
+            if SelectMode(self.select) is SelectMode.HEURISTIC:
+                return None
+            return honour_determinism(lookup_decision(problem), deterministic_required())
+
+        out = [decided]
         try:
-            launch = choose(self.problem, self.select)
-            prep = ops.bind(self.problem, launch) if launch is not None else None
+            plan = choose(self.problem, self.select)
         except (ValueError, *_kernel_errors()) as e:
-            log.info("call site %s takes the general path: %s", self.problem.name, e)
-            prep = None
+            log.info("call site %s: no plan launch: %s", self.problem.name, e)
+            plan = None
+        if plan is not None:
+            splits = plan.split_k_slices
+            while True:
+                out.append(lambda s=splits: dc.replace(plan, split_k_slices=s) if s != plan.split_k_slices else plan)
+                if splits <= 1:
+                    break
+                splits //= 2
+        out.append(lambda: choose(problem, self.select))
+        return out
+
+    def _bind(self, problem, launches, source_shape, variant: bool):
+        """The first of `launches` (thunks) that `ops.bind` accepts for `problem`, prepared as a _Bound and handed to
+        the C++ path (as one more binding of the site if `variant`); False if none does (the general path)."""
+        from .. import ops  # noqa: PLC0415
+
+        prep = None
+        tried = set()
+        for thunk in launches:
+            launch = None
+            try:
+                launch = thunk()
+                if launch is None or launch in tried:
+                    continue
+                tried.add(launch)
+                prep = ops.bind(problem, launch)
+                break
+            except (ValueError, *_kernel_errors()) as e:
+                log.info("call site %s: %s: %s", problem.name, getattr(launch, "name", "?"), e)
+                prep = None
         if prep is None:
-            self.state = False
+            log.info("call site %s takes the general path", problem.name)
             return False
-        p = self.problem
+        p = problem
         n, h, w, c = p.out_shape
         a, b = p.a_shape, p.b_shape  # NHWC / KRSC extents
         el = _TORCH_DTYPES
@@ -314,28 +381,38 @@ class CallSite:
         # the source is the bias for "bias" (its own type: fp32 under a 16-bit output on a bias-vector kernel), the
         # residual otherwise; "bias_residual" also takes the bias, (K,) of its type, in CbConv2dArgs.bias
         dt_src = el[p.element_bias.value] if src == "bias" else el[p.element_out.value]
-        self.state = _Bound(
+        state = _Bound(
             prep.lib._lib.cb_run, prep.template, prep.workspace_bytes, *prep.align_bytes,
             (a[0], a[3], a[1], a[2]), (b[0], b[3], b[1], b[2]), el[p.element_a.value], el[p.element_b.value],
             (n, c, h, w), (h * w * c, 1, w * c, c), el[p.element_out.value],
-            self.source_shape if src != "none" else None, prep.lib.name,
+            source_shape if src != "none" else None, prep.lib.name,
             ctypes.create_string_buffer(256), dt_src, prep.source_bytes or prep.align_bytes[2],
             el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,))
         nat = native.load()
         if nat is not None and self.index >= 0:
             try:
-                nat.set_site(self.index, self.state.native_spec(), self.problem.name)
+                if variant:
+                    nat.add_site_variant(self.index, state.native_spec(), problem.name)
+                else:
+                    nat.set_site(self.index, state.native_spec(), problem.name)
             except (ValueError, KeyError) as e:  # the site stays on the Python path (the same checks)
-                log.warning("cutlass_byoc: call site %s stays on the Python path: %s", self.problem.name, e)
-        return self.state
+                log.warning("cutlass_byoc: call site %s stays on the Python path: %s", problem.name, e)
+        return state
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, src: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        st = self.state
-        if st is None:
-            if not a.is_cuda:
-                return None
-            st = self.bind(a.device)
+        if self.dynamic:
+            st = self.batches.get(a.shape[0])
+            if st is None:
+                if not a.is_cuda or a.dim() != 4:
+                    return None
+                st = self.bind_batch(int(a.shape[0]))
+        else:
+            st = self.state
+            if st is None:
+                if not a.is_cuda:
+                    return None
+                st = self.bind(a.device)
         if st is False:
             return None
         if (a.shape != st.a_shape or b.shape != st.b_shape or a.dtype != st.dt_a or b.dtype != st.dt_b
@@ -440,13 +517,15 @@ _SITES: list[CallSite] = []
 _sites_lock = threading.Lock()
 
 
-def register_site(kind: str, problem, select: str, source_shape: Optional[Sequence[int]] = None) -> int:
+def register_site(kind: str, problem, select: str, source_shape: Optional[Sequence[int]] = None,
+                  dynamic: bool = False) -> int:
     """A new call site for `problem` (made by the partitioner for each op it inserts); its index for the op's
-    ``site`` argument."""
+    ``site`` argument. `dynamic`: the graph's batch size is symbolic and `problem` is at its example value."""
     if torch.cuda.is_available():
         native.load()  # built (once per torch install) while the graph compiles, not at its first call
     with _sites_lock:
-        site = CallSite(kind, problem, select, tuple(source_shape) if source_shape is not None else None, len(_SITES))
+        site = CallSite(kind, problem, select, tuple(source_shape) if source_shape is not None else None, len(_SITES),
+                        dynamic)
         _SITES.append(site)
         return site.index
 
@@ -664,7 +743,8 @@ def _dgrad_site(grad_output: torch.Tensor, weight: torch.Tensor, site: int) -> t
         if y is not None:
             return y
     p = s.problem
-    return _conv2d_dgrad(grad_output, weight, [p.n, p.c, p.h, p.w], *s.conv_args, s.out_dtype, s.select)
+    n = grad_output.shape[0] if s.dynamic else p.n
+    return _conv2d_dgrad(grad_output, weight, [n, p.c, p.h, p.w], *s.conv_args, s.out_dtype, s.select)
 
 
 @_fake("dgrad_site")

@@ -116,6 +116,8 @@ class Native:
         lib.cb_site_set.argtypes = [ctypes.c_int64, ctypes.POINTER(SiteSpec), ctypes.c_char_p, ctypes.c_char_p,
                                     ctypes.c_int]
         lib.cb_site_set.restype = ctypes.c_int
+        lib.cb_site_add.argtypes = lib.cb_site_set.argtypes
+        lib.cb_site_add.restype = ctypes.c_int
         lib.cb_site_clear.argtypes = [ctypes.c_int64]
         lib.cb_site_calls.argtypes = [ctypes.c_int64]
         lib.cb_site_calls.restype = ctypes.c_int64
@@ -129,6 +131,12 @@ class Native:
     def set_site(self, index: int, spec: SiteSpec, name: str) -> None:
         msg = ctypes.create_string_buffer(256)
         if self._lib.cb_site_set(index, ctypes.byref(spec), name.encode(), msg, 256):
+            raise ValueError(f"call site {index} ({name}): {msg.value.decode()}")
+
+    def add_site_variant(self, index: int, spec: SiteSpec, name: str) -> None:
+        """One more binding of a site (a dynamic site's binding at another batch size), tried first."""
+        msg = ctypes.create_string_buffer(256)
+        if self._lib.cb_site_add(index, ctypes.byref(spec), name.encode(), msg, 256):
             raise ValueError(f"call site {index} ({name}): {msg.value.decode()}")
 
     def clear_site(self, index: int) -> None:

@@ -51,13 +51,15 @@ from .patterns import (
     fprop_patterns,
     kernel_for,
     make_problem,
+    batch_shape,
     pair,
+    same_size,
     static_shape,
     val,
     wgrad_cast_patterns,
 )
 from .patterns import Epilogue
-from .report import OffloadEntry, OffloadReport, Pass
+from .report import DYNAMIC_BATCH, DYNAMIC_SHAPE, OffloadEntry, OffloadReport, Pass
 
 log = logging.getLogger("cutlass_byoc.offload")
 
@@ -212,12 +214,20 @@ class _Rewriter:
         check_tensor(xv, "input", opts)
         check_tensor(wv, "weight", opts)
         check_dtypes(xv, wv, opts)
-        x_shape, w_shape, y_shape = static_shape(xv, "input"), static_shape(wv, "weight"), static_shape(yv, "output")
+        x_shape, x_dyn = batch_shape(xv, "input", opts)
+        y_shape, y_dyn = batch_shape(yv, "output", opts)
+        w_shape = static_shape(wv, "weight")
+        dynamic = x_dyn or y_dyn
+        if dynamic and not same_size(xv.shape[0], yv.shape[0]):
+            raise Reject(f"{DYNAMIC_SHAPE}: input batch {xv.shape[0]} and output batch {yv.shape[0]} differ")
         if b is not None:
             bv = val(b)
             if bv.dim() != 1:
                 raise Reject(f"bias: expected 1-d, got shape {tuple(bv.shape)}")
         if transposed:
+            if dynamic:
+                raise Reject(f"{DYNAMIC_SHAPE}: transposed convs are offloaded at static shapes only (input "
+                             f"{tuple(xv.shape)})")
             self._rewrite_transposed(pat, conv, x, w, b, stride, padding, dilation, groups, bound, x_shape, w_shape,
                                      y_shape)
             return
@@ -238,7 +248,9 @@ class _Rewriter:
         if pat.add is not None:
             other = nm[pat.other]
             ov = val(other)
-            oshape = static_shape(ov, "add operand")
+            oshape, o_dyn = batch_shape(ov, "add operand", opts)
+            if (o_dyn or dynamic) and len(oshape) == 4 and not same_size(ov.shape[0], yv.shape[0]):
+                raise Reject(f"{DYNAMIC_SHAPE}: add operand's batch {ov.shape[0]} is not the output's {yv.shape[0]}")
             if oshape == y_shape:
                 residual = other
                 fused.append("residual")
@@ -286,11 +298,14 @@ class _Rewriter:
             res_arg = self._cast(residual, out_dtype) if residual is not None else None
             # bias and residual both go to the kernel (one epilogue: act(conv + bias + residual), no extra pass)
             site = library.register_site("fprop", problem, opts.select.value,
-                                         y_shape if res_arg is not None else (k,) if bias_arg is not None else None)
+                                         y_shape if res_arg is not None else (k,) if bias_arg is not None else None,
+                                         dynamic=dynamic)
             new = self.call(library.FPROP, (x, w, bias_arg, res_arg, site))
         self._replace(pat.gm.graph, nm, last, new)
         entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch),
                                  pattern=pat.name, fused=tuple(fused))
+        if dynamic:
+            entry.notes.append(_dynamic_note(problem.n))
         entry.node = conv.name
 
     def _rewrite_transposed(self, pat, conv, x, w, b, stride, padding, dilation, groups, bound, x_shape, w_shape,
@@ -388,8 +403,12 @@ class _Rewriter:
                 check_tensor(t, what, opts)
             check_dtypes(gov, wv, opts)
             check_dtypes(gov, xv, opts)
-            common = dict(x_shape=static_shape(xv, "input"), w_shape=static_shape(wv, "weight"))
-            static_shape(gov, "grad_output")
+            x_shape, x_dyn = batch_shape(xv, "input", opts)
+            _, go_dyn = batch_shape(gov, "grad_output", opts)
+            dynamic = x_dyn or go_dyn
+            if dynamic and not same_size(xv.shape[0], gov.shape[0]):
+                raise Reject(f"{DYNAMIC_SHAPE}: input batch {xv.shape[0]} and grad_output batch {gov.shape[0]} differ")
+            common = dict(x_shape=x_shape, w_shape=static_shape(wv, "weight"))
         except Reject as e:
             for i, kind in ((0, Pass.DGRAD), (1, Pass.WGRAD)):
                 if mask[i] and getitems.get(i):
@@ -405,14 +424,16 @@ class _Rewriter:
                                        dilation, groups, gov.dtype, out_dtype)
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
-                    new = self.call(library.DGRAD, (go, w, library.register_site("dgrad", problem, opts.select.value)))
+                    new = self.call(library.DGRAD, (go, w, library.register_site("dgrad", problem, opts.select.value,
+                                                                                 dynamic=dynamic)))
                 self.new_nodes.append(new)
                 for g in getitems[0]:
                     self._substitute(g, new)
                     self.graph.erase_node(g)
                 done[0] = True
                 self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                             "convolution_backward[grad_input]"))
+                                             "convolution_backward[grad_input]",
+                                             notes=[_dynamic_note(problem.n)] if dynamic else []))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
         # wgrad
@@ -434,7 +455,8 @@ class _Rewriter:
                                        dilation, groups, gov.dtype, out_dtype)
                 launch = kernel_for(problem, opts)
                 with self.graph.inserting_before(cb):
-                    new = self.call(library.WGRAD, (go, inp, library.register_site("wgrad", problem, opts.select.value)))
+                    new = self.call(library.WGRAD, (go, inp, library.register_site("wgrad", problem, opts.select.value,
+                                                                                   dynamic=dynamic)))
                 self.new_nodes.append(new)
                 if fuse_cast is not None:
                     self._substitute(fuse_cast, new)
@@ -446,6 +468,8 @@ class _Rewriter:
                         self.graph.erase_node(g)
                 done[1] = True
                 fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
+                if dynamic:
+                    notes.append(_dynamic_note(problem.n))
                 self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
                                              "convolution_backward[grad_weight]", fused, notes=notes))
             except Reject as e:
@@ -582,6 +606,11 @@ class _Rewriter:
 
 
 _FAILED = object()
+
+
+def _dynamic_note(n: int) -> str:
+    """The report's note on a call whose batch size is symbolic."""
+    return (f"{DYNAMIC_BATCH}: planned at N={n}, each batch size met at run time bound to a launch at its first call")
 
 
 def _layout_differs(a, b) -> bool:

@@ -99,6 +99,9 @@ class OffloadOptions:
     # config at compile time); a number applies in both.
     host_credit_us: Optional[float] = None
     mode: Optional[str] = None  # torch.compile's mode, passed to Inductor ("reduce-overhead" implies cudagraphs)
+    # offload convs whose batch size is symbolic (torch.compile's dynamic graph after a second batch size): planned
+    # at the size the graph was compiled for, each batch size met at run time bound on its first call (CallSite)
+    dynamic_batch: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))
@@ -358,8 +361,49 @@ def static_shape(t: torch.Tensor, what: str) -> tuple[int, ...]:
         return _raise_dynamic(t, what)
 
 
-def _raise_dynamic(t, what):
-    raise Reject(f"{DYNAMIC_SHAPE}: {what} has symbolic sizes {tuple(t.shape)}; kernels are chosen per static shape "
+def size_hint(s) -> Optional[int]:
+    """The example value of a size: an int as it is, a backed SymInt's hint (the size the graph was traced at), None
+    for an unbacked one (data-dependent)."""
+    if isinstance(s, int):
+        return s
+    hint = getattr(getattr(s, "node", None), "hint", None)
+    try:
+        return int(hint) if hint is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def batch_shape(t: torch.Tensor, what: str, options: Optional["OffloadOptions"] = None) -> tuple[tuple[int, ...], bool]:
+    """The sizes of an activation (or its gradient) with a symbolic batch size replaced by its hint, and whether the
+    batch is symbolic. Only the batch (dim 0) may be symbolic, and only with a hint, with options.dynamic_batch on:
+    otherwise Reject(dynamic shape)."""
+    shape = tuple(t.shape)
+    if all(isinstance(s, int) for s in shape):
+        return tuple(int(s) for s in shape), False
+    if options is not None and not options.dynamic_batch:
+        _raise_dynamic(t, what, "dynamic_batch=False")
+    if not shape or not all(isinstance(s, int) for s in shape[1:]):
+        _raise_dynamic(t, what, "only the batch size may be symbolic")
+    n = size_hint(shape[0])
+    if n is None or n < 1:
+        _raise_dynamic(t, what, "the batch size has no example value")
+    return (n, *(int(s) for s in shape[1:])), True
+
+
+def same_size(a, b) -> bool:
+    """Whether two sizes are the same for every value of their symbols: equal ints, or the same symbolic expression
+    (two symbols with equal example values are not)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    ea, eb = getattr(getattr(a, "node", None), "expr", None), getattr(getattr(b, "node", None), "expr", None)
+    return ea is not None and ea == eb
+
+
+def _raise_dynamic(t, what, why: Optional[str] = None):
+    raise Reject(f"{DYNAMIC_SHAPE}: {what} has symbolic sizes {tuple(t.shape)}"
+                 + (f" ({why})" if why else "") + "; kernels are chosen per static shape "
                  "(torch.compile(..., dynamic=False) keeps every graph static)")
 
 

@@ -15,21 +15,23 @@ log = logging.getLogger("cutlass_byoc.offload")
 
 #: The reason a conv with symbolic sizes is left to PyTorch starts with this (patterns.py's shape check).
 DYNAMIC_SHAPE = "dynamic shape"
+#: The note on an offloaded call whose batch size is symbolic starts with this (partition._dynamic_note).
+DYNAMIC_BATCH = "dynamic batch"
 _dynamic_warned = False
 
 
 def _warn_dynamic_once() -> None:
     """Say once per process, as a warning, why a graph with symbolic sizes runs its convs in PyTorch: torch.compile
-    recompiles with a dynamic batch after it sees a second batch size (a training loop's smaller last batch), and
-    that graph then serves every later step, the full batch included, so the offload would end quietly there."""
+    recompiles with dynamic sizes after it sees a second size, and that graph then serves every later call. A
+    symbolic batch size alone is offloaded (OffloadOptions.dynamic_batch); symbolic image or channel sizes are not."""
     global _dynamic_warned
     if not _dynamic_warned:
         _dynamic_warned = True
-        log.warning("cutlass_byoc: a graph with dynamic (symbolic) sizes was compiled, and its convolutions run in "
-                    "PyTorch: kernels are chosen per static shape. torch.compile makes a dimension dynamic once it "
-                    "sees a second size (e.g. a smaller last batch), and that graph then serves every later call. "
-                    "Pass dynamic=False to torch.compile (one static, offloaded graph per shape) or drop the "
-                    "smaller last batch (DataLoader(drop_last=True)).")
+        log.warning("cutlass_byoc: a graph with dynamic (symbolic) sizes other than the batch size was compiled, and "
+                    "its convolutions run in PyTorch: kernels are chosen per static shape, a symbolic batch size "
+                    "aside. torch.compile makes a dimension dynamic once it sees a second size (e.g. another image "
+                    "size), and that graph then serves every later call. Pass dynamic=False to torch.compile (one "
+                    "static, offloaded graph per shape).")
 
 
 class Pass(str, enum.Enum):
