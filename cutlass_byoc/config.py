@@ -552,6 +552,12 @@ class LaunchConfig:
             tiles = pixel_tiles(self.kernel, problem)
             if self.split_k_slices > tiles:
                 return f"split_k_slices: {self.split_k_slices} splits of the N*P*Q reduction exceed its {tiles} pixel tiles"
+            if self.kernel.split_k_mode is SplitKMode.CLUSTER:
+                from .depthwise import MAX_CLUSTER_SPLITS  # noqa: PLC0415
+
+                if self.split_k_slices > MAX_CLUSTER_SPLITS:
+                    return (f"split_k_slices: a cluster split reduces in one thread-block cluster, at most "
+                            f"{MAX_CLUSTER_SPLITS} CTAs, got {self.split_k_slices}")
             return None
         if self.split_k_slices > 1:
             k = self.kernel

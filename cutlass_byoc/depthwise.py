@@ -17,7 +17,10 @@ halo_smem      True: the CTA first stages its input halo (the input rows and col
                through registers); False: every thread reads the input through L1
 filter_rs      R x S, compile-time (the tap loops unroll)
 conv_stride    the stride, compile-time (the sliding window along a thread's strip unrolls)
-split_k_mode   PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel tiles into fp32 partials in the
+split_k_mode   CLUSTER for wgrad (the cluster twin of each config, `cluster_variant`): a channel block's splits are one
+               thread-block cluster of `split_k_slices` CTAs (at most MAX_CLUSTER_SPLITS) that add their sums
+               through distributed shared memory, in split order, and write dw: one kernel, no workspace.
+               PARALLEL for wgrad: each CTA reduces a slice of the N*P*Q pixel tiles into fp32 partials in the
                workspace, then a reduction kernel sums the slices and casts; the slice count is the launch's
                `split_k_slices`. SERIAL (meaning: not split) for fprop and dgrad.
 align_b        fprop/dgrad: 1 (the filter, [C][R][S], is read per channel into shared memory once per CTA);
@@ -145,6 +148,8 @@ PREFETCH_ROWS = 2
 H200_SMS = 132
 DRAM_GBS = 3800.0
 LAUNCH_US = 3.0
+#: The most splits a cluster-split wgrad takes: the CTAs of one thread-block cluster (8: the portable cluster size)
+MAX_CLUSTER_SPLITS = 8
 #: Threads an SM holds (sm_90), and its 32-bit registers.
 MAX_SM_THREADS = 2048
 SM_REGISTERS = 65536
@@ -330,8 +335,8 @@ def depthwise_name(c: KernelConfig) -> str:
         ("l1" if not c.halo_smem else "smem" if c.stages == 1 else f"smem{c.stages}"),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
-    if c.split_k_mode is SplitKMode.PARALLEL:
-        parts.append("splitk_parallel")
+    if c.split_k_mode in (SplitKMode.PARALLEL, SplitKMode.CLUSTER):
+        parts.append(f"splitk_{c.split_k_mode.value}")
     if c.activation is not Activation.IDENTITY:
         parts.append(c.activation.value)
     if c.filter_rs:
@@ -395,8 +400,9 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         if a not in ALIGNMENTS or a * elem.bits > 128:
             return f"{name}: expected one of {ALIGNMENTS} within 128 bits of {elem.value}, got {a}"
     if c.kind is ConvKind.WGRAD:
-        if c.split_k_mode is not SplitKMode.PARALLEL:
-            return "split_k_mode: depthwise wgrad always reduces through fp32 partials (parallel)"
+        if c.split_k_mode not in (SplitKMode.PARALLEL, SplitKMode.CLUSTER):
+            return ("split_k_mode: depthwise wgrad reduces its splits through fp32 partials (parallel) or in a "
+                    "thread-block cluster (cluster)")
         if c.align_b > vec or c.align_c != 1:
             return f"alignments: depthwise wgrad reads x in chunks <= the vector ({vec}) and writes dw per element"
         if c.activation is not Activation.IDENTITY:
@@ -744,6 +750,11 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                             if twin is not None and twin not in seen:
                                 seen.add(twin)
                                 yield twin
+                        for base in [cfg] + [t for t in (min_blocks_variant(cfg), prefetch_variant(cfg)) if t]:
+                            twin = cluster_variant(base)
+                            if twin is not None and twin not in seen:
+                                seen.add(twin)
+                                yield twin
 
 
 def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
@@ -755,6 +766,18 @@ def min_blocks_variant(c: KernelConfig) -> Optional[KernelConfig]:
     if blocks < 2 or c.min_blocks is not None or c.prefetch is not None:
         return None
     return dataclasses.replace(c, min_blocks=blocks)  # 2 <= blocks <= 2048 / threads: always a valid config
+
+
+def cluster_variant(c: KernelConfig) -> Optional[KernelConfig]:
+    """The cluster-split twin of a wgrad config `c` (the same kernel with its splits reduced in one thread-block
+    cluster, `SplitKMode.CLUSTER`), or None for fprop / dgrad and for a twin already."""
+    if c.kind is not ConvKind.WGRAD or c.split_k_mode is not SplitKMode.PARALLEL:
+        return None
+    return dataclasses.replace(c, split_k_mode=SplitKMode.CLUSTER)
+
+
+def is_cluster_split(c: KernelConfig) -> bool:
+    return c.split_k_mode is SplitKMode.CLUSTER
 
 
 def prefetch_variant(c: KernelConfig) -> Optional[KernelConfig]:
@@ -777,6 +800,8 @@ def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SM
         return [1]
     tiles = pixel_tiles(c, problem)
     ctiles = math.ceil(problem.c / c.tile[2])
+    if is_cluster_split(c):  # one cluster per channel block: the powers of two up to its size, each split with work
+        return [s for s in (1, 2, 4, 8) if s <= MAX_CLUSTER_SPLITS and s <= max(1, tiles)]
     per_sm = 2  # resident CTAs per SM a wgrad CTA can count on (its R*S*vector accumulators take registers)
     rows = is_rows(c) or is_cols(c)
     out = []
@@ -829,7 +854,7 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     bytes_ = problem.bytes_moved + in_bytes * (reread - 1) * (0.15 if c.halo_smem else 0.3)
     bytes_ *= waste
     extra = 0.0
-    if c.kind is ConvKind.WGRAD:
+    if c.kind is ConvKind.WGRAD and not is_cluster_split(c):  # the partials, and the reduction kernel's launch
         bytes_ += 2 * launch.split_k_slices * problem.c * problem.r * problem.s * 4
         extra += LAUNCH_US
     ctas = pixel_tiles(c, problem) * math.ceil(problem.c / ch) if c.kind is not ConvKind.WGRAD else \
@@ -853,10 +878,11 @@ def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Opt
     """The model's best depthwise launch for `problem`, or None if no depthwise kernel computes it. Not a pipelined
     wgrad: the memory model sees its staged reads, not the cost of staging them (on the H200 the 5x5 ones ran
     60-70 us where "taprows" ran 41 us, effb0_dw_240_5x5_28; it won some 3x3 problems only), so it is left to the
-    profiler; nor a "cols" kernel, whose register-bound occupancy the model does not see either."""
+    profiler; nor a "cols" kernel, whose register-bound occupancy the model does not see either; nor a cluster-split
+    wgrad (its few splits per channel block can leave most SMs idle, which the model's floor on wave fill hides)."""
     best = None
     for cfg in depthwise_candidates(problem):
-        if is_pipelined_wgrad(cfg) or is_cols(cfg):
+        if is_pipelined_wgrad(cfg) or is_cols(cfg) or is_cluster_split(cfg):
             continue
         for s in split_candidates(problem, cfg, sms):
             launch = LaunchConfig(cfg, s)

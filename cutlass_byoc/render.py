@@ -65,9 +65,9 @@ def render(config: KernelConfig, compile_command: str) -> str:
         extra = dict(kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule, tile_scheduler=tile_scheduler,
                      reduction_mode=STREAMK_REDUCTION.get(config.schedule), max_rsc=IM2COL_MAX_RSC)
     elif config.family is KernelFamily.DEPTHWISE_DIRECT:
-        from .depthwise import pad_groups  # noqa: PLC0415
+        from .depthwise import MAX_CLUSTER_SPLITS, pad_groups  # noqa: PLC0415
 
-        extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)))
+        extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)), max_cluster_splits=MAX_CLUSTER_SPLITS)
     elif config.family is KernelFamily.SM90_TMA_WGMMA:
         from .sm90 import SUBPIXEL_MAX_PHASES  # noqa: PLC0415
 

@@ -97,10 +97,13 @@ class SplitKMode(str, enum.Enum):
     NONE = "none"
     SERIAL = "serial"  # slices take turns on the output tile, ordered by a semaphore in workspace
     PARALLEL = "parallel"  # fp32 partials in workspace, then a reduction kernel applies the epilogue
+    # (depthwise wgrad) the splits of a channel block are one thread-block cluster, reduced in distributed shared
+    # memory by the same kernel: no workspace, no second kernel; at most MAX_CLUSTER_SPLITS splits
+    CLUSTER = "cluster"
 
     @property
     def cutlass(self) -> str:
-        return {"none": "kSerial", "serial": "kSerial", "parallel": "kParallel"}[self.value]
+        return {"none": "kSerial", "serial": "kSerial", "parallel": "kParallel", "cluster": "kParallel"}[self.value]
 
 
 class Activation(str, enum.Enum):

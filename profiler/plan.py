@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from ..candidates import channel_pad_options, rewrite_options, sm80_candidates
 from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
-from ..depthwise import depthwise_candidates, is_cols, is_pipelined, is_wide_strip
+from ..depthwise import depthwise_candidates, is_cluster_split, is_cols, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..smem_im2col import smem_im2col_candidates
 from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
@@ -55,6 +55,11 @@ PIPELINED_BUDGET = 6
 #: register-bound occupancy and overlap the model does not see either: this many of the model's best, one per CTA
 #: shape first.
 COLS_BUDGET = 8
+#: ... and the depthwise wgrad kernels whose splits reduce in one thread-block cluster (depthwise.cluster_variant: no
+#: partials, no second kernel, at most 8 splits per channel block), which the model ranks above their partials twins
+#: wherever a few splits fill the GPU and cannot judge where they do not: this many of the model's best, one per
+#: schedule first, on top of the others.
+CLUSTER_SPLIT_BUDGET = 4
 #: The shared-memory im2col kernels (few input channels), timed on a budget of their own on top of the others.
 SMEM_IM2COL_BUDGET = 8
 #: The 3.x conv family's persistent ping-pong kernels (the project's own, sm90.PINGPONG), up to this many of the
@@ -236,8 +241,8 @@ def plan_problem(
             budget = max(1, group_budget // len(options) + (1 if i < group_budget % len(options) else 0))
             for _, kc, launches in _take_budget(by_family, budget) + side:
                 # a "cols" wgrad kernel: every split count (its model cannot tell the CTAs an SM holds, which decide
-                # whether the last wave is nearly empty or nearly full)
-                for us, l in launches[:len(launches) if is_cols(kc) else slices_per_kernel]:
+                # whether the last wave is nearly empty or nearly full); a cluster split: each of its few counts
+                for us, l in launches[:len(launches) if is_cols(kc) or is_cluster_split(kc) else slices_per_kernel]:
                     if (pad_c, pad_k, blk) != (1, 1, 1):
                         l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k, s2d=blk)
                         us += padding_cost_us(problem, l)
@@ -288,8 +293,10 @@ _PINGPONG = "sm90 ping-pong"
 _COLS = "depthwise cols"
 _COLS_AHEAD = "depthwise cols, prefetch twins"
 _COLS_CAPPED = "depthwise cols fprop/dgrad, register-capped twins"
+_CLUSTER = "depthwise wgrad, cluster split"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
-                 KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET}
+                 KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET,
+                 _CLUSTER: CLUSTER_SPLIT_BUDGET}
 #: Side budgets whose kernels are taken one per tile shape first (_spread_over_tiles), as the families' are.
 _SPREAD_SIDES = (_PINGPONG, _COLS)
 
@@ -317,6 +324,8 @@ def _family_key(kernel: KernelConfig):
     if kernel.is_conv_pingpong:
         return _PINGPONG
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
+        if is_cluster_split(kernel):
+            return _CLUSTER
         if is_pipelined(kernel):
             return _PIPELINED
         if is_cols(kernel):

@@ -8,7 +8,7 @@ from cutlass_byoc.build import build
 from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.runtime import KernelLibrary
-from cutlass_byoc.types import Activation, SourceKind
+from cutlass_byoc.types import Activation, SourceKind, SplitKMode
 
 from compile_util import loaded_kernel, raw_can_implement  # noqa: E402
 
@@ -35,6 +35,9 @@ KERNELS = {
     "cols_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="cols", stages=7, align_a=2, min_blocks=None)),
     "cols_fprop": (FPROP, pick(FPROP, schedule="cols", stages=8, align_a=4)),
     "cols_strided_dgrad": (STRIDED_DGRAD, pick(STRIDED_DGRAD, schedule="cols", stages=8, align_a=2)),
+    "cluster_wgrad": (WGRAD, pick(WGRAD, halo_smem=False, align_a=8, split_k_mode=SplitKMode.CLUSTER)),
+    "cluster_cols_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="cols", stages=7, align_a=2, min_blocks=None,
+                                           split_k_mode=SplitKMode.CLUSTER)),
 }
 
 
@@ -75,3 +78,11 @@ def test_wgrad_workspace_holds_fp32_partials_per_split(built, which):
     for splits in (1, 8, min(64, pixel_tiles(cfg, problem))):
         assert lib.can_implement(problem, split_k_slices=splits) is None
         assert lib.workspace_size(problem, splits) == splits * problem.r * problem.s * problem.c * 4
+
+
+def test_cluster_split_wgrad_takes_at_most_a_cluster_of_splits_and_no_workspace(built):
+    problem, cfg = KERNELS["cluster_wgrad"]
+    lib = KernelLibrary(cfg, built[cfg].library)
+    assert raw_can_implement(lib, problem, 8) is None
+    assert raw_can_implement(lib, problem, 9).startswith("split_k_slices")
+    assert lib.workspace_size(problem, 8) == 0

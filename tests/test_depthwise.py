@@ -33,7 +33,7 @@ from cutlass_byoc.depthwise import (
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import (
-    COLS_BUDGET, DEPTHWISE_BUDGET_FACTOR, PIPELINED_BUDGET, WIDE_STRIP_BUDGET, has_kernels, plan_problem,
+    CLUSTER_SPLIT_BUDGET, COLS_BUDGET, DEPTHWISE_BUDGET_FACTOR, PIPELINED_BUDGET, WIDE_STRIP_BUDGET, has_kernels, plan_problem,
 )
 from cutlass_byoc.render import render
 from cutlass_byoc.types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode
@@ -62,13 +62,35 @@ def test_candidates_exist_and_are_valid_for_every_kind_filter_and_stride(kind, r
         assert c.reject_reason(p) is None
         assert c.filter_rs == (r, r) and c.conv_stride == (stride, stride)
         assert c.name.startswith(f"cb_dw_{kind.value}_") and f"_f{r}x{r}_u{stride}x{stride}_" in c.name
-        assert (c.split_k_mode is SplitKMode.PARALLEL) == (kind is ConvKind.WGRAD)
+        assert (c.split_k_mode in (SplitKMode.PARALLEL, SplitKMode.CLUSTER)) == (kind is ConvKind.WGRAD)
         if kind is ConvKind.WGRAD:
             assert dwmod.thread_taps(c) * c.align_a <= dwmod.WGRAD_MAX_ACC and c.align_c == 1
             assert dwmod.thread_taps(c) == (r if c.schedule == "taprows" or dwmod.is_pipelined_wgrad(c) else r * r)
         else:
             assert c.align_b == 1
     assert {c.halo_smem for c in cands} == ({False} if kind is ConvKind.DGRAD and stride > 1 else {False, True})
+
+
+def test_every_wgrad_config_has_its_cluster_split_twin():
+    """Each wgrad config comes with the same kernel reducing its splits in one thread-block cluster: 1-8 splits (the
+    portable cluster size, each with work), no workspace split count beyond that, its own name; fprop / dgrad have
+    none; the model's default never picks one (its few splits can leave the GPU idle)."""
+    p = dw("wgrad", c=960, hw=7, n=32)
+    cands = list(depthwise_candidates(p))
+    parallel = {c for c in cands if c.split_k_mode is SplitKMode.PARALLEL}
+    cluster = {c for c in cands if c.split_k_mode is SplitKMode.CLUSTER}
+    assert cluster and {dataclasses.replace(c, split_k_mode=SplitKMode.PARALLEL) for c in cluster} == parallel
+    assert all("_splitk_cluster_" in c.name for c in cluster) and not any("cluster" in c.name for c in parallel)
+    c = next(iter(cluster))
+    assert dwmod.cluster_variant(c) is None and dwmod.cluster_variant(first(dw(), align_a=8)) is None
+    assert set(dwmod.split_candidates(p, c)) <= {1, 2, 4, 8}
+    assert LaunchConfig(c, 8).reject_reason(p) is None
+    assert "at most 8" in LaunchConfig(c, 16).reject_reason(p)
+    assert dwmod.default_depthwise_launch(p).kernel.split_k_mode is SplitKMode.PARALLEL
+    # no partials: the model charges neither their traffic nor the reduction's launch
+    twin = dataclasses.replace(c, split_k_mode=SplitKMode.PARALLEL)
+    assert dwmod.estimate_us(p, LaunchConfig(c, 4)) < dwmod.estimate_us(p, LaunchConfig(twin, 4))
+    assert not any(dwmod.is_cluster_split(k) for k in depthwise_candidates(dw("fprop")))
 
 
 def test_vector_width_follows_the_channel_count():
@@ -376,6 +398,22 @@ def test_render_fprop_with_epilogue():
     assert "griddepcontrol" not in src and "cudaLaunchKernelEx" not in src  # no dependent launch without a reduction
 
 
+def test_render_wgrad_cluster_split():
+    """The cluster twin: one kernel launched in clusters of `splits` CTAs, split fastest; the splits' sums added in
+    split order through distributed shared memory, between two cluster barriers; no partials, no reduction kernel."""
+    c = dwmod.cluster_variant(first(dw("wgrad"), halo_smem=False))
+    src = render(c, "nvcc")
+    assert "#include <cooperative_groups.h>" in src and "cudaLaunchAttributeClusterDimension" in src
+    assert "cudaLaunchKernelEx(&cfg, depthwise_kernel, p)" in src and "clusterDim.x = unsigned(splits)" in src
+    assert "work = int(blockIdx.x % splits);" in src
+    body = src[src.index("CUTLASS_DEVICE void finish_split"):]
+    body = body[:body.index("\n}\n")]
+    assert body.count("cluster.sync();") == 2 and "map_shared_rank(&total[tap][cl], r)" in body
+    assert body.index("cluster.sync();") < body.index("map_shared_rank") < body.rindex("cluster.sync();")
+    assert "reduce_kernel" not in src and "p.partials[" not in src and "griddepcontrol" not in src
+    assert "kMaxClusterSplits = 8" in src and "atomicAdd" not in src
+
+
 def test_render_dgrad_stride_1_is_rotated_fprop_and_strided_gathers_valid_taps():
     flipped = render(first(dw("dgrad"), halo_smem=False), "nvcc")
     assert "rotated 180 degrees" in flipped and "kTaps - 1 - tap" in flipped and "kR - 1 - int(x->pad_h)" in flipped
@@ -410,15 +448,19 @@ def test_plan_and_default_launch_use_the_depthwise_family():
         assert plan.candidates and all(c.launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT for c in plan.candidates)
         # depthwise kernels time in microseconds; fprop and stride-1 dgrad add their pipelined and (other)
         # wide-strip kernels on budgets of their own
-        piped = [k for k in plan.kernels if is_pipelined(k)]
-        wide = [k for k in plan.kernels if is_wide_strip(k) and not is_pipelined(k)]
+        # wgrad's cluster-split twins: a budget of their own (CLUSTER_SPLIT_BUDGET), whatever their schedule
+        clustered = [k for k in plan.kernels if dwmod.is_cluster_split(k)]
+        others = [k for k in plan.kernels if not dwmod.is_cluster_split(k)]
+        assert len(clustered) == (CLUSTER_SPLIT_BUDGET if kind is ConvKind.WGRAD else 0)
+        piped = [k for k in others if is_pipelined(k)]
+        wide = [k for k in others if is_wide_strip(k) and not is_pipelined(k)]
         # the "cols" kernels: a budget of their own, each with its prefetch twin where it has one and (fprop, dgrad)
         # its register-capped twin (taps from shared memory)
-        capped = [k for k in plan.kernels if k.schedule == "cols" and k.min_blocks and kind is not ConvKind.WGRAD]
-        cols = [k for k in plan.kernels if k.schedule == "cols" and not k.prefetch and k not in capped]
-        ahead = [k for k in plan.kernels if k.prefetch]
+        capped = [k for k in others if k.schedule == "cols" and k.min_blocks and kind is not ConvKind.WGRAD]
+        cols = [k for k in others if k.schedule == "cols" and not k.prefetch and k not in capped]
+        ahead = [k for k in others if k.prefetch]
         assert len(plan.kernels) == (4 * DEPTHWISE_BUDGET_FACTOR + len(wide) + len(piped) + len(cols) + len(ahead)
-                                     + len(capped))
+                                     + len(capped) + len(clustered))
         assert len(wide) == (0 if kind is ConvKind.WGRAD else WIDE_STRIP_BUDGET)
         assert len(piped) == PIPELINED_BUDGET
         assert len(cols) == COLS_BUDGET

@@ -239,6 +239,7 @@ def all_kernels():
     ks += [cols_strided_dgrad_kernel(*k) for k in COLS_STRIDED_DGRAD_KERNELS]
     ks += cols_capped_kernels()
     ks += [graph_kernel()]
+    ks += [cluster_kernel(*k) for k in CLUSTER_KERNELS]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
@@ -667,3 +668,50 @@ def test_misaligned_pointer_runs_a_narrower_vector():
     out = poisoned_output(problem)
     ops.run_problem(problem, shifted, w, out, select="heuristic")
     assert rel_err(out, reference(problem, x, w, None)) < 1e-2
+
+
+# The cluster-split wgrad twins (depthwise.cluster_variant: a channel block's splits are one thread-block cluster,
+# reduced through distributed shared memory by the same kernel): (schedule, dtypes, R, stride, vector, epilogue).
+CLUSTER_KERNELS = [
+    ("l1", ("f16", "f16"), 3, 1, 8, Epilogue()),
+    ("smem", ("bf16", "f32"), 5, 2, 4, Epilogue()),
+    ("l1", ("f16", "f32"), 7, 1, 2, Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    ("taprows", ("f16", "f16"), 3, 2, 8, Epilogue()),
+    ("rows", ("bf16", "bf16"), 3, 1, 4, Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL)),
+    ("pipelined", ("f16", "f16"), 3, 1, 8, Epilogue()),
+    ("cols", ("f16", "f16"), 5, 1, 2, Epilogue()),
+    ("cols", ("f16", "f32"), 3, 2, 4, Epilogue()),
+]
+
+
+def cluster_kernel(sched, dt, r, stride, vec, epi):
+    from cutlass_byoc.depthwise import cluster_variant
+
+    wide = problem_of("wgrad", 96, 15, 13, r, stride, dt, epilogue=epi)
+    if sched in ("l1", "smem"):
+        base = kernel(wide, vec, sched == "smem")
+    elif sched in ("rows", "taprows"):
+        base = depthwise_rows_config(wide, vec, 4, sched)
+    elif sched == "pipelined":
+        base = depthwise_pipelined_wgrad_config(wide, vec)
+    else:
+        base = depthwise_cols_config(wide, vec, 7 if stride == 1 else 8, (32, 2))
+    return cluster_variant(base)
+
+
+@pytest.mark.parametrize("sched, dt, r, stride, vec, epi", CLUSTER_KERNELS,
+                         ids=[f"{sc}-{d[0]}to{d[1]}-{r}x{r}-s{s}-v{v}-{e.tag}" for sc, d, r, s, v, e in CLUSTER_KERNELS])
+def test_cluster_split_wgrad(sched, dt, r, stride, vec, epi):
+    """Splits 1, 2, 3 (a cluster of 3: any count up to 8, not only powers of two) and the most (8, or the pixel tiles
+    there are) over SHAPES at 3 images (odd sizes, C not a multiple of 8), then a MobileNetV2-sized layer (C=576,
+    14x14, 32 images) at 8: each against float64 on fresh inputs, the output poisoned first."""
+    cfg = cluster_kernel(sched, dt, r, stride, vec, epi)
+    assert "_splitk_cluster_" in cfg.name
+    for c, h, w, n in [(c, h, w, 3) for c, h, w in SHAPES] + [(576, 14, 14, 32)]:
+        if c % vec:
+            continue
+        problem = problem_of("wgrad", c, h, w, r, stride, dt, n=n, epilogue=epi)
+        assert cfg.reject_reason(problem) is None, (cfg.name, problem.name)
+        most = min(8, pixel_tiles(cfg, problem))
+        for splits in sorted({1, min(2, most), min(3, most), most}):
+            check_launch(problem, LaunchConfig(cfg, splits), seed=c * 7 + h + n + splits)

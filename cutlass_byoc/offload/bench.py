@@ -169,8 +169,13 @@ def compile_mode(model: nn.Module, mode: str, options: Optional[dict] = None):
     """The model as run in `mode`, and the cutlass_byoc backend object (None for the other modes)."""
     if mode == "eager":
         return model, None
-    if mode in ("inductor", "inductor-dynamic"):
+    if mode == "inductor":
         return torch.compile(model), None
+    if mode == "inductor-dynamic":
+        # Inductor's default config spelt out: torch.compile treats two Inductor backends with equal options as one
+        # (their compiled graphs serve each other's calls), so without it this mode's dynamic graph would also serve
+        # the "inductor" mode's steps, and its first step would reuse that mode's static graph
+        return torch.compile(model, options={"max_autotune": False}), None
     if mode == "inductor-cudagraphs":
         return torch.compile(model, mode="reduce-overhead"), None
     if mode in ("cutlass_byoc", "cutlass_byoc-cudagraphs") or mode in EXTRA_MODE_OPTIONS:
