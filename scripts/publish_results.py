@@ -448,8 +448,12 @@ def merge_bench(published: dict, new: dict, note: str = "") -> dict:
     fields = [f.name for f in dataclasses.fields(BenchRow)]
     report = BenchReport(tuple(BenchRow(**{k: r[k] for k in fields if k in r}) for r in rows), new.get("gpu"),
                          new.get("torch"), new.get("cudnn"))
-    return dict(new, summary=report.summary(), rows=rows,
-                runs=runs + [{**{k: new.get(k) for k in ("gpu", "torch", "cudnn")}, "note": note}])
+    runs = runs + [{**{k: new.get(k) for k in ("gpu", "torch", "cudnn")}, "note": note}]
+    # a run whose every cell was re-measured since is dropped, the others numbered on in their order
+    live = sorted({r["run"] for r in rows})
+    renumber = {old: i for i, old in enumerate(live, 1)}
+    rows = [dict(r, run=renumber[r["run"]]) for r in rows]
+    return dict(new, summary=report.summary(), rows=rows, runs=[runs[i - 1] for i in live])
 
 
 def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False,

@@ -179,10 +179,11 @@ def test_merge_bench_replaces_only_the_remeasured_cells(pr, tmp_path):
     text = "\n".join(pr.bench_tables(merged))
     assert "Rows from 2 bench runs" in text and "run 1 (torch 2.10): 2 cells (fprop)" in text
     assert "run 2 (call 2): 3 cells (wgrad)" in text
-    # a second merge numbers its run 3 and keeps the earlier runs' tags
+    # a second merge re-measures every cell of run 1, which is dropped: runs 2 and 3 become 1 and 2
     pr.publish([first], results, merge_bench_rows=True, note="call 3")
     again = json.loads((results / "bench-depthwise.json").read_text())
-    assert [r["run"] for r in again["rows"]] == [3, 3, 3, 3, 2] and len(again["runs"]) == 3
+    assert [r["run"] for r in again["rows"]] == [2, 2, 2, 2, 1]
+    assert [r.get("note") for r in again["runs"]] == ["call 2", "call 3"]
     # without the flag the file is copied as it is
     pr.publish([rerun], results)
     assert json.loads((results / "bench-depthwise.json").read_text())["rows"] == new
