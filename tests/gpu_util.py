@@ -176,3 +176,32 @@ def check_launch(problem: Conv2dProblem, launch, seed: int):
     assert err < TOLERANCE[problem.element_out], f"{launch.name} on {problem.name}: {err:.3e}"
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------- training steps
+#: A model's training step through the backend against an fp32 truth: its error at most STEP_SLACK times eager
+#: autocast's, plus STEP_ABS (tests/test_gpu_families.py, tests/test_gpu_dynamic.py)
+STEP_SLACK, STEP_ABS = 2.5, 1e-3
+
+
+def training_step(model, x, autocast: bool):
+    """One training step of `model` on `x` (fp16 autocast or fp32): the loss (the output's mean square, in fp32) and
+    the gradients of the parameters that take one (a frozen one has none); the model's gradients are cleared."""
+    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+        out = model(x)
+    loss = out.float().square().mean()
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def fp32_truth(model, x):
+    """training_step in fp32 with TF32 off (cuDNN and cuBLAS): the reference the fp16 steps are measured against."""
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return training_step(model, x, autocast=False)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32

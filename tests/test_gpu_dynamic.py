@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 
+from gpu_util import STEP_ABS as ABS, STEP_SLACK as SLACK, fp32_truth, training_step
 from models import DYNAMIC_BATCHES, DYNAMIC_FAMILIES, FAMILIES, input_channels
 
 pytestmark = [
@@ -20,28 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (these tests run on the H200)"),
 ]
 
-SLACK, ABS = 2.5, 1e-3
 CL = torch.channels_last
-
-
-def _step(model, x, autocast):
-    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
-        out = model(x)
-    loss = out.float().square().mean()
-    loss.backward()
-    grads = [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
-    for p in model.parameters():
-        p.grad = None
-    return loss.detach(), grads
-
-
-def _truth(model, x):
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return _step(model, x, autocast=False)
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _run(family, inductor=False, cudagraphs=False):
@@ -61,9 +41,9 @@ def _run(family, inductor=False, cudagraphs=False):
     lines = []
     for step, n in enumerate(DYNAMIC_BATCHES):
         x = torch.randn(n, c, 64, 64, device="cuda").contiguous(memory_format=CL)
-        truth, eager = _truth(truth_m, x), _step(eager_m, x, autocast=True)
+        truth, eager = fp32_truth(truth_m, x), training_step(eager_m, x, autocast=True)
         calls0 = sum(library.RUNTIME.kernel_calls.values())
-        ours = _step(compiled, x, autocast=True)
+        ours = training_step(compiled, x, autocast=True)
         torch.cuda.synchronize()
         calls = sum(library.RUNTIME.kernel_calls.values()) - calls0
         e_eager, e_ours = relative_errors(*eager, *truth), relative_errors(*ours, *truth)

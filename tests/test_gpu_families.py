@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 
+from gpu_util import STEP_ABS as ABS, STEP_SLACK as SLACK, fp32_truth, training_step
 from models import FAMILIES, input_channels
 
 pytestmark = [
@@ -20,16 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (these tests run on the H200)"),
 ]
 
-SLACK, ABS = 2.5, 1e-3
 CL = torch.channels_last
-
-
-def _step(model, x, autocast):
-    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
-        out = model(x)
-    loss = out.float().square().mean()
-    loss.backward()
-    return loss.detach(), [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]  # not the frozen
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -41,17 +33,12 @@ def test_family_training_step_vs_fp32(family):
     base = FAMILIES[family]().cuda().to(memory_format=CL).train()
     c = input_channels(base)
     x = torch.randn(8, c, 64, 64, device="cuda").contiguous(memory_format=CL)
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        truth = _step(copy.deepcopy(base), x, autocast=False)
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
-    eager = _step(copy.deepcopy(base), x, autocast=True)
+    truth = fp32_truth(copy.deepcopy(base), x)
+    eager = training_step(copy.deepcopy(base), x, autocast=True)
     torch._dynamo.reset()
     library.RUNTIME.clear()
     backend = make_backend({"select": "heuristic", "strict": True}, inductor=False)
-    ours = _step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
+    ours = training_step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
     torch.cuda.synchronize()
     e_eager = relative_errors(*eager, *truth)
     e_ours = relative_errors(*ours, *truth)

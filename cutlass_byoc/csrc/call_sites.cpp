@@ -286,46 +286,44 @@ std::shared_ptr<Site> relink(const Site& site, std::shared_ptr<Site> next) {
   return copy;
 }
 
+// Site `index` bound to `spec`: replacing what it had, or (`add`) as one more binding tried before the ones it has,
+// at most kMaxVariants kept (the oldest dropped). Returns 0, or -1 with `msg` set.
+int bind_site(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len, bool add) {
+  std::string why;
+  if (index < 0) why = "negative site index";
+  auto site = why.empty() ? make_site(spec, name, why) : nullptr;
+  if (!site) {
+    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
+    return -1;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (index >= static_cast<int64_t>(g_sites.size())) g_sites.resize(static_cast<size_t>(index) + 1);
+  if (add) {  // the kept bindings, newest first, copied into a new chain (readers may hold the old one)
+    std::vector<const Site*> kept;
+    for (const Site* s = g_sites[static_cast<size_t>(index)].get(); s && kept.size() + 1 < kMaxVariants;
+         s = s->next.get())
+      kept.push_back(s);
+    std::shared_ptr<Site> chain;
+    for (auto it = kept.rbegin(); it != kept.rend(); ++it) chain = relink(**it, std::move(chain));
+    site->next = std::move(chain);
+  }
+  g_sites[static_cast<size_t>(index)] = std::move(site);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 // Bind site `index` to `spec` (copied; its argument block too), replacing what it had. Returns 0, or -1 with `msg`.
 int cb_site_set(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len) {
-  std::string why;
-  if (index < 0) why = "negative site index";
-  auto site = why.empty() ? make_site(spec, name, why) : nullptr;
-  if (!site) {
-    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
-    return -1;
-  }
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (index >= static_cast<int64_t>(g_sites.size())) g_sites.resize(static_cast<size_t>(index) + 1);
-  g_sites[static_cast<size_t>(index)] = std::move(site);
-  return 0;
+  return bind_site(index, spec, name, msg, msg_len, false);
 }
 
 // One more binding of site `index` (a dynamic site's binding at another batch size), tried before the ones it has;
 // at most kMaxVariants are kept, the oldest dropped. Returns 0, or -1 with `msg` set.
 int cb_site_add(int64_t index, const SiteSpec* spec, const char* name, char* msg, int msg_len) {
-  std::string why;
-  if (index < 0) why = "negative site index";
-  auto site = why.empty() ? make_site(spec, name, why) : nullptr;
-  if (!site) {
-    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", why.c_str());
-    return -1;
-  }
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (index >= static_cast<int64_t>(g_sites.size())) g_sites.resize(static_cast<size_t>(index) + 1);
-  // the kept bindings, newest first, copied into a new chain (readers may hold the old one)
-  std::vector<const Site*> kept;
-  for (const Site* s = g_sites[static_cast<size_t>(index)].get(); s && kept.size() + 1 < kMaxVariants; s = s->next.get())
-    kept.push_back(s);
-  std::shared_ptr<Site> chain;
-  for (auto it = kept.rbegin(); it != kept.rend(); ++it) chain = relink(**it, std::move(chain));
-  site->next = std::move(chain);
-  g_sites[static_cast<size_t>(index)] = std::move(site);
-  return 0;
+  return bind_site(index, spec, name, msg, msg_len, true);
 }
 
 // Unbind a site (its calls take the Python twin again).
