@@ -21,8 +21,8 @@
 #           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz)
 # import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT=1) or
 #           decisions.tar.gz (decisions alone, TUNE_EXPORT=decisions; their kernels from the carried .kcache.tar.xz or
-#           compiled here) imported into the offload and tune caches, so a fresh machine benches what an earlier call
-#           tuned
+#           compiled here) imported into the offload cache (and the tune cache where a tune or bench step follows), so a
+#           fresh machine benches what an earlier call tuned
 # offload-bench: `python -m cutlass_byoc.offload.bench` ($BENCH_CASES, default the issue's six cases; all five modes
 #           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
 #           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
@@ -168,7 +168,14 @@ for step in "${steps[@]}"; do
         ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1
       export_tuned "$CUTLASS_BYOC_CACHE_DIR" ;;
     import)
-      for dir in "$CUTLASS_BYOC_CACHE_DIR" "$TUNE_CACHE"; do
+      # the tune cache too only where a tune or bench step of this call reads it (its own copy of every decision's
+      # kernel: compiled here unless that cache was seeded, 154 s for ResNet-50's 47 on the H200)
+      dirs=("$CUTLASS_BYOC_CACHE_DIR")
+      if [ "$TUNE_CACHE" != "$CUTLASS_BYOC_CACHE_DIR" ] && printf '%s\n' "${steps[@]}" \
+          | grep -qxE 'tune|bench|tune-depthwise|bench-depthwise'; then
+        dirs+=("$TUNE_CACHE")
+      fi
+      for dir in "${dirs[@]}"; do
         [ -f tuned.tar.gz ] && { CUTLASS_BYOC_CACHE_DIR=$dir cutlass-byoc cache import tuned.tar.gz || rc=1; }
         # decisions alone (an earlier call's TUNE_EXPORT=decisions): their kernels come from the carried cache, or
         # are compiled here from the templates
