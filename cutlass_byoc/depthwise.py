@@ -746,13 +746,11 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg
-                        for twin in (min_blocks_variant(cfg), prefetch_variant(cfg)):
-                            if twin is not None and twin not in seen:
-                                seen.add(twin)
-                                yield twin
-                        for base in [cfg] + [t for t in (min_blocks_variant(cfg), prefetch_variant(cfg)) if t]:
-                            twin = cluster_variant(base)
-                            if twin is not None and twin not in seen:
+                        twins = [t for t in (min_blocks_variant(cfg), prefetch_variant(cfg)) if t is not None]
+                        # then the cluster-split twin of each (wgrad)
+                        twins += [t for t in map(cluster_variant, [cfg, *twins]) if t is not None]
+                        for twin in twins:
+                            if twin not in seen:
                                 seen.add(twin)
                                 yield twin
 
@@ -801,7 +799,7 @@ def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SM
     tiles = pixel_tiles(c, problem)
     ctiles = math.ceil(problem.c / c.tile[2])
     if is_cluster_split(c):  # one cluster per channel block: the powers of two up to its size, each split with work
-        return [s for s in (1, 2, 4, 8) if s <= MAX_CLUSTER_SPLITS and s <= max(1, tiles)]
+        return [1 << i for i in range(MAX_CLUSTER_SPLITS.bit_length()) if 1 << i <= max(1, tiles)]
     per_sm = 2  # resident CTAs per SM a wgrad CTA can count on (its R*S*vector accumulators take registers)
     rows = is_rows(c) or is_cols(c)
     out = []

@@ -396,6 +396,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(case.batch, 3, image, image, device="cuda", generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 1000, (case.batch,), device="cuda", generator=g)
+    small = max(1, int(case.batch * DYNAMIC_FRACTION))  # the dynamic modes' smaller batch
     rows: list[BenchRow] = []
     steppers: list[Callable[[], None]] = []
     ref = None
@@ -420,7 +421,6 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             grads = [p.grad.detach().clone() for p in model.parameters()]
             model.zero_grad(set_to_none=True)
             if mode.endswith("-dynamic"):  # a smaller batch: the recompile with a symbolic batch size
-                small = max(1, int(case.batch * DYNAMIC_FRACTION))
                 _step(run, x[:small], y[:small], None, dtype)
                 torch.cuda.synchronize()
                 model.zero_grad(set_to_none=True)
@@ -444,7 +444,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             first = time.perf_counter() - t0
             if mode.endswith("-dynamic"):  # a smaller batch: the recompile with a symbolic batch size
                 with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-                    run(x[:max(1, int(case.batch * DYNAMIC_FRACTION))])
+                    run(x[:small])
                 torch.cuda.synchronize()
             if ref is None:
                 ref = (out, None)

@@ -315,7 +315,7 @@ class CallSite:
         """The binding of a dynamic site at batch size `n` (made once per size); False for the general path."""
         st = self.batches.get(n)
         if st is None:
-            problem = self.problem if n == self.problem.n else self.problem.replace(n=n)
+            problem = self.problem.replace(n=n)
             src = self.source_shape
             if src is not None and len(src) == 4:  # a residual: the output's shape at this batch
                 src = (n, *src[1:])
@@ -341,13 +341,10 @@ class CallSite:
         except (ValueError, *_kernel_errors()) as e:
             log.info("call site %s: no plan launch: %s", self.problem.name, e)
             plan = None
-        if plan is not None:
-            splits = plan.split_k_slices
-            while True:
-                out.append(lambda s=splits: dc.replace(plan, split_k_slices=s) if s != plan.split_k_slices else plan)
-                if splits <= 1:
-                    break
-                splits //= 2
+        splits = plan.split_k_slices if plan is not None else 0
+        while splits >= 1:  # the plan's count, then halved down to 1
+            out.append(lambda s=splits: dc.replace(plan, split_k_slices=s))
+            splits //= 2
         out.append(lambda: choose(problem, self.select))
         return out
 

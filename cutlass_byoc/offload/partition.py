@@ -52,6 +52,7 @@ from .patterns import (
     kernel_for,
     make_problem,
     batch_shape,
+    batch_shapes,
     pair,
     same_size,
     static_shape,
@@ -214,12 +215,8 @@ class _Rewriter:
         check_tensor(xv, "input", opts)
         check_tensor(wv, "weight", opts)
         check_dtypes(xv, wv, opts)
-        x_shape, x_dyn = batch_shape(xv, "input", opts)
-        y_shape, y_dyn = batch_shape(yv, "output", opts)
+        x_shape, y_shape, dynamic = batch_shapes(xv, yv, "input", "output", opts)
         w_shape = static_shape(wv, "weight")
-        dynamic = x_dyn or y_dyn
-        if dynamic and not same_size(xv.shape[0], yv.shape[0]):
-            raise Reject(f"{DYNAMIC_SHAPE}: input batch {xv.shape[0]} and output batch {yv.shape[0]} differ")
         if b is not None:
             bv = val(b)
             if bv.dim() != 1:
@@ -403,11 +400,7 @@ class _Rewriter:
                 check_tensor(t, what, opts)
             check_dtypes(gov, wv, opts)
             check_dtypes(gov, xv, opts)
-            x_shape, x_dyn = batch_shape(xv, "input", opts)
-            _, go_dyn = batch_shape(gov, "grad_output", opts)
-            dynamic = x_dyn or go_dyn
-            if dynamic and not same_size(xv.shape[0], gov.shape[0]):
-                raise Reject(f"{DYNAMIC_SHAPE}: input batch {xv.shape[0]} and grad_output batch {gov.shape[0]} differ")
+            x_shape, _, dynamic = batch_shapes(xv, gov, "input", "grad_output", opts)
             common = dict(x_shape=x_shape, w_shape=static_shape(wv, "weight"))
         except Reject as e:
             for i, kind in ((0, Pass.DGRAD), (1, Pass.WGRAD)):

@@ -390,6 +390,18 @@ def batch_shape(t: torch.Tensor, what: str, options: Optional["OffloadOptions"] 
     return (n, *(int(s) for s in shape[1:])), True
 
 
+def batch_shapes(a: torch.Tensor, b: torch.Tensor, what_a: str, what_b: str,
+                 options: Optional["OffloadOptions"] = None) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """batch_shape of two tensors of one conv call (input and output, input and grad_output), and whether their
+    batch is symbolic; Reject(dynamic shape) where it is and the two batch sizes are not the same expression."""
+    a_shape, a_dyn = batch_shape(a, what_a, options)
+    b_shape, b_dyn = batch_shape(b, what_b, options)
+    dynamic = a_dyn or b_dyn
+    if dynamic and not same_size(a.shape[0], b.shape[0]):
+        raise Reject(f"{DYNAMIC_SHAPE}: {what_a} batch {a.shape[0]} and {what_b} batch {b.shape[0]} differ")
+    return a_shape, b_shape, dynamic
+
+
 def same_size(a, b) -> bool:
     """Whether two sizes are the same for every value of their symbols: equal ints, or the same symbolic expression
     (two symbols with equal example values are not)."""

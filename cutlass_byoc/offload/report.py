@@ -27,11 +27,11 @@ def _warn_dynamic_once() -> None:
     global _dynamic_warned
     if not _dynamic_warned:
         _dynamic_warned = True
-        log.warning("cutlass_byoc: a graph with dynamic (symbolic) sizes other than the batch size was compiled, and "
-                    "its convolutions run in PyTorch: kernels are chosen per static shape, a symbolic batch size "
-                    "aside. torch.compile makes a dimension dynamic once it sees a second size (e.g. another image "
-                    "size), and that graph then serves every later call. Pass dynamic=False to torch.compile (one "
-                    "static, offloaded graph per shape).")
+        log.warning("cutlass_byoc: a graph with dynamic (symbolic) sizes was compiled, and its convolutions run in "
+                    "PyTorch (the report says why: symbolic image or channel sizes, or a symbolic batch size with "
+                    "options dynamic_batch=False): kernels are chosen per static shape. torch.compile makes a "
+                    "dimension dynamic once it sees a second size, and that graph then serves every later call. Pass "
+                    "dynamic=False to torch.compile (one static, offloaded graph per shape).")
 
 
 class Pass(str, enum.Enum):
