@@ -31,7 +31,8 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 
 #: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
-_OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering")
+_OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
+                      "channel_stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,14 @@ class KernelConfig:
     # into fp32 columns that a col2im kernel sums into dx (dgrad); see gemm1x1.py. Filter size, stride, padding and
     # dilation stay launch arguments.
     lowering: Optional[str] = None
+    # The channel-statistics epilogue (3.x conv fprop with the plain epilogue only; None elsewhere and then left out of
+    # to_dict, so every other kernel's source and cache key is unchanged). True: besides D = round(acc) the kernel
+    # writes, per output channel, the fp32 sum and sum of squares of the rounded D over every output pixel
+    # (CbConv2dArgs.stats: 2 x K floats, sums then sums of squares): the statistics a training batch norm after the
+    # conv reads the whole output once more to compute. Per warp by CUTLASS's Sm90RowReduction, then added to the sums
+    # with atomicAdd: their order, so their last bits, varies between runs (fuse_bn_stats stays off under
+    # torch.use_deterministic_algorithms).
+    channel_stats: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.element_bias is not None and not isinstance(self.element_bias, DType):
@@ -174,6 +183,8 @@ class KernelConfig:
             parts.append(f"f{self.filter_rs[0]}x{self.filter_rs[1]}")
         if self.lowering:
             parts.append(self.lowering)
+        if self.channel_stats:
+            parts.append("chstats")
         parts.append(f"sm{self.arch}")
         return "_".join(parts)
 
@@ -236,6 +247,10 @@ class KernelConfig:
             return "element_a and element_b must match"
         if self.kind is ConvKind.WGRAD and self.element_acc is not DType.F32:
             return "wgrad accumulates in f32"
+        if self.channel_stats is not None:  # before the families' own rules, which return early
+            why = self._channel_stats_error()
+            if why:
+                return why
         if self.family is KernelFamily.DEPTHWISE_DIRECT:
             from .depthwise import depthwise_static_error  # noqa: PLC0415
 
@@ -331,6 +346,24 @@ class KernelConfig:
             return static_error(self)
         return None
 
+    def with_channel_stats(self) -> Optional["KernelConfig"]:
+        """This kernel with the channel-statistics epilogue (the same tiles, schedule and cluster), or None where the
+        family or schedule has none (see channel_stats)."""
+        try:
+            return dataclasses.replace(self, channel_stats=True)
+        except ValueError:  # static_error: no such kernel
+            return None
+
+    def _channel_stats_error(self) -> Optional[str]:
+        if self.channel_stats is not True:
+            return "channel_stats: True or None (left out), not False"
+        if self.kind is not ConvKind.FPROP or self.family is not KernelFamily.SM90_TMA_WGMMA:
+            return (f"channel_stats: the channel-statistics epilogue is built for the sm90 conv family's fprop, got "
+                    f"{self.family.value} {self.kind.value}")
+        if self.activation is not Activation.IDENTITY or self.element_bias is not None:
+            return "channel_stats: the statistics epilogue is plain (no activation, no bias vector)"
+        return None
+
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:
         """Why this kernel cannot compute `problem`, or None if it can (the compiled kernel's can_implement has the
         last word at launch). Used to prune candidates before anything is compiled."""
@@ -348,6 +381,8 @@ class KernelConfig:
                         f"bias vector, kernel has {have}")
         elif self.element_bias is not None:
             return f"element_bias: kernel takes a bias vector, epilogue {problem.epilogue.tag} has none"
+        if self.channel_stats and problem.epilogue.source is not SourceKind.NONE:
+            return f"channel_stats: the statistics epilogue is plain, epilogue {problem.epilogue.tag} has a source"
         if self.family is KernelFamily.DEPTHWISE_DIRECT:
             from .depthwise import depthwise_reject_reason  # noqa: PLC0415
 

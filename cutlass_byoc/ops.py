@@ -163,16 +163,19 @@ def _prepared_launch(problem: Conv2dProblem, launch: LaunchConfig) -> _Prepared:
 
 
 def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optional[LaunchConfig] = None,
-                select: SelectMode | str = SelectMode.CACHED, bias=None) -> None:
+                select: SelectMode | str = SelectMode.CACHED, bias=None, stats=None) -> None:
     """Compute `problem` from tensors a, b (and the epilogue source) into `out` on the current stream.
 
     `source` is the epilogue's bias (SourceKind.BIAS) or residual (RESIDUAL, BIAS_RESIDUAL); `bias` is the bias of
-    BIAS_RESIDUAL.
+    BIAS_RESIDUAL. `stats` (a channel-statistics launch only, KernelConfig.channel_stats): a contiguous float32
+    tensor of 2 x K that receives the per-channel sums of the output and the sums of their squares.
 
     The first call of a (problem, launch) pair validates everything (sizes, config rules, the kernel's own
     can_implement, workspace); later calls with suitably aligned pointers go straight to the launch."""
     torch = _torch()
     launch = config or choose(problem, select)
+    if launch is not None and (stats is not None or launch.kernel.channel_stats):
+        _stats_pointer(launch.kernel, problem, stats)  # before anything loads: a wrong pairing names the parameter
     pa, pb, pd = a.data_ptr(), b.data_ptr(), out.data_ptr()
     ps = source.data_ptr() if source is not None else 0
     pbias = bias.data_ptr() if bias is not None else 0
@@ -194,6 +197,8 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
     args = CbConv2dArgs.from_buffer_copy(prep.template)
     args.a, args.b, args.d, args.source = pa, pb, pd, ps or None
     args.bias = pbias or None
+    if prep.lib.config.channel_stats or stats is not None:
+        args.stats = _stats_pointer(prep.lib.config, problem, stats)
     device = a.device
     stream = torch.cuda.current_stream(device).cuda_stream
     ws_ptr = ws_len = 0
@@ -205,6 +210,57 @@ def run_problem(problem: Conv2dProblem, a, b, out, source=None, *, config: Optio
             prep.lib.launch(args, ws_ptr, ws_len, stream)
     else:
         prep.lib.launch(args, ws_ptr, ws_len, stream)
+
+
+def _stats_pointer(kernel, problem: Conv2dProblem, stats) -> int:
+    """The address of the statistics buffer of a channel-statistics launch, checked (a kernel without the epilogue
+    takes none: asking one for statistics is an error, not a silent no-op)."""
+    torch = _torch()
+    if not kernel.channel_stats:
+        raise UnsupportedConvError(f"stats: kernel {kernel.name} has no channel-statistics epilogue")
+    if stats is None:
+        raise UnsupportedConvError(f"stats: kernel {kernel.name} writes channel statistics and needs a stats tensor")
+    if (stats.dtype != torch.float32 or tuple(stats.shape) != (2, problem.k) or not stats.is_contiguous()
+            or stats.data_ptr() % 16):
+        raise UnsupportedConvError(f"stats: expected a contiguous, 16-byte aligned float32 tensor of shape (2, "
+                                   f"{problem.k}), got {stats.dtype} {tuple(stats.shape)}")
+    return stats.data_ptr()
+
+
+def conv2d_channel_stats(input, weight, stride=1, padding=0, dilation=1, *, out_dtype=None,
+                         config: Optional[LaunchConfig] = None, select: SelectMode | str = SelectMode.CACHED):
+    """``y = conv2d(input, weight)`` (no bias) and, from the same kernel's epilogue, ``stats``: float32 of 2 x K, the
+    sums over batch and pixels of y (as stored, i.e. rounded to its type) per output channel, then the sums of
+    their squares. The batch-norm statistics of y without a second read of it: mean = stats[0] / (N*P*Q),
+    var = stats[1] / (N*P*Q) - mean**2.
+
+    ``config``: a channel-statistics launch (KernelConfig.channel_stats), else the launch chosen for the plain
+    problem (decision or heuristic) turned into its channel-statistics twin. Raises UnsupportedConvError where no
+    such kernel exists (the sm90 conv family's non-persistent fprop kernels have the epilogue)."""
+    torch = _torch()
+    _check_tensor(input, "input")
+    _check_tensor(weight, "weight", dtype=input.dtype)
+    out_t = out_dtype or input.dtype
+    n, c, h, w = input.shape
+    k, cg, r, s = weight.shape
+    if cg != c:
+        raise UnsupportedConvError(f"weight: expected {c} input channels, got {cg} (grouped convs have no statistics "
+                                   "epilogue)")
+    problem = _problem(ConvKind.FPROP, n, c, h, w, k, r, s, stride, padding, dilation, 1, input, out_t, None,
+                       Epilogue())
+    if config is None:
+        plain = choose(problem, select)
+        twin = plain.kernel.with_channel_stats() if plain is not None and not plain.padded else None
+        if twin is None:
+            raise UnsupportedConvError(f"channel statistics: the launch for {problem.name} "
+                                       f"({plain.name if plain else 'none'}) has no channel-statistics twin")
+        config = dataclasses.replace(plain, kernel=twin)
+    elif not config.kernel.channel_stats:
+        raise UnsupportedConvError(f"config: {config.name} has no channel-statistics epilogue")
+    out = torch.empty((n, k, problem.p, problem.q), dtype=out_t, device=input.device, memory_format=torch.channels_last)
+    stats = torch.empty((2, k), dtype=torch.float32, device=input.device)
+    run_problem(problem, input, weight, out, config=config, select=select, stats=stats)
+    return out, stats
 
 
 _rewritten_problems: dict[tuple[Conv2dProblem, LaunchConfig], Conv2dProblem] = {}

@@ -41,6 +41,9 @@ class CbConv2dArgs(ctypes.Structure):
         # Declared in the C struct of bias-vector kernels only (after every other field, so kernels without it read
         # the same prefix): the bias of source_kind 3 (bias and residual).
         ("bias", ctypes.c_void_p),
+        # Declared in the C struct of channel-statistics kernels only (after bias, which they declare too): 2 x K fp32
+        # sums and sums of squares of the output per channel (KernelConfig.channel_stats).
+        ("stats", ctypes.c_void_p),
     ]
 
 
@@ -49,7 +52,7 @@ _SOURCE_CODES = {SourceKind.NONE: 0, SourceKind.BIAS: 1, SourceKind.RESIDUAL: 2,
 
 def make_args(
     problem: Conv2dProblem, split_k_slices: int = 1, a: int = 0, b: int = 0, d: int = 0, source: int = 0,
-    alpha: float = 1.0, beta: Optional[float] = None, bias: int = 0,
+    alpha: float = 1.0, beta: Optional[float] = None, bias: int = 0, stats: int = 0,
 ) -> CbConv2dArgs:
     """The launch arguments. `source` is the epilogue's C operand: the bias (SourceKind.BIAS) or the residual
     (RESIDUAL, BIAS_RESIDUAL); `bias` is the bias of BIAS_RESIDUAL."""
@@ -59,7 +62,7 @@ def make_args(
         ABI_VERSION, p.n, p.h, p.w, p.c, p.k, p.r, p.s, p.p, p.q,
         p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.dilation_h, p.dilation_w,
         split_k_slices, a or None, b or None, source or None, d or None, _SOURCE_CODES[kind],
-        alpha, (1.0 if kind is not SourceKind.NONE else 0.0) if beta is None else beta, bias or None,
+        alpha, (1.0 if kind is not SourceKind.NONE else 0.0) if beta is None else beta, bias or None, stats or None,
     )
 
 

@@ -43,6 +43,9 @@
 #           of the 3.x conv family on the 3x3 ones (SWEEP_LAYERS="1x1", SWEEP_KINDS="fprop dgrad", SWEEP_TILES=
 #           "192x64x64:pingpong ..." narrow or extend it; SWEEP_PROFILE=1: each cell's best launch and cuDNN also
 #           timed kernel alone by torch.profiler), those in the test cache -> sweep.json, sweep.log
+# channel-stats: scripts/channel_stats_bench.py: the channel-statistics epilogue's cost on each fprop problem of a
+#           training step against the batch-norm statistics pass it would replace (CS_MODEL, default
+#           torchvision:resnet50; CS_BATCH, default 32; kernels from the test cache) -> channel-stats.json, .log
 # cudnn-kernels: scripts/sweep_kernels.py cudnn-kernels: cuDNN's kernels per default and depthwise cell, and cuBLAS's
 #           time of each 1x1 cell's GEMM -> cudnn-kernels.json, cudnn-kernels.log
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
@@ -53,7 +56,7 @@
 # The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
 # tune.log, tune.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log, time-launches.log, gpu-offload.log,
 # offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log), sweep.json, sweep.log,
-# cudnn-kernels.json, cudnn-kernels.log.
+# cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -212,6 +215,11 @@ for step in "${steps[@]}"; do
       python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
         ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} ${SWEEP_PROFILE:+--profile} 2>&1 \
         | tee "$OUT/sweep.log" || rc=1 ;;
+    channel-stats)
+      # scripts/channel_stats_bench.py: each fprop problem of the model's training step on one sm90 kernel, its
+      # channel-statistics twin, and the batch-norm statistics pass the twin would replace (CS_MODEL, CS_BATCH)
+      python3 scripts/channel_stats_bench.py --model "${CS_MODEL:-torchvision:resnet50}" --batch "${CS_BATCH:-32}" \
+        --json "$OUT/channel-stats.json" 2>&1 | grep -v "^W[0-9]" | tee "$OUT/channel-stats.log" || rc=1 ;;
     cudnn-kernels)
       python3 scripts/sweep_kernels.py cudnn-kernels "$OUT/cudnn-kernels.json" > "$OUT/cudnn-kernels.log" 2>&1 \
         || rc=1 ;;

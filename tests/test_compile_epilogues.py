@@ -8,7 +8,7 @@ from cutlass_byoc.build import build
 from cutlass_byoc.candidates import sm80_candidates
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.runtime import KernelLibrary
-from cutlass_byoc.sm90 import sm90_candidates
+from cutlass_byoc.sm90 import sm90_candidates, sm90_config
 from cutlass_byoc.types import Activation, SourceKind
 
 from compile_util import raw_can_implement  # noqa: E402
@@ -44,3 +44,21 @@ def test_bias_vector_kernel_builds_and_takes_bias_with_residual(built, which):
     assert lib.workspace_size(problem) >= 0
     if which == "sm80":
         assert "runs unsplit" in raw_can_implement(lib, problem, 2)
+
+
+# The channel-statistics twin of a plain sm90 fprop kernel (KernelConfig.channel_stats): M and N tails in its problem
+STATS_PROBLEM = Conv2dProblem.make("fprop", 4, 64, 30, 30, 72, 3, padding=1)
+STATS_KERNEL = sm90_config(STATS_PROBLEM, (128, 64, 64)).with_channel_stats()
+
+
+def test_channel_statistics_kernel_builds_and_checks_its_arguments(shared_cache):
+    result = build([STATS_KERNEL], cache=shared_cache)[STATS_KERNEL]
+    assert result.ok, result.error_report()
+    lib = KernelLibrary(STATS_KERNEL, result.library)
+    assert lib.can_implement(STATS_PROBLEM) is None  # a null buffer passes (the reductions then write nothing)
+    assert raw_can_implement(lib, STATS_PROBLEM, fields={"stats": 0x50000}) is None
+    assert "16-byte aligned buffer" in raw_can_implement(lib, STATS_PROBLEM, fields={"stats": 0x50004})
+    assert "no source" in raw_can_implement(lib, STATS_PROBLEM, source_kind=2, source=0x40000)
+    assert "alpha 1" in raw_can_implement(lib, STATS_PROBLEM, fields={"alpha": 2.0})
+    assert "multiple of 4" in raw_can_implement(lib, STATS_PROBLEM.replace(k=66), fields={"k": 66})
+    assert lib.workspace_size(STATS_PROBLEM) == 0  # the sums are atomic adds into the stats buffer itself

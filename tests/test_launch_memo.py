@@ -103,7 +103,8 @@ int main() {
 
 def _memo_source() -> str:
     env = environment()
-    api = env.get_template("conv2d_api.h.j2").render(abi_version=ABI_VERSION, c=SimpleNamespace(element_bias=None))
+    api = env.get_template("conv2d_api.h.j2").render(abi_version=ABI_VERSION,
+                                                     c=SimpleNamespace(element_bias=None, channel_stats=None))
     memo = env.get_template("launch_memo.h.j2").render()
     return HARNESS.replace("API", api, 1).replace("MEMO", memo, 1)
 
