@@ -52,6 +52,8 @@ FAMILY_RUNS = [(name, 8, 64) for name in sorted(FAMILIES)] + [("chain_pool", 8, 
 #: tests/test_gpu_dynamic.py's other batch sizes: the dynamic graph's plan (the second size) and, where the plan's
 #: launch cannot take a batch size, the launch chosen for it
 FAMILY_RUNS += [(name, n, 64) for name in DYNAMIC_FAMILIES for n in sorted(set(DYNAMIC_BATCHES) - {8})]
+#: tests/test_gpu_bn_stats.py's runs (model, batch, image): the plain launches and their channel-statistics twins
+from test_gpu_bn_stats import RUNS as BN_STATS_RUNS  # noqa: E402
 
 
 #: each GPU test module's kernels, by the module's name without test_gpu_ (--modules; all of them: --tests-only)
@@ -111,18 +113,21 @@ def workload_kernels(name: str, max_candidates: int, kinds: Optional[list[str]] 
     return kernels
 
 
-def _launch_kernels(model, batch: int, image: int, channels_last: bool, training: bool, what: str) -> list:
+def _launch_kernels(model, batch: int, image: int, channels_last: bool, training: bool, what: str,
+                    options: dict | None = None) -> list:
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
     from cutlass_byoc.select import choose  # noqa: PLC0415
 
     c = input_channels(model)
     problems, rep = model_problems(model, batch, training=training, image=image, in_channels=c,
-                                   channels_last=channels_last)
+                                   channels_last=channels_last, options=options)
     kernels = []
     for p in problems:  # what the call sites launch at run time (a channel-padded launch names its kernel too)
         launch = choose(p, "cached")
         if launch is not None:
             kernels.append(launch.kernel)
+    # the channel-statistics twins the partitioner chose (options fuse_bn_stats)
+    kernels += [launch.kernel for launch in rep.launches if launch.kernel.channel_stats]
     print(f"{what}: {len(problems)} problems, {len(set(kernels))} kernels", flush=True)
     return kernels
 
@@ -159,6 +164,9 @@ def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfi
                                f"{name} batch {batch} {'training' if training else 'inference'}")
     for name, batch, image in families:
         out += _launch_kernels(FAMILIES[name](), batch, image, True, True, f"family {name} batch {batch}")
+    for name, batch, image in BN_STATS_RUNS if families else ():
+        out += _launch_kernels(MODELS[name](), batch, image, True, True, f"{name} batch {batch} with fused statistics",
+                               {"fuse_bn_stats": True})
     return out
 
 

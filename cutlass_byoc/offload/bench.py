@@ -40,13 +40,17 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-dynamic (and inductor-dynamic, plain Inductor the same way): after the first step, one step at a
 #:   smaller batch (DYNAMIC_FRACTION of it: a training loop's last batch), so torch.compile recompiles with a
 #:   symbolic batch size, and that dynamic graph serves the timed steps at the full batch; compared with
-#:   inductor-dynamic when the run has it.
+#:   inductor-dynamic when the run has it;
+#: - cutlass_byoc-bnstats, cutlass_byoc-bnstats-cudagraphs: with fuse_bn_stats (each batch norm's statistics from its
+#:   conv's channel-statistics epilogue where the conv's launch has a twin, not from a second pass over the output).
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
     "cutlass_byoc-no-wgrad-cudagraphs": {"wgrad": False},
     "cutlass_byoc-wgrad-only-cudagraphs": {"fprop": False, "dgrad": False},
     "cutlass_byoc-dynamic": {},
+    "cutlass_byoc-bnstats": {"fuse_bn_stats": True},
+    "cutlass_byoc-bnstats-cudagraphs": {"fuse_bn_stats": True},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch

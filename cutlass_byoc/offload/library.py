@@ -89,7 +89,7 @@ class RuntimeRecord:
     def clear(self) -> None:
         with self._lock:
             self.general_calls.clear()
-            for site in list(_SITES):
+            for site in (*_SITES, *_STATS_SITES):
                 site.calls = 0
             nat = native.loaded()
             if nat is not None:
@@ -538,6 +538,9 @@ def site_calls() -> dict[str, int]:
         n = s.launches
         if n:
             out[s.kind] = out.get(s.kind, 0) + n
+    for s in list(_STATS_SITES):  # the convs offloaded with their batch-norm statistics
+        if s.calls:
+            out["fprop"] = out.get("fprop", 0) + s.calls
     return out
 
 
@@ -765,7 +768,113 @@ def _wgrad_site_fake(grad_output, input, site):
     return _SITES[site].empty_output(grad_output)
 
 
+# ---------------------------------------------------------------------------------------------- fprop + statistics
+class StatsSite:
+    """A conv a training batch norm follows, offloaded with its statistics (OffloadOptions.fuse_bn_stats): the launch
+    chosen for the plain problem turned into its channel-statistics twin (KernelConfig.channel_stats: the same tiles,
+    the epilogue also storing the per-channel sums and sums of squares of y), resolved at the first call. Runs through
+    ``ops.run_problem``, which checks every pointer (this path's host cost is the general path's, ~20-30 us a call: it
+    pays off under CUDA graphs, where no host work is replayed). Where no twin binds, or a call cannot take it, the
+    call returns None and the op computes y on the plain path and the sums with PyTorch: the same values."""
+
+    __slots__ = ("problem", "select", "index", "launch", "calls", "__weakref__")
+
+    def __init__(self, problem, select: str, index: int) -> None:
+        self.problem = problem
+        self.select = select
+        self.index = index
+        self.launch = None  # None: not resolved yet; False: no statistics twin (the PyTorch sums)
+        self.calls = 0
+
+    @property
+    def launches(self) -> int:
+        return self.calls
+
+    def twin(self):
+        """The channel-statistics twin of the launch the plain problem gets, or None (and why, logged)."""
+        import dataclasses as dc  # noqa: PLC0415
+
+        from ..select import choose  # noqa: PLC0415
+
+        try:
+            plain = choose(self.problem, self.select)
+        except (ValueError, *_kernel_errors()) as e:
+            log.info("statistics site %s: no launch: %s", self.problem.name, e)
+            return None
+        if plain is None or plain.padded or plain.split_k_slices != 1:
+            return None
+        kernel = plain.kernel.with_channel_stats()
+        return dc.replace(plain, kernel=kernel) if kernel is not None else None
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if self.launch is None:
+            self.launch = self.twin() or False
+            if self.launch is False:
+                log.info("statistics site %s: no channel-statistics launch; its sums run on PyTorch",
+                         self.problem.name)
+        if self.launch is False or not x.is_cuda:
+            return None
+        from .. import ops  # noqa: PLC0415
+
+        p = self.problem
+        n, h, wd, k = p.out_shape
+        out = torch.empty((n, k, h, wd), dtype=_TORCH_DTYPES[p.element_out.value], device=x.device,
+                          memory_format=CL)
+        stats = torch.empty((2, k), dtype=torch.float32, device=x.device)
+        try:
+            ops.run_problem(p, x, w, out, config=self.launch, stats=stats)
+        except _kernel_errors() as e:
+            RUNTIME.fallback(f"fprop+stats {p.name}", str(e))
+            return None
+        self.calls += 1
+        return out, stats
+
+
+_STATS_SITES: list[StatsSite] = []
+
+
+def register_stats_site(problem, select: str) -> int:
+    """A new statistics call site (the partitioner's, for each conv whose batch-norm statistics it fuses)."""
+    with _sites_lock:
+        site = StatsSite(problem, select, len(_STATS_SITES))
+        _STATS_SITES.append(site)
+        return site.index
+
+
+def stats_site(index: int) -> StatsSite:
+    return _STATS_SITES[index]
+
+
+_LIB.define("fprop_stats_site(Tensor input, Tensor weight, int site) -> (Tensor, Tensor)", tags=_TAGS)
+
+
+@_impl("fprop_stats_site")
+def _fprop_stats_site(input: torch.Tensor, weight: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = conv2d(input, weight)`` (the site's plain problem) and ``stats``: float32 (2, K), the per-channel sums of
+    y as stored and of its squares, over batch and pixels."""
+    s = _STATS_SITES[site]
+    if use_kernels:
+        r = s(input, weight)
+        if r is not None:
+            return r
+    st, pd, dl = [[a, b] for a, b in ((s.problem.stride_h, s.problem.stride_w), (s.problem.pad_h, s.problem.pad_w),
+                                      (s.problem.dilation_h, s.problem.dilation_w))]
+    y = _conv2d_fprop(input, weight, None, None, st, pd, dl, 1, "identity", _TORCH_DTYPES[s.problem.element_out.value],
+                      s.select)
+    yf = y.float()
+    return y, torch.stack([yf.sum((0, 2, 3)), (yf * yf).sum((0, 2, 3))])
+
+
+@_fake("fprop_stats_site")
+def _fprop_stats_site_fake(input, weight, site):
+    p = _STATS_SITES[site].problem
+    n, h, w, k = p.out_shape
+    y = input.new_empty((n, k, h, w), dtype=_TORCH_DTYPES[p.element_out.value]).contiguous(memory_format=CL)
+    return y, input.new_empty((2, k), dtype=torch.float32)
+
+
 #: the ops the partitioner inserts (operands and a call site)
+FPROP_STATS = torch.ops.cutlass_byoc.fprop_stats_site.default
 FPROP = torch.ops.cutlass_byoc.fprop_site.default
 DGRAD = torch.ops.cutlass_byoc.dgrad_site.default
 WGRAD = torch.ops.cutlass_byoc.wgrad_site.default

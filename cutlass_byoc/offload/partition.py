@@ -67,14 +67,16 @@ log = logging.getLogger("cutlass_byoc.offload")
 aten = torch.ops.aten
 prims = torch.ops.prims
 CL = torch.channels_last
-NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD)
+NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD, library.FPROP_STATS)
 #: ops whose result depends on their input's strides, not only its values: never given a changed layout
 STRIDE_SENSITIVE = {aten.as_strided.default, aten.as_strided_scatter.default, aten._reshape_alias.default,
                     aten.as_strided_copy.default, prims.as_strided.default}
 #: node.meta key marking the layout nodes the partitioner inserts ("channels_last" or "restride")
 META_KEY = "cutlass_byoc_layout"
 #: the tensor arguments of each new op that must be channels_last (positions in its args)
-CL_ARGS = {library.FPROP: (0, 1, 3), library.DGRAD: (0, 1), library.WGRAD: (0, 1)}
+CL_ARGS = {library.FPROP: (0, 1, 3), library.DGRAD: (0, 1), library.WGRAD: (0, 1), library.FPROP_STATS: (0, 1)}
+#: node.meta key of an inserted fprop op: the aten.convolution node it replaced (its report entry's node)
+CONV_KEY = "cutlass_byoc_conv"
 
 
 class _Rewriter:
@@ -298,6 +300,7 @@ class _Rewriter:
                                          y_shape if res_arg is not None else (k,) if bias_arg is not None else None,
                                          dynamic=dynamic)
             new = self.call(library.FPROP, (x, w, bias_arg, res_arg, site))
+        new.meta[CONV_KEY] = conv.name
         self._replace(pat.gm.graph, nm, last, new)
         entry = self._conv_entry(conv, True, problem=problem.name, kernel=self._kernel_name(problem, launch),
                                  pattern=pat.name, fused=tuple(fused))
@@ -353,6 +356,82 @@ class _Rewriter:
             gn = nm[pn]
             if not gn._erased:
                 self.graph.erase_node(gn)
+
+    # ------------------------------------------------------------------ batch-norm statistics
+    def fuse_bn_stats(self) -> None:
+        """OffloadOptions.fuse_bn_stats: each offloaded conv whose output a training batch norm reduces (Inductor's
+        decomposition: var_mean(y.float(), [0, 2, 3], correction=0, keepdim=True)) becomes one kernel storing y and
+        its per-channel sums and sums of squares; the var_mean becomes mean = sum / count and var = sum of squares /
+        count - mean**2 (clamped at 0: fp32 sums of the stored y, as the batch norm reads it)."""
+        if not self.options.fuse_bn_stats:
+            return
+        if torch.are_deterministic_algorithms_enabled():  # the kernels add their sums atomically
+            log.info("cutlass_byoc: batch-norm statistics not fused: deterministic algorithms are required")
+            return
+        for node in [n for n in self.new_nodes if n.target is library.FPROP and not n._erased]:
+            found = _bn_statistics(node)
+            if found is None:
+                continue
+            entry = next(iter(self.report.by_node(node.meta.get(CONV_KEY, ""))), None)
+            twin, why = self._stats_twin(node)
+            if twin is None:
+                if entry is not None:
+                    entry.notes.append(f"batch-norm statistics not fused: {why}")
+                continue
+            self._fuse_stats(node, *found, entry, twin)
+
+    def _stats_twin(self, node: fx.Node):
+        """(the channel-statistics launch for this fprop op, None) or (None, why not)."""
+        x, w, bias, residual, index = node.args
+        if bias is not None or residual is not None:
+            return None, "the conv's epilogue has a bias or residual"
+        site = library.site(index)
+        p = site.problem
+        if site.dynamic:
+            return None, "symbolic batch size"
+        if p.epilogue != Epilogue() or p.element_out not in (DType.F16, DType.BF16):
+            return None, f"epilogue {p.epilogue.tag} to {p.element_out.value} (plain, 16-bit only)"
+        twin = library.StatsSite(p, self.options.select.value, -1).twin()
+        if twin is None:
+            return None, "the conv's launch has no channel-statistics twin (sm90 conv fprop kernels only)"
+        return twin, None
+
+    def _fuse_stats(self, node: fx.Node, cast: fx.Node, var_mean: fx.Node, entry: Optional[OffloadEntry],
+                    twin) -> None:
+        x, w, _, _, index = node.args
+        p = library.site(index).problem
+        stats_index = library.register_stats_site(p, self.options.select.value)
+        with self.graph.inserting_before(node):
+            call = self.call(library.FPROP_STATS, (x, w, stats_index))
+            y = self.call(operator.getitem, (call, 0))
+            stats = self.call(operator.getitem, (call, 1))
+        y.meta[CONV_KEY] = node.meta.get(CONV_KEY)
+        node.replace_all_uses_with(y)
+        if node in self.changed:  # the layout bookkeeping follows the value
+            self.changed.discard(node)
+            self.changed.add(y)
+            self.orig_val[y] = self.orig_val.pop(node, None)
+        self.new_nodes[self.new_nodes.index(node)] = call
+        self.graph.erase_node(node)
+        count = float(p.n * p.p * p.q)
+        shape = [1, p.k, 1, 1]
+        with self.graph.inserting_before(var_mean):
+            mean = self.call(aten.div.Tensor, (self.call(aten.select.int, (stats, 0, 0)), count))
+            ex2 = self.call(aten.div.Tensor, (self.call(aten.select.int, (stats, 0, 1)), count))
+            var = self.call(aten.sub.Tensor, (ex2, self.call(aten.mul.Tensor, (mean, mean))))
+            var = self.call(aten.clamp_min.default, (var, 0.0))
+            out = {0: self.call(aten.view.default, (var, shape)), 1: self.call(aten.view.default, (mean, shape))}
+        for u in list(var_mean.users):
+            u.replace_all_uses_with(out[u.args[1]])
+            self.graph.erase_node(u)
+        self.graph.erase_node(var_mean)
+        if not cast.users:
+            self.graph.erase_node(cast)
+        self.report.bn_stats += 1
+        if entry is not None:
+            entry.fused = (*entry.fused, "bn_stats")
+            entry.kernel = twin.name
+        self.report.launches.append(twin)
 
     def _kernel_name(self, problem, launch) -> str:
         from ..select import SelectMode  # noqa: PLC0415
@@ -601,6 +680,24 @@ class _Rewriter:
 _FAILED = object()
 
 
+def _bn_statistics(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(cast, var_mean) where a training batch norm reduces `node`'s output as Inductor's decomposition does:
+    var_mean(convert_element_type(y, float32), [0, 2, 3], correction=0, keepdim=True), its results read through
+    getitem only; else None."""
+    for cast in node.users:
+        if cast.target is not prims.convert_element_type.default or cast.args[1] is not torch.float32:
+            continue
+        for vm in cast.users:
+            if vm.target is not aten.var_mean.correction or vm.args[0] is not cast:
+                continue
+            dims = vm.args[1] if len(vm.args) > 1 else vm.kwargs.get("dim")
+            if (list(dims or ()) == [0, 2, 3] and vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim")
+                    and len(vm.args) <= 2 and all(u.target is operator.getitem and u.args[1] in (0, 1)
+                                                  for u in vm.users)):
+                return cast, vm
+    return None
+
+
 def _dynamic_note(n: int) -> str:
     """The report's note on a call whose batch size is symbolic."""
     return (f"{DYNAMIC_BATCH}: planned at N={n}, each batch size met at run time bound to a launch at its first call")
@@ -640,6 +737,7 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
         rw = _Rewriter(g, options, report)
         rw.run_fprop()
         rw.run_backward()
+        rw.fuse_bn_stats()
         _note_host_credit(report, options)
         changed = bool(rw.new_nodes)
         if changed:

@@ -102,6 +102,12 @@ class OffloadOptions:
     # offload convs whose batch size is symbolic (torch.compile's dynamic graph after a second batch size): planned
     # at the size the graph was compiled for, each batch size met at run time bound on its first call (CallSite)
     dynamic_batch: bool = True
+    # a training batch norm's statistics after an offloaded conv computed in the conv's epilogue (the kernel's
+    # channel-statistics twin, KernelConfig.channel_stats) instead of a second pass over its output: the graph's
+    # var_mean of the conv's output becomes mean = sum / count, var = sum of squares / count - mean**2 (clamped at 0).
+    # Static batch sizes, plain fprop epilogues, sm90 conv launches; not under torch.use_deterministic_algorithms (the
+    # sums are atomic adds); off by default (its call path is the general one, so it pays off under CUDA graphs)
+    fuse_bn_stats: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))

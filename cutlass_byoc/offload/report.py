@@ -81,6 +81,8 @@ class OffloadReport:
     problems: list = dataclasses.field(default_factory=list, repr=False)  # their Conv2dProblems, in the same order
     #: why the graph was left to PyTorch/Inductor whole (partitioning raised or gave an invalid graph), else None
     failure: Optional[str] = None
+    #: training batch norms whose statistics an offloaded conv's epilogue computes (OffloadOptions.fuse_bn_stats)
+    bn_stats: int = 0
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -89,7 +91,7 @@ class OffloadReport:
         self.entries.clear()
         self.launches.clear()
         self.problems.clear()
-        self.layout_conversions = self.output_restrides = self.layout_restores = 0
+        self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
@@ -130,7 +132,8 @@ class OffloadReport:
         kept = f" ({kept})" if kept else ""
         lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded{kept}; "
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
-                 f"{self.layout_restores} layout restores"]
+                 f"{self.layout_restores} layout restores"
+                 + (f"; {self.bn_stats} batch-norm statistics in the convs' epilogues" if self.bn_stats else "")]
         lines += ["  " + e.line() for e in self.entries]
         return "\n".join(lines)
 
@@ -140,7 +143,8 @@ class OffloadReport:
                              self.output_restrides + other.output_restrides,
                              self.layout_restores + other.layout_restores, self.launches + other.launches,
                              self.problems + other.problems,
-                             "; ".join(f for f in (self.failure, other.failure) if f) or None)
+                             "; ".join(f for f in (self.failure, other.failure) if f) or None,
+                             self.bn_stats + other.bn_stats)
 
     def __str__(self) -> str:
         return self.summary()
