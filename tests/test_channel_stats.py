@@ -73,7 +73,7 @@ def test_the_ping_pong_twin_takes_the_workspace_and_zeroes_its_counters():
     pp = sm90_config(P, (128, 64, 64), schedule="pingpong")
     src, plain = render(pp.with_channel_stats(), "nvcc ..."), render(pp, "nvcc ...")
     assert "cb_pingpong::prepare(x, workspace, workspace_bytes, list, msg, len)" in src
-    assert "CollectiveEpilogueT::initialize_workspace(epi_shape, epi_args, workspace, s)" in src
+    assert "zero_stats(x, list);" in src and "cudaMemsetAsync(stats, 0, bytes, s)" in src
     assert "return cb_pingpong::epilogue_workspace(*x);" in src
     assert "epilogue_workspace" not in plain and "to_underlying_arguments(xf, args.epilogue, nullptr)" in plain
 
@@ -83,7 +83,7 @@ def test_rendered_source_reduces_rows_and_takes_the_buffer():
     assert src.startswith(f"// {TWIN.name}\n")
     assert src.count("Sm90RowReduction<") == 2 and "CbPlusSquare" in src and src.count("cutlass::atomic_add") == 2
     assert "void* stats;" in src and "const void* bias;" in src  # the struct's layout matches runtime.py's
-    assert "stats ? stats + x.k : nullptr" in src
+    assert "stats ? stats + x.k : nullptr" in src and "zero_stats(x, list);" in src
     assert "the channel-statistics kernel stores round(acc)" in src
     plain = render(PLAIN, "nvcc ...")
     for needle in ("Sm90RowReduction", "void* stats", "const void* bias", "chstats", "channel-statistics"):
