@@ -183,9 +183,12 @@ def test_fused_cast_kernels_accumulate_high_and_store_the_cast_type(dtype, out):
 def test_args_struct_appends_bias_and_pointer_rules():
     import ctypes
 
-    assert [f for f, _ in CbConv2dArgs._fields_][-3:] == ["alpha", "beta", "bias"]
+    # bias, then the channel-statistics kernels' buffer (KernelConfig.channel_stats), each declared in C only by the
+    # kernels that read it, after every other field
+    assert [f for f, _ in CbConv2dArgs._fields_][-4:] == ["alpha", "beta", "bias", "stats"]
     assert CbConv2dArgs.bias.offset == CbConv2dArgs.beta.offset + 4  # right after the two floats, 8-aligned
     assert CbConv2dArgs.bias.offset % ctypes.alignment(ctypes.c_void_p) == 0
+    assert CbConv2dArgs.stats.offset == CbConv2dArgs.bias.offset + ctypes.sizeof(ctypes.c_void_p)
     p = fprop(dtype="f32", out="f16", source=BR, bias="f32")
     args = make_args(p, 1, a=0x1000, b=0x2000, d=0x3000, source=0x4000, bias=0x5000)
     assert args.source_kind == 3 and args.bias == 0x5000 and args.beta == 1.0
