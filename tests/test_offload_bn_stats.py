@@ -97,3 +97,28 @@ def test_not_fused_when_deterministic_algorithms_are_required():
     finally:
         torch.use_deterministic_algorithms(False)
     assert rep.bn_stats == 0 and not targets(gm, library.FPROP_STATS)
+
+
+def test_the_statistics_site_refuses_operands_it_was_not_compiled_for():
+    """A changed shape, type or layout takes the op's general path (y on the plain path, the sums on PyTorch), never
+    the kernel: checked before anything is launched (the site's twin is set by hand, so no kernel is loaded)."""
+    from cutlass_byoc.config import LaunchConfig
+    from cutlass_byoc.problem import Conv2dProblem
+    from cutlass_byoc.sm90 import sm90_config
+
+    p = Conv2dProblem.make("fprop", 4, 64, 8, 8, 64, 1)
+    site = library.StatsSite(p, "heuristic", -1)
+    site.launch = LaunchConfig(sm90_config(p, (128, 64, 64)).with_channel_stats())
+    cl = torch.channels_last
+
+    class Cuda(torch.Tensor):  # a CPU tensor that says it is on CUDA, so the site gets past its device check
+        is_cuda = True
+
+    def op(shape, dtype=torch.float16, fmt=cl):
+        return torch.empty(shape, dtype=dtype).contiguous(memory_format=fmt).as_subclass(Cuda)
+
+    w = op((64, 64, 1, 1))
+    assert site(op((4, 64, 8, 9)), w) is None  # shape
+    assert site(op((4, 64, 8, 8), torch.bfloat16), w) is None  # type
+    assert site(op((4, 64, 8, 8), fmt=torch.contiguous_format), w) is None  # layout
+    assert site.calls == 0

@@ -817,6 +817,12 @@ class StatsSite:
         from .. import ops  # noqa: PLC0415
 
         p = self.problem
+        # the operands the problem was compiled for, or the general path (a changed shape, type or layout never
+        # reaches the kernel; run_problem then checks every pointer's alignment)
+        dt = _TORCH_DTYPES[p.element_a.value]
+        if (tuple(x.shape) != (p.n, p.c, p.h, p.w) or tuple(w.shape) != (p.k, p.c, p.r, p.s) or x.dtype != dt
+                or w.dtype != dt or not x.is_contiguous(memory_format=CL) or not w.is_contiguous(memory_format=CL)):
+            return None
         n, h, wd, k = p.out_shape
         out = torch.empty((n, k, h, wd), dtype=_TORCH_DTYPES[p.element_out.value], device=x.device,
                           memory_format=CL)
