@@ -561,6 +561,15 @@ class LaunchConfig:
         """The launch ops runs on the rewritten problem (the same kernel and slices)."""
         return dataclasses.replace(self, pad_c=1, pad_k=1, s2d=1) if self.padded else self
 
+    def with_channel_stats(self) -> Optional["LaunchConfig"]:
+        """This launch on its kernel's channel-statistics twin (KernelConfig.with_channel_stats), or None where there
+        is none: a kernel without the epilogue, a channel-padded or space-to-depth launch (the kernel's output is not
+        the conv's), a split launch."""
+        if self.padded or self.split_k_slices != 1:
+            return None
+        kernel = self.kernel.with_channel_stats()
+        return dataclasses.replace(self, kernel=kernel) if kernel is not None else None
+
     def kernel_problem(self, problem: Conv2dProblem) -> Conv2dProblem:
         """The problem the kernel computes when this launch runs `problem`: the space-to-depth rewrite, then C and
         K rounded up to the padding."""

@@ -236,7 +236,7 @@ def conv2d_channel_stats(input, weight, stride=1, padding=0, dilation=1, *, out_
 
     ``config``: a channel-statistics launch (KernelConfig.channel_stats), else the launch chosen for the plain
     problem (decision or heuristic) turned into its channel-statistics twin. Raises UnsupportedConvError where no
-    such kernel exists (the sm90 conv family's non-persistent fprop kernels have the epilogue)."""
+    such kernel exists (the sm90 conv family's fprop kernels, non-persistent and ping-pong, have the epilogue)."""
     torch = _torch()
     _check_tensor(input, "input")
     _check_tensor(weight, "weight", dtype=input.dtype)
@@ -250,11 +250,10 @@ def conv2d_channel_stats(input, weight, stride=1, padding=0, dilation=1, *, out_
                        Epilogue())
     if config is None:
         plain = choose(problem, select)
-        twin = plain.kernel.with_channel_stats() if plain is not None and not plain.padded else None
-        if twin is None:
+        config = plain.with_channel_stats() if plain is not None else None
+        if config is None:
             raise UnsupportedConvError(f"channel statistics: the launch for {problem.name} "
                                        f"({plain.name if plain else 'none'}) has no channel-statistics twin")
-        config = dataclasses.replace(plain, kernel=twin)
     elif not config.kernel.channel_stats:
         raise UnsupportedConvError(f"config: {config.name} has no channel-statistics epilogue")
     out = torch.empty((n, k, problem.p, problem.q), dtype=out_t, device=input.device, memory_format=torch.channels_last)

@@ -22,6 +22,17 @@ TORCH = {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.
 #: ||out - ref|| / ||ref|| bounds by output type (and fp32 inputs, which run as TF32)
 TOLERANCE = {DType.F16: 1e-2, DType.BF16: 2e-2, DType.F32: 5e-3}
 
+#: pytestmark of the modules whose kernels are sm90 (TMA + wgmma, built for sm_90a): a CUDA device of compute
+#: capability 9.0, else skipped with the reason
+SM90_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the sm90 kernels need an H100/H200"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+        reason="the sm90 TMA + wgmma kernels are built for sm_90a and run only on compute capability 9.0",
+    ),
+]
+
 _ITER_ORDER = [IteratorAlgorithm.OPTIMIZED, IteratorAlgorithm.FEW_CHANNELS, IteratorAlgorithm.ANALYTIC,
                IteratorAlgorithm.FIXED_CHANNELS]
 

@@ -69,13 +69,12 @@ def test_a_problem_with_a_source_is_rejected():
     assert PLAIN.reject_reason(residual) is None
 
 
-def test_the_ping_pong_twin_takes_the_workspace_and_zeroes_its_counters():
+def test_the_ping_pong_twin_zeroes_its_sums_before_each_launch():
     pp = sm90_config(P, (128, 64, 64), schedule="pingpong")
     src, plain = render(pp.with_channel_stats(), "nvcc ..."), render(pp, "nvcc ...")
-    assert "cb_pingpong::prepare(x, workspace, workspace_bytes, list, msg, len)" in src
-    assert "zero_stats(x, list);" in src and "cudaMemsetAsync(stats, 0, bytes, s)" in src
-    assert "return cb_pingpong::epilogue_workspace(*x);" in src
-    assert "epilogue_workspace" not in plain and "to_underlying_arguments(xf, args.epilogue, nullptr)" in plain
+    assert "zero_stats(x, list);\n  return cb_pingpong::prepare(x, list, msg, len);" in src
+    assert "cudaMemsetAsync(stats, 0, bytes, s)" in src
+    assert "zero_stats" not in plain and "to_underlying_arguments(xf, args.epilogue, nullptr)" in plain
 
 
 def test_rendered_source_reduces_rows_and_takes_the_buffer():

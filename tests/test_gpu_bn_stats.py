@@ -14,17 +14,10 @@ import copy
 import pytest
 import torch
 
-from gpu_util import STEP_ABS as ABS, STEP_SLACK as SLACK, fp32_truth, training_step
+from gpu_util import SM90_GPU, STEP_ABS as ABS, STEP_SLACK as SLACK, fp32_truth, training_step
 from models import MODELS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (these tests run on the H200)"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the channel-statistics kernels are sm90 conv kernels (sm_90a, compute capability 9.0)",
-    ),
-]
+pytestmark = SM90_GPU  # the channel-statistics kernels are sm90 conv kernels
 
 CL = torch.channels_last
 #: (model, batch, image) of this module (scripts/warm_cache.py compiles their kernels, twins included)

@@ -19,16 +19,9 @@ from cutlass_byoc.ops import UnsupportedConvError, conv2d_channel_stats, run_pro
 from cutlass_byoc.problem import Conv2dProblem  # noqa: E402
 from cutlass_byoc.sm90 import sm90_config  # noqa: E402
 
-from gpu_util import TOLERANCE, module_kernels, operands, poisoned_output, reference, rel_err  # noqa: E402
+from gpu_util import SM90_GPU, TOLERANCE, module_kernels, operands, poisoned_output, reference, rel_err  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the sm90 kernels need an H100/H200"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 TMA + wgmma kernels are built for sm_90a and run only on compute capability 9.0",
-    ),
-]
+pytestmark = SM90_GPU
 
 #: (problem, tile, cluster): M and K tails (pixels not a multiple of the tile's M, channels not of its N), a strided
 #: conv, a 1x1 conv, bf16, an fp32 output, a two-CTA cluster along M

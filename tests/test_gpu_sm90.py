@@ -17,14 +17,9 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.sm90 import sm90_config  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, DType, SourceKind  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the sm90 kernels need an H100/H200"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the sm90 TMA + wgmma kernels are built for sm_90a and run only on compute capability 9.0",
-    ),
-]
+from gpu_util import SM90_GPU  # noqa: E402
+
+pytestmark = SM90_GPU
 
 CL = torch.channels_last
 TOL = {"f16": 1e-2, "bf16": 2e-2, "f32": 1e-2}

@@ -107,7 +107,7 @@ def test_the_statistics_site_refuses_operands_it_was_not_compiled_for():
     from cutlass_byoc.sm90 import sm90_config
 
     p = Conv2dProblem.make("fprop", 4, 64, 8, 8, 64, 1)
-    site = library.StatsSite(p, "heuristic", -1)
+    site = library.StatsSite(p, "heuristic")
     site.launch = LaunchConfig(sm90_config(p, (128, 64, 64)).with_channel_stats())
     cl = torch.channels_last
 

@@ -777,38 +777,17 @@ class StatsSite:
     pays off under CUDA graphs, where no host work is replayed). Where no twin binds, or a call cannot take it, the
     call returns None and the op computes y on the plain path and the sums with PyTorch: the same values."""
 
-    __slots__ = ("problem", "select", "index", "launch", "calls", "__weakref__")
+    __slots__ = ("problem", "select", "launch", "calls", "__weakref__")
 
-    def __init__(self, problem, select: str, index: int) -> None:
+    def __init__(self, problem, select: str) -> None:
         self.problem = problem
         self.select = select
-        self.index = index
         self.launch = None  # None: not resolved yet; False: no statistics twin (the PyTorch sums)
         self.calls = 0
 
-    @property
-    def launches(self) -> int:
-        return self.calls
-
-    def twin(self):
-        """The channel-statistics twin of the launch the plain problem gets, or None (and why, logged)."""
-        import dataclasses as dc  # noqa: PLC0415
-
-        from ..select import choose  # noqa: PLC0415
-
-        try:
-            plain = choose(self.problem, self.select)
-        except (ValueError, *_kernel_errors()) as e:
-            log.info("statistics site %s: no launch: %s", self.problem.name, e)
-            return None
-        if plain is None or plain.padded or plain.split_k_slices != 1:
-            return None
-        kernel = plain.kernel.with_channel_stats()
-        return dc.replace(plain, kernel=kernel) if kernel is not None else None
-
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         if self.launch is None:
-            self.launch = self.twin() or False
+            self.launch = stats_launch(self.problem, self.select) or False
             if self.launch is False:
                 log.info("statistics site %s: no channel-statistics launch; its sums run on PyTorch",
                          self.problem.name)
@@ -836,15 +815,28 @@ class StatsSite:
         return out, stats
 
 
+def stats_launch(problem, select: str):
+    """The channel-statistics twin of the launch the plain `problem` gets (LaunchConfig.with_channel_stats), or None
+    (the reason a launch could not be chosen is logged)."""
+    from ..select import choose  # noqa: PLC0415
+
+    try:
+        plain = choose(problem, select)
+    except (ValueError, *_kernel_errors()) as e:
+        log.info("statistics site %s: no launch: %s", problem.name, e)
+        return None
+    return plain.with_channel_stats() if plain is not None else None
+
+
 _STATS_SITES: list[StatsSite] = []
 
 
 def register_stats_site(problem, select: str) -> int:
-    """A new statistics call site (the partitioner's, for each conv whose batch-norm statistics it fuses)."""
+    """A new statistics call site (the partitioner's, for each conv whose batch-norm statistics it fuses); its
+    index for the op's ``site`` argument."""
     with _sites_lock:
-        site = StatsSite(problem, select, len(_STATS_SITES))
-        _STATS_SITES.append(site)
-        return site.index
+        _STATS_SITES.append(StatsSite(problem, select))
+        return len(_STATS_SITES) - 1
 
 
 def stats_site(index: int) -> StatsSite:

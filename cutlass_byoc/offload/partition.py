@@ -391,7 +391,7 @@ class _Rewriter:
             return None, "symbolic batch size"
         if p.epilogue != Epilogue() or p.element_out not in (DType.F16, DType.BF16):
             return None, f"epilogue {p.epilogue.tag} to {p.element_out.value} (plain, 16-bit only)"
-        twin = library.StatsSite(p, self.options.select.value, -1).twin()
+        twin = library.stats_launch(p, self.options.select.value)
         if twin is None:
             return None, "the conv's launch has no channel-statistics twin (sm90 conv fprop kernels only)"
         return twin, None
