@@ -89,8 +89,9 @@ class KernelConfig:
     # to_dict, so every other kernel's source and cache key is unchanged). True: besides D = round(acc) the kernel
     # writes, per output channel, the fp32 sum and sum of squares of the rounded D over every output pixel
     # (CbConv2dArgs.stats: 2 x K floats, sums then sums of squares): the statistics a training batch norm after the
-    # conv reads the whole output once more to compute. Per warp by CUTLASS's Sm90RowReduction, then added to the sums
-    # with atomicAdd: their order, so their last bits, varies between runs (fuse_bn_stats stays off under
+    # conv reads the whole output once more to compute. Per warp by CUTLASS's Sm90RowReduction, then added with
+    # atomicAdd into one of sm90.CHANNEL_STATS_SLOTS copies of the sums in the workspace, which a small kernel sums into
+    # the buffer: the atomics' order, so the sums' last bits, varies between runs (fuse_bn_stats stays off under
     # torch.use_deterministic_algorithms).
     channel_stats: Optional[bool] = None
 

@@ -69,9 +69,9 @@ def render(config: KernelConfig, compile_command: str) -> str:
 
         extra = dict(zip(("halo_group", "dy_group"), pad_groups(config)), max_cluster_splits=MAX_CLUSTER_SPLITS)
     elif config.family is KernelFamily.SM90_TMA_WGMMA:
-        from .sm90 import SUBPIXEL_MAX_PHASES  # noqa: PLC0415
+        from .sm90 import CHANNEL_STATS_SLOTS, SUBPIXEL_MAX_PHASES  # noqa: PLC0415
 
-        extra = dict(subpixel_max_phases=SUBPIXEL_MAX_PHASES)
+        extra = dict(subpixel_max_phases=SUBPIXEL_MAX_PHASES, stats_slots=CHANNEL_STATS_SLOTS)
     elif config.family is KernelFamily.SMEM_IM2COL:
         from .smem_im2col import MAX_TAPS  # noqa: PLC0415
 

@@ -47,6 +47,11 @@ SCHEDULE = "implicit_tma_ws"
 PINGPONG = "pingpong"
 SCHEDULES = (SCHEDULE, PINGPONG)
 
+#: Copies of the 2 x K sums a channel-statistics kernel (KernelConfig.channel_stats) adds into, in its workspace: the
+#: warps of the CTAs in flight spread their atomic adds over these (by CTA and warp) instead of all adding into the
+#: same 2 x K floats, and a small kernel sums them into the caller's buffer after the conv.
+CHANNEL_STATS_SLOTS = 32
+
 #: One consumer warp group (4 warps) computes the whole CTA tile in this schedule; recorded in KernelConfig.warps.
 WARPS: Shape3 = (4, 1, 1)
 

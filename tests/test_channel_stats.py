@@ -14,7 +14,7 @@ from cutlass_byoc.ops import UnsupportedConvError, _stats_pointer, run_problem
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.render import render
 from cutlass_byoc.runtime import CbConv2dArgs, make_args
-from cutlass_byoc.sm90 import sm90_config
+from cutlass_byoc.sm90 import CHANNEL_STATS_SLOTS, sm90_config
 from cutlass_byoc.types import Activation, SourceKind
 
 P = Conv2dProblem.make("fprop", 4, 64, 30, 30, 72, 3, padding=1)
@@ -30,7 +30,7 @@ def test_the_twin_is_the_same_kernel_with_the_statistics_epilogue():
     # the field is left out of every other kernel's dict: their JSON, source and cache key are what they were
     assert "channel_stats" not in PLAIN.to_dict() and TWIN.to_dict()["channel_stats"] is True
     assert TWIN.with_channel_stats() == TWIN
-    # the project's persistent ping-pong kernel has the epilogue too (its workspace: the tile partials and counters)
+    # the project's persistent ping-pong kernel has the epilogue too
     assert sm90_config(P, (128, 64, 64), schedule="pingpong").with_channel_stats() is not None
 
 
@@ -69,12 +69,16 @@ def test_a_problem_with_a_source_is_rejected():
     assert PLAIN.reject_reason(residual) is None
 
 
-def test_the_ping_pong_twin_zeroes_its_sums_before_each_launch():
+def test_the_ping_pong_twin_zeroes_its_slots_before_and_sums_them_after_each_launch():
     pp = sm90_config(P, (128, 64, 64), schedule="pingpong")
     src, plain = render(pp.with_channel_stats(), "nvcc ..."), render(pp, "nvcc ...")
-    assert "zero_stats(x, list);\n  return cb_pingpong::prepare(x, list, msg, len);" in src
-    assert "cudaMemsetAsync(stats, 0, bytes, s)" in src
-    assert "zero_stats" not in plain and "to_underlying_arguments(xf, args.epilogue, nullptr)" in plain
+    steps = ("zero_slots(x, workspace, workspace_bytes, &xs, list, msg, len)", "cb_pingpong::prepare(&xs, list, msg, len)",
+             "fold_slots(x, xs, list);")
+    at = [src.index(step, src.index("int cb_prepare(")) for step in steps]
+    assert at == sorted(at)  # zero the slots, then the kernel on them, then their sum into the caller's buffer
+    assert "cudaMemsetAsync(slots, 0, size_t(bytes), s)" in src
+    assert "return slots_offset(*x) + slots_bytes(*x);" in src  # the workspace holds the slots
+    assert "zero_slots" not in plain and "to_underlying_arguments(xf, args.epilogue, nullptr)" in plain
 
 
 def test_rendered_source_reduces_rows_and_takes_the_buffer():
@@ -82,7 +86,9 @@ def test_rendered_source_reduces_rows_and_takes_the_buffer():
     assert src.startswith(f"// {TWIN.name}\n")
     assert src.count("Sm90RowReduction<") == 2 and "CbPlusSquare" in src and src.count("cutlass::atomic_add") == 2
     assert "void* stats;" in src and "const void* bias;" in src  # the struct's layout matches runtime.py's
-    assert "stats ? stats + x.k : nullptr" in src and "zero_stats(x, list);" in src
+    assert "slots ? slots + x.k : nullptr" in src and f"constexpr int kStatsSlots = {CHANNEL_STATS_SLOTS};" in src
+    assert src.count("CbSlotted<cutlass::epilogue::fusion::Sm90RowReduction<") == 2
+    assert "make_arguments(xs)" in src and "fold_slots(x, xs, list);" in src
     assert "the channel-statistics kernel stores round(acc)" in src
     plain = render(PLAIN, "nvcc ...")
     for needle in ("Sm90RowReduction", "void* stats", "const void* bias", "chstats", "channel-statistics"):

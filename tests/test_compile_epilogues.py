@@ -8,7 +8,7 @@ from cutlass_byoc.build import build
 from cutlass_byoc.candidates import sm80_candidates
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.runtime import KernelLibrary
-from cutlass_byoc.sm90 import sm90_candidates, sm90_config
+from cutlass_byoc.sm90 import CHANNEL_STATS_SLOTS, sm90_candidates, sm90_config
 from cutlass_byoc.types import Activation, SourceKind
 
 from compile_util import raw_can_implement  # noqa: E402
@@ -61,4 +61,5 @@ def test_channel_statistics_kernel_builds_and_checks_its_arguments(shared_cache)
     assert "no source" in raw_can_implement(lib, STATS_PROBLEM, source_kind=2, source=0x40000)
     assert "alpha 1" in raw_can_implement(lib, STATS_PROBLEM, fields={"alpha": 2.0})
     assert "multiple of 4" in raw_can_implement(lib, STATS_PROBLEM.replace(k=66), fields={"k": 66})
-    assert lib.workspace_size(STATS_PROBLEM) == 0  # the sums are atomic adds into the stats buffer itself
+    # the kernel's own workspace (none), then the slots its atomic adds spread over (summed into the buffer after it)
+    assert lib.workspace_size(STATS_PROBLEM) == CHANNEL_STATS_SLOTS * 2 * 72 * 4
