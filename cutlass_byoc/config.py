@@ -348,10 +348,18 @@ class KernelConfig:
         return None
 
     def with_channel_stats(self) -> Optional["KernelConfig"]:
-        """This kernel with the channel-statistics epilogue (the same tiles, schedule and cluster), or None where the
-        family or schedule has none (see channel_stats)."""
+        """This kernel with the channel-statistics epilogue (the same schedule, cluster and tile K; a tile of more
+        than 128 x 64 outputs narrowed to 128 x 64, the widest whose epilogue keeps its sums in registers), or None
+        where the family or schedule has none (see channel_stats)."""
+        twin = self
+        if self.family is KernelFamily.SM90_TMA_WGMMA and self.tile[0] * self.tile[1] > 128 * 64:
+            from .sm90 import stage_count  # noqa: PLC0415 - sm90 builds on this module
+
+            tile = (128, 64, self.tile[2])
+            stages = stage_count(tile, self.element_a, self.element_b, self.element_kernel_out)
+            twin = dataclasses.replace(self, tile=tile, stages=stages)
         try:
-            return dataclasses.replace(self, channel_stats=True)
+            return dataclasses.replace(twin, channel_stats=True)
         except ValueError:  # static_error: no such kernel
             return None
 
@@ -363,6 +371,10 @@ class KernelConfig:
                     f"{self.family.value} {self.kind.value}")
         if self.activation is not Activation.IDENTITY or self.element_bias is not None:
             return "channel_stats: the statistics epilogue is plain (no activation, no bias vector)"
+        if self.tile[0] * self.tile[1] > 128 * 64:
+            # the consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers:
+            # ptxas put 688 bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel
+            return f"channel_stats: a tile of at most 128 x 64 outputs, got {self.tile[0]} x {self.tile[1]}"
         return None
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:

@@ -1,14 +1,16 @@
 """What the channel-statistics epilogue would save a training step: for each fprop problem of a model's training step
-(the convs a batch norm follows), the time of one sm90 conv kernel, of its channel-statistics twin (the same tiles,
-also storing the per-channel sums and sums of squares of y), and of the batch-norm statistics pass it replaces
+(the convs a batch norm follows), the time of one sm90 conv kernel, of its channel-statistics twin (the same
+schedule, with a 128x128 tile narrowed to 128x64, also storing the per-channel sums and sums of squares of y: the
+zeroing of its slots, the kernel and the sum of the slots), and of the batch-norm statistics pass it replaces
 (Inductor's compiled ``var_mean(y.float(), (0, 2, 3))``, the reduction Inductor runs after every conv in a training
 graph); cuDNN's conv for reference. One process, CUDA events, operands rotated past L2 (profiler.timing.time_gpu).
 
     python scripts/channel_stats_bench.py [--model torchvision:resnet50] [--batch 32] [--json OUT]
     python scripts/channel_stats_bench.py --configs   # the kernels it launches, one name per line (to compile ahead)
 
-The saving per call is var_mean's time minus the epilogue's extra time (twin - plain); the totals weight each problem
-by how often the step runs it. A diagnostic: the partitioner does not use the twins yet.
+The saving per call is var_mean's time minus the twin's extra time (twin - plain: the epilogue and, on wide layers, the
+narrower tile); the totals weight each problem by how often the step runs it. A diagnostic: the partitioner uses the
+twins only with OffloadOptions.fuse_bn_stats.
 """
 
 from __future__ import annotations

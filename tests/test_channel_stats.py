@@ -34,6 +34,19 @@ def test_the_twin_is_the_same_kernel_with_the_statistics_epilogue():
     assert sm90_config(P, (128, 64, 64), schedule="pingpong").with_channel_stats() is not None
 
 
+def test_a_wide_tile_twins_on_128x64():
+    # a 128 x 128 tile's 128 accumulators per thread and the two row reductions exceed the consumer warp group's
+    # registers (ptxas: a 688-byte stack frame; the H200: the epilogue up to 3x the kernel), so its twin is 128 x 64
+    for schedule in ("implicit_tma_ws", "pingpong"):
+        wide = sm90_config(P, (128, 128, 64), cluster=(2, 1, 1), schedule=schedule)
+        twin = wide.with_channel_stats()
+        assert twin.tile == (128, 64, 64) and twin.schedule == schedule and twin.cluster == (2, 1, 1)
+        assert twin == sm90_config(P, (128, 64, 64), cluster=(2, 1, 1), schedule=schedule).with_channel_stats()
+        with pytest.raises(ValueError, match="at most 128 x 64 outputs, got 128 x 128"):
+            dataclasses.replace(wide, channel_stats=True)
+    assert sm90_config(P, (64, 128, 64)).with_channel_stats().tile == (64, 128, 64)  # 64 accumulators: kept
+
+
 @pytest.mark.parametrize("why, make", [
     ("fprop", lambda: sm90_config(Conv2dProblem.make("dgrad", 4, 64, 30, 30, 72, 3, padding=1), (128, 64, 64))),
     ("fprop", lambda: sm90_config(Conv2dProblem.make("wgrad", 4, 64, 30, 30, 72, 3, padding=1), (128, 64, 64))),
