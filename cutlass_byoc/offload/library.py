@@ -771,8 +771,8 @@ def _wgrad_site_fake(grad_output, input, site):
 # ---------------------------------------------------------------------------------------------- fprop + statistics
 class StatsSite:
     """A conv a training batch norm follows, offloaded with its statistics (OffloadOptions.fuse_bn_stats): the launch
-    chosen for the plain problem turned into its channel-statistics twin (KernelConfig.channel_stats: the same tiles,
-    the epilogue also storing the per-channel sums and sums of squares of y), resolved at the first call. Runs through
+    chosen for the plain problem turned into its channel-statistics twin (KernelConfig.channel_stats: the same schedule,
+    a 128 x 128 tile narrowed to 128 x 64, the epilogue also storing the per-channel sums and sums of squares of y), resolved at the first call. Runs through
     ``ops.run_problem``, which checks every pointer (this path's host cost is the general path's, ~20-30 us a call: it
     pays off under CUDA graphs, where no host work is replayed). Where no twin binds, or a call cannot take it, the
     call returns None and the op computes y on the plain path and the sums with PyTorch: the same values."""
