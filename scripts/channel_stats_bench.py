@@ -50,8 +50,13 @@ def pair(problem: Conv2dProblem, schedule: str) -> tuple[KernelConfig, KernelCon
     return (plain, twin) if twin is not None else None
 
 
-def fprop_problems(model: str, batch: int) -> Counter:
-    """The training step's fprop problems with the number of calls of each."""
+def kernels(problems) -> list[KernelConfig]:
+    """Every kernel the bench launches on `problems` (the plain kernels and their twins), sorted by name."""
+    return sorted({c for p in problems for s in SCHEDULES for c in (pair(p, s) or ())}, key=lambda c: c.name)
+
+
+def fprop_problems(model, batch: int) -> Counter:
+    """The training step's fprop problems with the number of calls of each (`model`: a spec or a module)."""
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
 
     _, report = model_problems(model, batch, training=True)
@@ -133,7 +138,7 @@ def main() -> int:
     a = ap.parse_args()
     problems = fprop_problems(a.model, a.batch)
     if a.configs:
-        for cfg in sorted({c for p in problems for s in SCHEDULES for c in (pair(p, s) or ())}, key=lambda c: c.name):
+        for cfg in kernels(problems):
             print(cfg.name)
         return 0
     rows = bench(problems)

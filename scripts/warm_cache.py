@@ -65,7 +65,7 @@ MODULE_KERNELS = {
     "im2col": lambda m: list(m.KERNELS.values()),
     "tune": lambda m: list(_plan_kernels(m.PROBLEMS, 2)), "depthwise": lambda m: m.all_kernels(),
     "s2d": lambda m: m.used_configs(), "smem_im2col": lambda m: m.used_configs(),
-    "launch_memo": lambda m: m.used_configs(),
+    "launch_memo": lambda m: m.used_configs(), "channel_stats": lambda m: m.used_configs(),
 }
 
 
@@ -203,6 +203,9 @@ def main() -> int:
                     help="scripts/sweep_kernels.py's kernels of these cells (the round's sweep step)")
     ap.add_argument("--sweep-kinds", nargs="+", default=["fprop", "dgrad", "wgrad"])
     ap.add_argument("--sweep-tiles", nargs="+", default=[], metavar="MxNxK:SCHEDULE")
+    ap.add_argument("--channel-stats", action="store_true",
+                    help="the round's channel-stats step's kernels (scripts/channel_stats_bench.py on ResNet-50 at "
+                         "--batch: one plain sm90 kernel per fprop problem and schedule, and its statistics twin)")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                     help=f"the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
                          "the archive of a round that runs a few test modules and tunes a model")
@@ -226,6 +229,11 @@ def main() -> int:
         tiles = [sweep_kernels.parse_tile(t) for t in a.sweep_tiles]
         cfgs += [k for it in sweep_kernels.cells(a.sweep, a.sweep_kinds)
                  for k in sweep_kernels.kernels_of(it.problem, tiles)]
+    if a.channel_stats:
+        import channel_stats_bench  # noqa: PLC0415 - scripts/channel_stats_bench.py, beside this file
+
+        torch.manual_seed(0)
+        cfgs += channel_stats_bench.kernels(channel_stats_bench.fprop_problems(MODELS["resnet50"](), a.batch))
     if a.tests_only:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
@@ -235,7 +243,7 @@ def main() -> int:
     if a.offload_tests:
         cfgs += offload_kernels([r for r in OFFLOAD_RUNS if r[1] == 16], [])
     if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only
-            or a.families or a.offload_tests):
+            or a.families or a.offload_tests or a.channel_stats):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)
