@@ -33,6 +33,11 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
 _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
                       "channel_stats")
+#: The widest tile a channel-statistics kernel takes (KernelConfig.channel_stats): 128 x 64 outputs. At 128 x 128 the
+#: consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers: ptxas put 688
+#: bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel.
+_CHANNEL_STATS_TILE_MN = (128, 64)
+_CHANNEL_STATS_MAX_OUTPUTS = _CHANNEL_STATS_TILE_MN[0] * _CHANNEL_STATS_TILE_MN[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +357,10 @@ class KernelConfig:
         than 128 x 64 outputs narrowed to 128 x 64, the widest whose epilogue keeps its sums in registers), or None
         where the family or schedule has none (see channel_stats)."""
         twin = self
-        if self.family is KernelFamily.SM90_TMA_WGMMA and self.tile[0] * self.tile[1] > 128 * 64:
+        if self.family is KernelFamily.SM90_TMA_WGMMA and self.tile[0] * self.tile[1] > _CHANNEL_STATS_MAX_OUTPUTS:
             from .sm90 import stage_count  # noqa: PLC0415 - sm90 builds on this module
 
-            tile = (128, 64, self.tile[2])
+            tile = (*_CHANNEL_STATS_TILE_MN, self.tile[2])
             stages = stage_count(tile, self.element_a, self.element_b, self.element_kernel_out)
             twin = dataclasses.replace(self, tile=tile, stages=stages)
         try:
@@ -371,9 +376,7 @@ class KernelConfig:
                     f"{self.family.value} {self.kind.value}")
         if self.activation is not Activation.IDENTITY or self.element_bias is not None:
             return "channel_stats: the statistics epilogue is plain (no activation, no bias vector)"
-        if self.tile[0] * self.tile[1] > 128 * 64:
-            # the consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers:
-            # ptxas put 688 bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel
+        if self.tile[0] * self.tile[1] > _CHANNEL_STATS_MAX_OUTPUTS:
             return f"channel_stats: a tile of at most 128 x 64 outputs, got {self.tile[0]} x {self.tile[1]}"
         return None
 
