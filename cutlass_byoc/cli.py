@@ -206,10 +206,20 @@ def _model_items(args) -> list:
     return [WorkloadItem(f"{args.model.split(':')[-1]}#{i}", p, count=counts[p]) for i, p in enumerate(problems)]
 
 
-def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
+def untuned_time_us(outcome, untuned) -> Optional[float]:
+    """The tune's time of `untuned` (the launch the backend runs on the problem without a decision,
+    `heuristics.default_launch`) among the outcome's results, or None where it was not timed or failed."""
+    if untuned is None:
+        return None
+    return next((r.median_us for r in getattr(outcome, "results", ()) if r.ok and r.launch == untuned), None)
+
+
+def step_summary(items: list, outcomes, host_credit_us: float, untuned: Optional[dict] = None) -> Optional[str]:
     """--model: the traced step's conv passes (each problem times its count) summed from the tune's times, for the
     plans the backend would run: cuDNN alone, under CUDA graphs (the faster of the two per pass), without them (the
-    host credit), all on our kernels. None when no problem has both times."""
+    host credit), all on our kernels, and (with `untuned`, problem -> the launch it runs without a decision) the
+    untuned plan: every pass on that launch, over the passes where the tune timed it. None when no problem has both
+    times."""
     from .select import keeps_cudnn  # noqa: PLC0415
 
     by_problem = {o.problem: o for o in outcomes}
@@ -218,6 +228,8 @@ def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
     plan_us, plan_ours = dict.fromkeys(credits, 0.0), dict.fromkeys(credits, 0)
     cudnn = ours = 0.0
     n = 0
+    # the untuned plan against the tuned one and cuDNN over the same passes (those whose untuned launch was timed)
+    un_n, un_us, un_tuned, un_cudnn = 0, 0.0, 0.0, 0.0
     for it in items:
         o = by_problem.get(it.problem)
         if o is None or o.time_us is None or o.cudnn_us is None:
@@ -230,14 +242,22 @@ def step_summary(items: list, outcomes, host_credit_us: float) -> Optional[str]:
             keep = keeps_cudnn(c, t, credit)
             plan_us[plan] += (c if keep else t) * k
             plan_ours[plan] += 0 if keep else k
+        u = untuned_time_us(o, (untuned or {}).get(it.problem))
+        if u is not None:
+            un_n, un_us, un_tuned, un_cudnn = un_n + k, un_us + u * k, un_tuned + t * k, un_cudnn + c * k
     if not n:
         return None
     part = f"{n} of the traced step's {total} conv passes" if n < total else f"the traced step's {n} conv passes"
-    return (f"per step ({part}, summed from the tune's times: each pass alone, L2 flushed; a prediction, not a "
+    line = (f"per step ({part}, summed from the tune's times: each pass alone, L2 flushed; a prediction, not a "
             f"measurement of the step): cuDNN alone {cudnn / 1e3:.2f} ms; under CUDA graphs "
             f"{plan_us['graphs'] / 1e3:.2f} ms, {plan_ours['graphs']} passes on our kernels (the faster per pass); "
             f"without them {plan_us['credit'] / 1e3:.2f} ms of GPU time, {plan_ours['credit']} on ours (host credit "
             f"{host_credit_us:g} us, and each saves host time); all on ours {ours / 1e3:.2f} ms")
+    if untuned is not None and un_n:
+        over = "" if un_n == n else f" over the {un_n} passes whose untuned launch was timed"
+        line += (f"; untuned (no decisions: the model's launch on every pass){over} {un_us / 1e3:.2f} ms against "
+                 f"{un_tuned / 1e3:.2f} ms tuned and {un_cudnn / 1e3:.2f} ms cuDNN")
+    return line
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -284,7 +304,10 @@ def cmd_tune(args) -> int:
     if args.model:
         from .offload.patterns import DEFAULT_HOST_CREDIT_US  # noqa: PLC0415
 
-        summary = step_summary(items, report.outcomes, DEFAULT_HOST_CREDIT_US)
+        from .heuristics import default_launch  # noqa: PLC0415
+
+        untuned = {it.problem: default_launch(it.problem) for it in items}
+        summary = step_summary(items, report.outcomes, DEFAULT_HOST_CREDIT_US, untuned)
         if summary:
             print(summary)
     counts: dict[str, int] = {}
@@ -308,7 +331,11 @@ def cmd_tune(args) -> int:
     if report.log_path:
         print(f"tuning log: {report.log_path}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report.to_dict(), indent=1, default=str))
+        doc = report.to_dict()
+        if args.model:  # the traced step: each problem's layer, passes and untuned launch (scripts/default_regret.py)
+            doc["passes"] = [{"problem": it.problem.name, "layer": it.layer, "count": it.count,
+                              "untuned": untuned[it.problem].name if untuned[it.problem] else None} for it in items]
+        Path(args.json_out).write_text(json.dumps(doc, indent=1, default=str))
     if not report.timed and not args.compile_only:
         print("\n" + report.message, file=sys.stderr)
         return EXIT_NO_GPU

@@ -18,7 +18,9 @@
 # tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
 #           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50;
 #           MODEL_INFERENCE=1: the inference graph's problems instead of the training step's;
-#           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz)
+#           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz;
+#           TUNE_JSON=1: the tune's report, every candidate's time and cuDNN's, to $OUT/tune-model.json, which
+#           scripts/default_regret.py reads)
 # import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT=1) or
 #           decisions.tar.gz (decisions alone, TUNE_EXPORT=decisions; their kernels from the carried .kcache.tar.xz or
 #           compiled here) imported into the offload cache (and the tune cache where a tune or bench step follows), so a
@@ -54,8 +56,9 @@
 #           (DW_KINDS=wgrad or fprop,dgrad: those kinds' problems only, as `--kinds`; TUNE_JSON=1: the tune's report,
 #           every candidate's time, to tune-depthwise.json)
 # The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
-# tune.log, tune.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log, time-launches.log, gpu-offload.log,
-# offload.json, offload-bench.log (tune-model's log is appended to offload-bench.log), sweep.json, sweep.log,
+# tune.log, tune.json (TUNE_JSON=1), tune-model.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log,
+# time-launches.log, gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to
+# offload-bench.log), sweep.json, sweep.log,
 # cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
@@ -168,7 +171,8 @@ for step in "${steps[@]}"; do
     tune-model)
       cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
         $([ -n "${MODEL_INFERENCE:-}" ] && echo --inference || echo --training) --amp fp16 \
-        ${TUNE_MAX:+--max-candidates $TUNE_MAX} 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1
+        ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune-model.json"} 2>&1 \
+        | tee -a "$OUT/offload-bench.log" || rc=1
       export_tuned "$CUTLASS_BYOC_CACHE_DIR" ;;
     import)
       # the tune cache too only where a tune or bench step of this call reads it (its own copy of every decision's

@@ -92,6 +92,34 @@ def test_step_summary_sums_the_plans():
     assert step_summary(items[3:], outcomes, 10.0) is None
 
 
+def test_step_summary_adds_the_untuned_plan():
+    """With each problem's untuned launch (what runs without a decision), the line adds that plan's time from the
+    tune's results, against the tuned and cuDNN times of the same passes; a problem whose untuned launch was not
+    timed (or failed) is left out of those three sums, and the line says over how many passes they run."""
+    from types import SimpleNamespace
+
+    from cutlass_byoc.cli import step_summary, untuned_time_us
+    from cutlass_byoc.workloads import WorkloadItem
+
+    p = [object() for _ in range(3)]
+    la, lb, lc, other = (SimpleNamespace(name=n) for n in "abcz")
+
+    def res(launch, us, ok=True):
+        return SimpleNamespace(launch=launch, median_us=us, ok=ok)
+
+    items = [WorkloadItem("a", p[0], count=2), WorkloadItem("b", p[1]), WorkloadItem("c", p[2])]
+    outcomes = [SimpleNamespace(problem=p[0], time_us=10.0, cudnn_us=12.0, results=(res(other, 10.0), res(la, 15.0))),
+                SimpleNamespace(problem=p[1], time_us=20.0, cudnn_us=18.0, results=(res(lb, 20.0),)),
+                SimpleNamespace(problem=p[2], time_us=5.0, cudnn_us=6.0, results=(res(lc, 4.0, ok=False),))]
+    untuned = {p[0]: la, p[1]: lb, p[2]: lc}
+    assert untuned_time_us(outcomes[0], la) == 15.0 and untuned_time_us(outcomes[2], lc) is None
+    line = step_summary(items, outcomes, 10.0, untuned)
+    # untuned 2*15+20 = 50 us over 3 of the 4 passes; tuned there 2*10+20 = 40; cuDNN 2*12+18 = 42
+    assert "untuned (no decisions: the model's launch on every pass) over the 3 passes whose untuned launch was " \
+           "timed 0.05 ms against 0.04 ms tuned and 0.04 ms cuDNN" in line
+    assert "untuned" not in step_summary(items, outcomes, 10.0)
+
+
 def test_cli_tune_model_prints_the_step_line(monkeypatch, capsys, tmp_path):
     """`tune --model` prints the per-step line from its outcomes (here a fake tune: ours 10 us, cuDNN 12 us on every
     problem, so both plans put every pass on our kernels)."""
