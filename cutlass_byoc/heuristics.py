@@ -120,8 +120,61 @@ def _sm90_tiled_mnk(problem: Conv2dProblem, tile: tuple[int, int, int]) -> tuple
     return m, n, math.ceil(chans / tile[2]) * tile[2] * rs
 
 
+#: Measured over modelled time, by kernel family, schedule, pass (fprop and dgrad together, or wgrad) and whether the
+#: launch splits the reduction: what the model's ceilings leave out (latency, prologue and epilogue, the 2.x kernels'
+#: loads without TMA). Each is the geometric mean over its group of the tune of ResNet-50's training step at batch 32
+#: on the H200 (2026-12-03: `cutlass-byoc tune --model torchvision:resnet50 --training --amp fp16
+#: --max-candidates 2`, the 313 timed launches that rewrite nothing; groups of 2-57 launches, the ones under 5 pooled
+#: where their neighbours agree; `scripts/default_regret.py --calibration` prints them from such a report). A factor
+#: changes no order within its group; across families it is what the untuned default (`default_launch`) and a budget
+#: smaller than the families (`plan._take_budget`) decide by. Without it the memory-bound 1x1 convs tied across
+#: families, the 2.x kernel won the tie by its name and ran 1.3-3x slower than the 3.x kernels there (layer 3's 1x1
+#: wgrads split on 2.x: 53-54 us, the tuned 3.x GEMM 18 us), and that step's untuned plan summed to 3.99 ms of passes
+#: against 3.38 for cuDNN and 3.24 tuned (scripts/default_regret.py on the same report).
+#: Keys: `calibration_key`; a group not listed counts 1.0 (the depthwise family, which competes with no other).
+CALIBRATION: dict[tuple[KernelFamily, str, str, bool], float] = {
+    (KernelFamily.SM80_IMPLICIT_GEMM, "", "fd", False): 1.34,  # 30 launches
+    (KernelFamily.SM80_IMPLICIT_GEMM, "", "fd", True): 1.58,  # 15
+    (KernelFamily.SM80_IMPLICIT_GEMM, "", "wgrad", False): 2.01,  # pooled with the next: 3 + 54
+    (KernelFamily.SM80_IMPLICIT_GEMM, "", "wgrad", True): 2.01,
+    (KernelFamily.SM90_TMA_WGMMA, "implicit_tma_ws", "fd", False): 1.43,  # 44
+    (KernelFamily.SM90_TMA_WGMMA, "implicit_tma_ws", "wgrad", False): 1.21,  # 6
+    (KernelFamily.SM90_TMA_WGMMA, "implicit_tma_ws", "wgrad", True): 1.11,  # 42
+    (KernelFamily.SM90_TMA_WGMMA, "pingpong", "fd", False): 1.23,  # 50
+    (KernelFamily.SM90_TMA_WGMMA, "pingpong", "wgrad", False): 1.06,  # 19
+    (KernelFamily.SM90_GEMM_1X1, "data-parallel", "fd", False): 1.23,  # 9: ping-pong 6, cooperative 3
+    (KernelFamily.SM90_GEMM_1X1, "data-parallel", "wgrad", False): 1.11,  # 2
+    (KernelFamily.SM90_GEMM_1X1, "stream-K", "fd", False): 1.28,  # pooled with the next: 2 + 4
+    (KernelFamily.SM90_GEMM_1X1, "stream-K", "fd", True): 1.28,
+    (KernelFamily.SM90_GEMM_1X1, "stream-K", "wgrad", False): 1.41,  # pooled with the next: 4 + 8
+    (KernelFamily.SM90_GEMM_1X1, "stream-K", "wgrad", True): 1.41,
+    (KernelFamily.SMEM_IM2COL, "", "fd", False): 1.28,  # 8
+}
+
+
+def calibration_key(problem: Conv2dProblem, launch: LaunchConfig) -> tuple[KernelFamily, str, str, bool]:
+    """The CALIBRATION group of `launch` on `problem`: (family, schedule group, "wgrad" or "fd", split)."""
+    c = launch.kernel
+    schedule = c.schedule or ""
+    if c.family is KernelFamily.SM90_GEMM_1X1:  # its tile schedulers, whatever the warp schedule
+        schedule = "stream-K" if c.splits_at_launch else "data-parallel"
+    kind = "wgrad" if problem.kind is ConvKind.WGRAD else "fd"
+    return c.family, schedule, kind, launch.split_k_slices > 1
+
+
+def calibration(problem: Conv2dProblem, launch: LaunchConfig) -> float:
+    """CALIBRATION's factor for `launch` on `problem` (1.0 for a group it does not list)."""
+    return CALIBRATION.get(calibration_key(problem, launch), 1.0)
+
+
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
-    """Estimated microseconds of one launch (wave quantisation, tile efficiency, memory traffic, split-k overhead)."""
+    """Estimated microseconds of one launch (wave quantisation, tile efficiency, memory traffic, split-k overhead),
+    calibrated by family (CALIBRATION)."""
+    return _model_us(problem, launch, sms) * calibration(problem, launch)
+
+
+def _model_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int) -> float:
+    """estimate_us before the family's calibration."""
     c = launch.kernel
     if c.family is KernelFamily.DEPTHWISE_DIRECT:
         from .depthwise import estimate_us as depthwise_estimate_us  # noqa: PLC0415
@@ -264,7 +317,9 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
     145 us in fprop, dgrad and wgrad against 230, 565 and 329 us for its channel-padded picks, the previous
     defaults: 2026-11-30, scripts/time_launches.py.)
     The shared-memory im2col kernels (fprop of few input channels) compete unpadded: on the H200 the model's pick for
-    the stem, 16x16x64 with 8x1 warps, ran 64 us against 136 us for the 2.x fold (2026-12-01).
+    the stem, 16x16x64 with 8x1 warps, ran 64 us against 136 us for the 2.x fold (2026-12-01). So do the 3.x GEMM
+    kernels of 1x1 stride-1 convs (`gemm1x1`), the tuned winners of most of ResNet-50's 1x1 cells. The families
+    compete on calibrated estimates (CALIBRATION).
     Depthwise problems (groups == C == K) get the best launch of the depthwise family, the only one that takes them."""
     if problem.is_depthwise:
         from .depthwise import default_depthwise_launch  # noqa: PLC0415
@@ -279,6 +334,12 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
             from .sm90 import sm90_candidates  # noqa: PLC0415 - sm90 imports the config layer only
 
             kernels += list(sm90_candidates(kp))
+            if (blk, pad_c, pad_k) == (1, 1, 1):  # 1x1 stride-1 convs as 3.x GEMMs (none for other problems)
+                from .gemm1x1 import gemm1x1_candidates  # noqa: PLC0415
+
+                # data-parallel tiles only: a stream-K decomposition is the tuner's to choose (the model cannot rank
+                # it, plan.launches_for), and its faster reduction order is nondeterministic
+                kernels += [kc for kc in gemm1x1_candidates(kp) if not kc.splits_at_launch]
         if (blk, pad_c, pad_k) == (1, 1, 1):  # few input channels, read as they are
             from .smem_im2col import smem_im2col_candidates  # noqa: PLC0415
 

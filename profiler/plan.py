@@ -32,7 +32,7 @@ from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from ..depthwise import depthwise_candidates, is_cluster_split, is_cols, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..smem_im2col import smem_im2col_candidates
-from ..heuristics import H200_SMS, estimate_us, launch_slices, order_key, padding_cost_us
+from ..heuristics import H200_SMS, calibration, estimate_us, launch_slices, order_key, padding_cost_us
 from ..problem import Conv2dProblem
 from ..types import ConvKind, KernelFamily, SplitKMode
 
@@ -77,7 +77,7 @@ DEFAULT_SLICES_PER_KERNEL = 3  # split-k launches per kernel and problem
 #: A family other than 2.x keeps its share of the budget only for kernels the model puts within this factor of the
 #: best 2.x estimate. The model ranks 3.x kernels as mma.sync ones and so overestimates them (they won at up to 3x
 #: the 2.x estimate on the H200); beyond 8x they are 3.x kernels without split-k on a wgrad of few output tiles,
-#: which ran 8-10x slower than 2.x split-k there.
+#: which ran 8-10x slower than 2.x split-k there. (Both on the uncalibrated model: heuristics.CALIBRATION came later.)
 OTHER_FAMILY_CUTOFF = 8.0
 
 
@@ -352,9 +352,13 @@ def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, i
         by_family[fam] = _alternate_schedules(_spread_over_tiles(lst) if spread else lst)
     sm80 = by_family.get(KernelFamily.SM80_IMPLICIT_GEMM)
     if sm80:  # hopeless candidates of the other families give their share back to 2.x
-        best_2x = sm80[0][0]
+        # on the model's own estimates, before heuristics.CALIBRATION, which OTHER_FAMILY_CUTOFF was measured on
+        def uncalibrated(t) -> float:
+            return t[0] / calibration(problem, t[2][0][1])
+
+        best_2x = uncalibrated(sm80[0])
         for fam in [f for f in by_family if f is not KernelFamily.SM80_IMPLICIT_GEMM]:
-            by_family[fam] = [t for t in by_family[fam] if t[0] <= OTHER_FAMILY_CUTOFF * best_2x]
+            by_family[fam] = [t for t in by_family[fam] if uncalibrated(t) <= OTHER_FAMILY_CUTOFF * best_2x]
             if not by_family[fam]:
                 del by_family[fam]
     return by_family, len(valid), pruned

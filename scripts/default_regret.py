@@ -9,8 +9,8 @@ alone, L2 flushed). A diagnostic, run on the CPU machine after the round:
 The model is traced again here (fake tensors) to have each problem as an object, matched to the report by name, so
 the script judges the current code's default launch too: after a change to the model (heuristics.py), it says what
 the new default would have cost wherever the report timed it (a launch the report did not time counts as unknown, and
-the sums say over how many passes they run). `--calibration` lists, per kernel family and schedule, the measured
-time over the model's estimate of every timed launch (the factors the model is missing); `--detail` one line per
+the sums say over how many passes they run). `--calibration` lists, per group of `heuristics.CALIBRATION`, the
+measured time over the uncalibrated model's of every timed launch (the factors that table holds); `--detail` one line per
 problem.
 """
 
@@ -41,16 +41,6 @@ def problem_class(p) -> str:
     return f"{p.kind.value} {shape}"
 
 
-def family_of(launch) -> str:
-    k = launch.kernel
-    out = k.family.value + (f" {k.schedule}" if k.schedule else "")
-    if launch.split_k_slices > 1:
-        out += " split"
-    if launch.padded or launch.s2d > 1:
-        out += " rewritten"
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("report", help="tune --model --json output (tune-model.json)")
@@ -63,10 +53,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", action="store_true", help="measured / estimated time per family")
     a = ap.parse_args(argv)
 
-    from cutlass_byoc.config import LaunchConfig  # noqa: F401,PLC0415 - the launches come from the plan below
-    from cutlass_byoc.heuristics import default_launch, estimate_launch_us  # noqa: PLC0415
+    from cutlass_byoc.heuristics import (CALIBRATION, H200_SMS, _model_us, calibration_key,  # noqa: PLC0415
+                                         default_launch)
     from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
-    from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES, plan_problem  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import plan_problem  # noqa: PLC0415
 
     doc = json.loads(Path(a.report).read_text())
     problems, _ = model_problems(a.model, a.batch, training=a.training)
@@ -106,13 +96,12 @@ def main(argv=None) -> int:
             print(f"{o['problem']:<78} x{k}  cuDNN {cudnn:7.1f}  best {best:7.1f}  untuned then "
                   f"{'-' if was_us is None else f'{was_us:7.1f}'}  now {'-' if now_us is None else f'{now_us:7.1f}'}"
                   f"  {now.name if now else '-'}")
-        if a.calibration:
-            plan = {c.launch.name: c.launch for c in plan_problem(p, DEFAULT_MAX_CANDIDATES).candidates}
-            plan.update({c.launch.name: c.launch for c in plan_problem(p, 2).candidates})
+        if a.calibration:  # every launch the planner could time (a budget past any family's size), by name
+            plan = {c.launch.name: c.launch for c in plan_problem(p, 1000).candidates}
             for name, us in times.items():
                 launch = plan.get(name)
-                if launch is not None:
-                    calib[(p.kind.value, family_of(launch))].append(us / estimate_launch_us(p, launch))
+                if launch is not None and not launch.padded and launch.s2d == 1 and not launch.kernel.lowering:
+                    calib[calibration_key(p, launch)].append(us / _model_us(p, launch, H200_SMS))
 
     cols = ("cudnn", "tuned", "graphs", "untuned then", "untuned now")
     print(f"{'class':<22}" + "".join(f"{c:>16}" for c in cols) + f"{'then->now (pairs)':>22}")
@@ -138,12 +127,15 @@ def main(argv=None) -> int:
     if missing:
         print(f"{missing} problems of the report are not in the traced model (another batch or model?)")
     if a.calibration:
-        print("\nmeasured / estimated, per kind and family: median (min-max) over the timed launches")
-        for key in sorted(calib):
+        print("\nmeasured / modelled (heuristics.CALIBRATION's groups, the launches that rewrite nothing): geometric "
+              "mean, median (min-max), and the factor CALIBRATION holds now")
+        for key in sorted(calib, key=lambda k: (k[0].value, k[1], k[2], k[3])):
             v = calib[key]
             gm = math.exp(sum(math.log(x) for x in v) / len(v))
-            print(f"  {key[0]:<6} {key[1]:<40} n={len(v):<4} median {statistics.median(v):5.2f}  geomean {gm:5.2f}"
-                  f"  ({min(v):.2f}-{max(v):.2f})")
+            fam, sched, kind, split = key
+            print(f"  {fam.value:<20} {sched or '-':<16} {kind:<6} {'split' if split else '':<6} n={len(v):<4} "
+                  f"geomean {gm:5.2f}  median {statistics.median(v):5.2f} ({min(v):.2f}-{max(v):.2f})  "
+                  f"now {CALIBRATION.get(key, 1.0):.2f}")
     return 0
 
 
