@@ -185,3 +185,36 @@ def test_default_launch_considers_the_3x_family():
     assert launch.split_k_slices > 1
     fp32 = P("fprop", 8, 64, 14, 64, 3, dtype="f32")  # the 3.x family is built for 16-bit inputs
     assert default_launch(fp32).kernel.family is KernelFamily.SM80_IMPLICIT_GEMM
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("c,hw,k", [(64, 56, 64), (256, 56, 64), (64, 56, 256), (1024, 14, 256), (256, 14, 1024)])
+def test_default_launch_of_memory_bound_1x1_convs_is_3x(kind, c, hw, k):
+    """ResNet-50's 1x1 convs are memory-bound, where the uncalibrated model tied the families and the 2.x kernel won the
+    tie by its name; on the H200 the 2.x picks ran 1.3-3x slower than the 3.x kernels there (layer 3's 1x1 wgrads:
+    53-54 us against 18). Calibrated (heuristics.CALIBRATION), the untuned default is a 3.x kernel, and never a GEMM
+    stream-K one (the tuner's choice; its fast reduction order is nondeterministic)."""
+    from cutlass_byoc.heuristics import H200_SMS, _model_us, calibration, estimate_us  # noqa: PLC0415
+
+    p = P(kind, 32, c, hw, k, 1, out_dtype="f32" if kind == "wgrad" else None)
+    launch = default_launch(p)
+    assert launch.kernel.family in (KernelFamily.SM90_TMA_WGMMA, KernelFamily.SM90_GEMM_1X1), launch.name
+    assert not (launch.kernel.family is KernelFamily.SM90_GEMM_1X1 and launch.kernel.splits_at_launch)
+    assert estimate_us(p, launch) == pytest.approx(_model_us(p, launch, H200_SMS) * calibration(p, launch))
+    assert calibration(p, launch) > 1.0  # the model's ceilings leave latency out: measured times run above them
+
+
+def test_calibration_groups():
+    """heuristics.CALIBRATION's keys: family, schedule group (the GEMM family's by tile scheduler), fprop/dgrad or
+    wgrad, split; the depthwise family (which competes with no other) is not calibrated."""
+    from cutlass_byoc.depthwise import default_depthwise_launch  # noqa: PLC0415
+    from cutlass_byoc.gemm1x1 import gemm1x1_candidates  # noqa: PLC0415
+    from cutlass_byoc.heuristics import CALIBRATION, calibration, calibration_key  # noqa: PLC0415
+
+    p = P("wgrad", 32, 256, 14, 1024, 1)
+    keys = {calibration_key(p, LaunchConfig(kc)) for kc in gemm1x1_candidates(p)}
+    assert {(KernelFamily.SM90_GEMM_1X1, g, "wgrad", False) for g in ("data-parallel", "stream-K")} <= keys
+    assert all(k in CALIBRATION for k in keys)
+    dw = P("fprop", 32, 96, 56, 96, 3, groups=96)
+    assert calibration(dw, default_depthwise_launch(dw)) == 1.0
+    assert all(f > 0.5 for f in CALIBRATION.values())
