@@ -230,6 +230,7 @@ def test_partitioner_offloads_a_slightly_slower_kernel_without_graphs_and_keeps_
     ("cutlass_byoc-memo-off", {"cudagraphs": False}),
     ("cutlass_byoc-no-wgrad-cudagraphs", {"cudagraphs": True, "wgrad": False}),
     ("cutlass_byoc-wgrad-only-cudagraphs", {"cudagraphs": True, "fprop": False, "dgrad": False}),
+    ("cutlass_byoc-untuned-cudagraphs", {"cudagraphs": True, "select": "heuristic"}),  # over the case's "cached"
 ])
 def test_bench_modes_pass_their_options(monkeypatch, mode, expected):
     """Each offload-bench mode builds the backend with the case's options plus its own; a name ending in -cudagraphs
@@ -241,7 +242,7 @@ def test_bench_modes_pass_their_options(monkeypatch, mode, expected):
     monkeypatch.setattr(backend_mod, "make_backend", lambda opts: seen.setdefault("opts", opts))
     monkeypatch.setattr(bench.torch, "compile", lambda model, backend=None, **_: ("compiled", backend))
     run, backend = bench.compile_mode("model", mode, {"select": "cached"})
-    assert seen["opts"] == {"select": "cached", **expected}
+    assert seen["opts"] == {**{"select": "cached"}, **expected}
     assert backend is seen["opts"]
     assert mode in bench.MODES + bench.EXTRA_MODES
 

@@ -42,7 +42,9 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #:   symbolic batch size, and that dynamic graph serves the timed steps at the full batch; compared with
 #:   inductor-dynamic when the run has it;
 #: - cutlass_byoc-bnstats, cutlass_byoc-bnstats-cudagraphs: with fuse_bn_stats (each batch norm's statistics from its
-#:   conv's channel-statistics epilogue where the conv's launch has a twin, not from a second pass over the output).
+#:   conv's channel-statistics epilogue where the conv's launch has a twin, not from a second pass over the output);
+#: - cutlass_byoc-untuned, cutlass_byoc-untuned-cudagraphs: select="heuristic", every conv on the model's launch
+#:   (heuristics.default_launch) whatever the decision cache holds: the untuned plan beside the tuned one.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -51,6 +53,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-dynamic": {},
     "cutlass_byoc-bnstats": {"fuse_bn_stats": True},
     "cutlass_byoc-bnstats-cudagraphs": {"fuse_bn_stats": True},
+    "cutlass_byoc-untuned": {"select": "heuristic"},
+    "cutlass_byoc-untuned-cudagraphs": {"select": "heuristic"},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch
