@@ -19,10 +19,10 @@ aten = torch.ops.aten
 
 
 def block(c_in=16, bias=False):
-    """conv3x3 (16 -> 32: the sm80 few-channels kernel here, no twin) -> BN -> ReLU -> conv1x1 (32 -> 64: sm90) -> BN,
-    then a conv with a bias and its BN."""
-    return nn.Sequential(nn.Conv2d(c_in, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-                         nn.Conv2d(32, 64, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+    """conv1x1 (16 -> 32: its untuned launch a GEMM-family kernel here, no twin) -> BN -> ReLU -> conv3x3 (32 -> 64:
+    sm90) -> BN, then a conv with a bias and its BN."""
+    return nn.Sequential(nn.Conv2d(c_in, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
                          nn.Conv2d(64, 64, 1, bias=True), nn.BatchNorm2d(64))
 
 
@@ -43,10 +43,10 @@ def test_fused_where_the_launch_has_a_twin_and_noted_where_not():
     assert rep.bn_stats == 1 and "1 batch-norm statistics" in rep.summary()
     fprops = {e.node: e for e in rep.offloaded if e.kind.value == "fprop"}
     first, second, third = (fprops[n] for n in ("convolution", "convolution_1", "convolution_2"))
-    # the 1x1 conv's sm90 launch has its twin: that kernel is prebuilt and launched
+    # the second conv's sm90 launch has its twin: that kernel is prebuilt and launched
     assert "bn_stats" in second.fused and "_chstats_" in second.kernel
     assert second.kernel in {launch.name for launch in rep.launches}
-    # the first conv's launch (an sm80 kernel) has none; the third fuses its bias, so its epilogue is not plain
+    # the first conv's launch (a GEMM-family kernel) has none; the third fuses its bias, so its epilogue is not plain
     assert any("no channel-statistics twin" in n for n in first.notes), first.line()
     assert "bias" in third.fused and any("bias or residual" in n for n in third.notes), third.line()
     assert len(targets(gm, library.FPROP_STATS)) == 1 and len(targets(gm, library.FPROP)) == 2
@@ -67,7 +67,7 @@ def test_a_training_step_equals_the_unfused_one():
     def step(fuse: bool):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-                              nn.Conv2d(32, 64, 1, bias=False), nn.BatchNorm2d(64))
+                              nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64))
         model = model.to(memory_format=torch.channels_last).train()
         x = torch.randn(4, 16, 8, 8).contiguous(memory_format=torch.channels_last)
         backend = make_backend(require_cuda=False, inductor=False, fuse_bn_stats=fuse)
