@@ -3,8 +3,8 @@ TUNE_JSON=1 writes tune-model.json): per conv pass of the traced step, the time 
 a decision (`heuristics.default_launch`), against the tune's best and cuDNN's, all from the same tune run (each launch
 alone, L2 flushed). A diagnostic, run on the CPU machine after the round:
 
-    python scripts/default_regret.py tune-model.json --model torchvision:resnet50 --batch 32 [--training]
-        [--detail] [--calibration]
+    python scripts/default_regret.py tune-model.json --model torchvision:resnet50 --batch 32 [--image 224]
+        [--training | --inference] [--detail] [--calibration]
 
 The model is traced again here (fake tensors) to have each problem as an object, matched to the report by name, so
 the script judges the current code's default launch too: after a change to the model (heuristics.py), it says what
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("report", help="tune --model --json output (tune-model.json)")
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--image", type=int, default=224)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--training", dest="training", action="store_true", default=True)
     mode.add_argument("--inference", dest="training", action="store_false")
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     from cutlass_byoc.profiler.plan import plan_problem  # noqa: PLC0415
 
     doc = json.loads(Path(a.report).read_text())
-    problems, _ = model_problems(a.model, a.batch, training=a.training)
+    problems, _ = model_problems(a.model, a.batch, training=a.training, image=a.image)
     by_name = {p.name: p for p in problems}
     counts = {d["problem"]: d["count"] for d in doc.get("passes", [])} or {p.name: 1 for p in problems}
     recorded_untuned = {d["problem"]: d.get("untuned") for d in doc.get("passes", [])}

@@ -139,3 +139,48 @@ def test_cli_tune_model_prints_the_step_line(monkeypatch, capsys, tmp_path):
     n = len(rep.problems)
     assert f"the traced step's {n} conv passes" in line
     assert f"cuDNN alone {n * 12 / 1e3:.2f} ms" in line and f"{n} passes on our kernels" in line
+
+
+def test_default_regret_sums_the_plans_of_a_report(tmp_path, capsys):
+    """scripts/default_regret.py on a `tune --model --json` report (here made up from the plan: each launch at
+    twice its estimate, cuDNN at the best time plus 1 us): the model is traced again, each report problem matched by
+    name, and the class rows and the total weigh each problem by its passes; the untuned launch recorded and the
+    current code's default are the same launch here, so both columns agree, and --calibration gives each group the
+    factor 2 over the uncalibrated model."""
+    import importlib.util
+    import json
+
+    from cutlass_byoc.heuristics import H200_SMS, _model_us, default_launch
+    from cutlass_byoc.profiler.plan import plan_problem
+
+    problems, rep = model_problems("models:resnet18", 2, image=64)
+    counts = {p: rep.problems.count(p) for p in problems}
+    outcomes, passes, untuned_total, cudnn_total = [], [], 0.0, 0.0
+    for p in problems:
+        launches = [c.launch for c in plan_problem(p, 2).candidates if not c.launch.padded and c.launch.s2d == 1
+                    and not c.launch.kernel.lowering]
+        d = default_launch(p)
+        if d not in launches:
+            launches.append(d)
+        times = {l.name: 2 * _model_us(p, l, H200_SMS) for l in launches}
+        best = min(times.values())
+        outcomes.append({"problem": p.name, "time_us": best, "cudnn_us": best + 1.0,
+                         "results": [{"launch": n, "status": "ok", "median_us": t} for n, t in times.items()]})
+        passes.append({"problem": p.name, "layer": "x", "count": counts[p], "untuned": d.name})
+        untuned_total += times[d.name] * counts[p]
+        cudnn_total += (best + 1.0) * counts[p]
+    report = tmp_path / "tune-model.json"
+    report.write_text(json.dumps({"outcomes": outcomes, "passes": passes}))
+    spec = importlib.util.spec_from_file_location("default_regret", Path(__file__).parents[1] / "scripts" /
+                                                  "default_regret.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(report), "--model", "models:resnet18", "--batch", "2", "--image", "64",
+                     "--calibration"]) == 0
+    out = capsys.readouterr().out
+    total = next(line for line in out.splitlines() if line.startswith("all (us per step)"))
+    n = sum(counts.values())
+    assert f"{cudnn_total:10.1f} ({n:>3})" in total and f"{untuned_total:10.1f} ({n:>3})" in total
+    assert total.count(f"{untuned_total:10.1f} ({n:>3})") == 2  # untuned then and now: the same launches
+    factors = [line for line in out.splitlines() if "geomean" in line and "now" in line]
+    assert factors and all("geomean  2.00" in line for line in factors)
