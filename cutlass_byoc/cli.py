@@ -302,9 +302,8 @@ def cmd_tune(args) -> int:
               "cuDNN wins by more than the host credit (option host_credit_us, default 10 us; prefer_cudnn=False "
               "offloads them all)")
     if args.model:
-        from .offload.patterns import DEFAULT_HOST_CREDIT_US  # noqa: PLC0415
-
         from .heuristics import default_launch  # noqa: PLC0415
+        from .offload.patterns import DEFAULT_HOST_CREDIT_US  # noqa: PLC0415
 
         untuned = {it.problem: default_launch(it.problem) for it in items}
         summary = step_summary(items, report.outcomes, DEFAULT_HOST_CREDIT_US, untuned)

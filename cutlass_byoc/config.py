@@ -377,7 +377,8 @@ class KernelConfig:
         if self.activation is not Activation.IDENTITY or self.element_bias is not None:
             return "channel_stats: the statistics epilogue is plain (no activation, no bias vector)"
         if self.tile[0] * self.tile[1] > _CHANNEL_STATS_MAX_OUTPUTS:
-            return f"channel_stats: a tile of at most 128 x 64 outputs, got {self.tile[0]} x {self.tile[1]}"
+            return (f"channel_stats: a tile of at most {_CHANNEL_STATS_TILE_MN[0]} x {_CHANNEL_STATS_TILE_MN[1]} "
+                    f"outputs, got {self.tile[0]} x {self.tile[1]}")
         return None
 
     def reject_reason(self, problem: Conv2dProblem) -> Optional[str]:

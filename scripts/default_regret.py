@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     mode.add_argument("--training", dest="training", action="store_true", default=True)
     mode.add_argument("--inference", dest="training", action="store_false")
     ap.add_argument("--detail", action="store_true", help="one line per problem")
-    ap.add_argument("--calibration", action="store_true", help="measured / estimated time per family")
+    ap.add_argument("--calibration", action="store_true",
+                    help="measured / modelled time per group of heuristics.CALIBRATION")
     a = ap.parse_args(argv)
 
     from cutlass_byoc.heuristics import (CALIBRATION, H200_SMS, _model_us, calibration_key,  # noqa: PLC0415
