@@ -74,7 +74,8 @@ Kernels:
   Measured on the H200: it was the best of ours on 4 of MobileNetV2's 10 distinct depthwise wgrad problems (3x3,
   fp32 output; 3 of them faster than cuDNN) and on none of the fp16-output `depthwise` workload; on 5x5 it ran
   60-70 us where "taprows" ran 41 us (the staging's per-copy index arithmetic costs more than the load latency it
-  hides there). So it is timed, never the untuned default.
+  hides there). The untuned default weighs it by its measured factor (DW_CALIBRATION: 3.37 and 2.23 times the
+  model's estimate at stride 1 and 2), so it is the tuner's to pick.
 - wgrad, schedule "cols" (`COLS`; fprop and both dgrads have it too, below): the work is column strips of dy,
   `stages` rows x `tile[1]` columns of one image. A thread owns a channel vector and one strip at a time and walks
   it down row by row, the row loop unrolled: each input row the strip reads ((columns - 1) * stride + S vectors) is
@@ -778,6 +779,18 @@ def is_cluster_split(c: KernelConfig) -> bool:
     return c.split_k_mode is SplitKMode.CLUSTER
 
 
+def schedule_group(c: KernelConfig) -> str:
+    """The schedule group of a depthwise config: "cluster" (a cluster-split wgrad), its schedule ("rows", "taprows",
+    "cols"), or for the pixel-tile kernels how they read the halo: "smem2" (pipelined), "smem" (staged) or "l1"."""
+    if is_cluster_split(c):
+        return "cluster"
+    if is_cols(c) or is_rows(c):
+        return c.schedule
+    if is_pipelined(c):
+        return "smem2"
+    return "smem" if c.halo_smem else "l1"
+
+
 def prefetch_variant(c: KernelConfig) -> Optional[KernelConfig]:
     """A "cols" config `c` issuing its loads PREFETCH_ROWS rows ahead instead of one (more loads in flight per thread,
     more registers): None where `c` is another schedule, already has a prefetch or a register cap, its strips have
@@ -872,21 +885,97 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     return (bytes_ / (DRAM_GBS * 1e9 * eff) * 1e6 + LAUNCH_US + extra) * penalty
 
 
+def calibration_group(c: KernelConfig) -> str:
+    """The DW_CALIBRATION group of a config: its `schedule_group`, with the "cols" kernels whose strips are one column
+    wide and load one row ahead apart ("cols1"): on the H200 those fprop / dgrad kernels ran 2-4x slower than their
+    prefetch twins (MobileNetV2's 576-channel stride-2 fprop: 25.6 against 9.0 us), which the model does not see."""
+    g = schedule_group(c)
+    return "cols1" if g == COLS and c.tile[1] == 1 and not c.prefetch else g
+
+
+def pass_class(problem: Conv2dProblem) -> str:
+    """The DW_CALIBRATION pass class of a problem: its kind and whether it is strided ("fprop_s1", "wgrad_s2", ...)."""
+    return f"{problem.kind.value}_s{1 if (problem.stride_h, problem.stride_w) == (1, 1) else 2}"
+
+
+#: Measured over modelled time (`estimate_us`) by calibration group and pass class: the geometric mean over the
+#: launches `scripts/depthwise_defaults.py` timed on the H200 (2026-12-03, benchmarks/h200/dw-defaults.json: 474
+#: launches over the 57 problems of the `depthwise` workload, batch 32; each problem's untuned default, the model's
+#: best of each schedule group, its three best "cols" launches and the tuned winner of the published bench). Groups
+#: of fewer than 3 launches take their group's factor over every class. The model's memory traffic misses what sets
+#: these kernels apart (load latency at their occupancy, the staging's index arithmetic), so its ranking across
+#: schedules was wrong: the untuned defaults (no "cols" kernel, never a pipelined wgrad) summed to 1536 us on those
+#: problems, cuDNN to 1542, the best launch timed to 1011; the calibrated choice over every schedule, 1231.
+#: Not the cluster-split wgrads: their time ranged from 0.6x to 82x the model's (a few splits per channel block can
+#: leave most SMs idle), so they are left to the profiler.
+DW_CALIBRATION: dict[tuple[str, str], float] = {
+    ("cols", "dgrad_s1"): 1.21,  # 42
+    ("cols", "dgrad_s2"): 1.28,  # 26
+    ("cols", "fprop_s1"): 1.21,  # 43
+    ("cols", "fprop_s2"): 1.14,  # 18
+    ("cols", "wgrad_s1"): 1.26,  # 44
+    ("cols", "wgrad_s2"): 1.32,  # 14
+    ("cols1", "dgrad_s1"): 3.08,  # 3
+    ("cols1", "fprop_s1"): 3.09,  # 3
+    ("cols1", "fprop_s2"): 3.99,  # 7
+    ("cols1", "wgrad_s1"): 2.19,  # 2 (pooled: the group's 24)
+    ("cols1", "wgrad_s2"): 1.22,  # 9
+    ("l1", "dgrad_s1"): 2.26,  # 12
+    ("l1", "dgrad_s2"): 3.03,  # 9
+    ("l1", "fprop_s1"): 2.26,  # 12
+    ("l1", "fprop_s2"): 1.82,  # 7
+    ("l1", "wgrad_s1"): 2.29,  # 12
+    ("l1", "wgrad_s2"): 2.61,  # 7
+    ("rows", "dgrad_s1"): 1.60,  # 12
+    ("rows", "fprop_s1"): 1.60,  # 12
+    ("rows", "fprop_s2"): 1.74,  # 7
+    ("rows", "wgrad_s1"): 1.64,  # 12
+    ("rows", "wgrad_s2"): 1.37,  # 7
+    ("smem", "dgrad_s1"): 2.52,  # 12
+    ("smem", "fprop_s1"): 2.52,  # 12
+    ("smem", "fprop_s2"): 1.54,  # 9
+    ("smem", "wgrad_s1"): 1.87,  # 12
+    ("smem", "wgrad_s2"): 1.29,  # 7
+    ("smem2", "dgrad_s1"): 2.33,  # 16
+    ("smem2", "fprop_s1"): 2.33,  # 16
+    ("smem2", "fprop_s2"): 1.66,  # 8
+    ("smem2", "wgrad_s1"): 3.37,  # 12
+    ("smem2", "wgrad_s2"): 2.23,  # 7
+    ("taprows", "wgrad_s1"): 1.74,  # 13
+    ("taprows", "wgrad_s2"): 1.28,  # 11
+}
+#: Each group's factor over every pass class: for a pair DW_CALIBRATION does not list.
+DW_GROUP_CALIBRATION: dict[str, float] = {
+    "cols": 1.23,  # 187
+    "cols1": 2.19,  # 24
+    "l1": 2.35,  # 59
+    "rows": 1.59,  # 50
+    "smem": 1.97,  # 52
+    "smem2": 2.38,  # 59
+    "taprows": 1.51,  # 24
+}
+
+
+def calibrated_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
+    """`estimate_us` times DW_CALIBRATION's factor for the launch's group and the problem's pass class (for a pair it
+    does not list, DW_GROUP_CALIBRATION's for the group): what the untuned default ranks depthwise launches by."""
+    group = calibration_group(launch.kernel)
+    factor = DW_CALIBRATION.get((group, pass_class(problem)), DW_GROUP_CALIBRATION.get(group, 1.0))
+    return estimate_us(problem, launch, sms) * factor
+
+
 def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
-    """The model's best depthwise launch for `problem`, or None if no depthwise kernel computes it. Not a pipelined
-    wgrad: the memory model sees its staged reads, not the cost of staging them (on the H200 the 5x5 ones ran
-    60-70 us where "taprows" ran 41 us, effb0_dw_240_5x5_28; it won some 3x3 problems only), so it is left to the
-    profiler; nor a "cols" kernel, whose register-bound occupancy the model does not see either; nor a cluster-split
-    wgrad (its few splits per channel block can leave most SMs idle, which the model's floor on wave fill hides)."""
+    """The best depthwise launch for `problem` by the calibrated model (`calibrated_estimate_us`, every schedule but
+    the cluster split), or None if no depthwise kernel computes it."""
     best = None
     for cfg in depthwise_candidates(problem):
-        if is_pipelined_wgrad(cfg) or is_cols(cfg) or is_cluster_split(cfg):
+        if is_cluster_split(cfg):
             continue
         for s in split_candidates(problem, cfg, sms):
             launch = LaunchConfig(cfg, s)
             if launch.reject_reason(problem) is not None:
                 continue
-            key = (round(estimate_us(problem, launch, sms), 1), cfg.halo_smem, launch.name)
+            key = (round(calibrated_estimate_us(problem, launch, sms), 1), cfg.halo_smem, launch.name)
             if best is None or key < best[0]:
                 best = (key, launch)
     return best[1] if best else None

@@ -131,7 +131,8 @@ def _sm90_tiled_mnk(problem: Conv2dProblem, tile: tuple[int, int, int]) -> tuple
 #: families, the 2.x kernel won the tie by its name and ran 1.3-3x slower than the 3.x kernels there (layer 3's 1x1
 #: wgrads split on 2.x: 53-54 us, the tuned 3.x GEMM 18 us), and that step's untuned plan summed to 3.99 ms of passes
 #: against 3.38 for cuDNN and 3.24 tuned (scripts/default_regret.py on the same report).
-#: Keys: `calibration_key`; a group not listed counts 1.0 (the depthwise family, which competes with no other).
+#: Keys: `calibration_key`; a group not listed counts 1.0 (the depthwise family, which competes with no other: its
+#: schedules have factors of their own, `depthwise.DW_CALIBRATION`, which its untuned default ranks by).
 CALIBRATION: dict[tuple[KernelFamily, str, str, bool], float] = {
     (KernelFamily.SM80_IMPLICIT_GEMM, "", "fd", False): 1.34,  # 30 launches
     (KernelFamily.SM80_IMPLICIT_GEMM, "", "fd", True): 1.58,  # 15

@@ -48,6 +48,9 @@
 # channel-stats: scripts/channel_stats_bench.py: the channel-statistics epilogue's cost on each fprop problem of a
 #           training step against the batch-norm statistics pass it would replace (CS_MODEL, default
 #           torchvision:resnet50; CS_BATCH, default 32; kernels from the test cache) -> channel-stats.json, .log
+# dw-defaults: scripts/depthwise_defaults.py: the depthwise workload's untuned defaults timed against the model's best
+#           launches of each schedule group and the published bench's winners (kernels from the test cache, those
+#           it lacks compiled first in one parallel build) -> dw-defaults.json, dw-defaults.log
 # cudnn-kernels: scripts/sweep_kernels.py cudnn-kernels: cuDNN's kernels per default and depthwise cell, and cuBLAS's
 #           time of each 1x1 cell's GEMM -> cudnn-kernels.json, cudnn-kernels.log
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
@@ -59,7 +62,7 @@
 # tune.log, tune.json (TUNE_JSON=1), tune-model.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log,
 # time-launches.log, gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to
 # offload-bench.log), sweep.json, sweep.log,
-# cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log.
+# cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log, dw-defaults.json, dw-defaults.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -133,7 +136,7 @@ for step in "${steps[@]}"; do
       # run from tests/ so the installed package (not the source tree) is what gets imported
       (cd tests && python3 -m pytest -m gpu -q -rA -p no:cacheprovider --timeout=900 \
         ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:---ignore=test_gpu_offload.py .} 2>&1 \
-        | grep -v "^PASSED" | tee "$OUT/gpu-tests.log") || rc=1
+        | grep --line-buffered -v "^PASSED" | tee "$OUT/gpu-tests.log") || rc=1
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
@@ -224,6 +227,11 @@ for step in "${steps[@]}"; do
       # channel-statistics twin, and the batch-norm statistics pass the twin would replace (CS_MODEL, CS_BATCH)
       python3 scripts/channel_stats_bench.py --model "${CS_MODEL:-torchvision:resnet50}" --batch "${CS_BATCH:-32}" \
         --json "$OUT/channel-stats.json" 2>&1 | grep -v "^W[0-9]" | tee "$OUT/channel-stats.log" || rc=1 ;;
+    dw-defaults)
+      # scripts/depthwise_defaults.py: on the depthwise workload, the untuned default against the model's best launches
+      # of each schedule group and the published bench's winner (kernels from the test cache)
+      python3 scripts/depthwise_defaults.py --winners benchmarks/h200/bench-depthwise.json \
+        --jobs "$CUTLASS_BYOC_JOBS" --json "$OUT/dw-defaults.json" 2>&1 | tee "$OUT/dw-defaults.log" || rc=1 ;;
     cudnn-kernels)
       python3 scripts/sweep_kernels.py cudnn-kernels "$OUT/cudnn-kernels.json" > "$OUT/cudnn-kernels.log" 2>&1 \
         || rc=1 ;;

@@ -1,0 +1,149 @@
+"""Time the depthwise family's schedules on the `depthwise` workload: what the untuned default picks against the
+model's best launches of every schedule group, so the default's rule can be fitted to measurements.
+
+    python scripts/depthwise_defaults.py [--batch 32] [--per-group 1] [--cols 3] [--winners bench-depthwise.json]
+                                         [--json OUT] [--list] [--layers NAME ...]
+
+For each problem of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0 depthwise layers, every kind)
+the launches timed are: the current untuned default (`heuristics.default_launch`), the `--per-group` best launches
+(`--cols` for the "cols" group) by the model (`depthwise.estimate_us`) of each schedule group (`schedule_group`: pixel tiles through L1, staged,
+pipelined; "rows", "taprows", "cols", cluster split), and the launch a bench report names for the layer and kind
+(`--winners`: a `cutlass-byoc bench --json` file of this workload, matched by name among the enumerated launches).
+Each launch is checked once against the float64 reference, then timed as the profiler times (operands rotated past
+L2, median of the runs), beside cuDNN. `--json` writes every row (problem, layer, kind, launch, group, model
+estimate, measured time, cuDNN's, flags default / winner); `--list` prints the launches' kernels and stops. The
+kernels the cache lacks are compiled first, in one parallel build (`--jobs`). A diagnostic: it records no decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from cutlass_byoc import heuristics
+from cutlass_byoc.config import LaunchConfig
+from cutlass_byoc.depthwise import depthwise_candidates, estimate_us, schedule_group
+from cutlass_byoc.problem import Conv2dProblem
+from cutlass_byoc.workloads import WorkloadItem, depthwise_workload
+
+
+def launches(problem: Conv2dProblem) -> list[LaunchConfig]:
+    """Every launch of every depthwise config that can run `problem` (each config at each of its split counts)."""
+    out = []
+    for cfg in depthwise_candidates(problem):
+        for s in heuristics.launch_slices(problem, cfg):
+            launch = LaunchConfig(cfg, s)
+            if launch.reject_reason(problem) is None:
+                out.append(launch)
+    return out
+
+
+def chosen(item: WorkloadItem, per_group: int, winners: dict, cols: int = 3) -> list[tuple[LaunchConfig, bool, bool]]:
+    """(launch, is the default, is the named winner) to time for the item, the default first: the model's
+    `per_group` best of each schedule group, `cols` of the "cols" group."""
+    p = item.problem
+    every = launches(p)
+    default = heuristics.default_launch(p)
+    winner_name = winners.get((item.layer, p.kind.value))
+    ranked = sorted(every, key=lambda l: (estimate_us(p, l), l.name))
+    picked: dict[str, LaunchConfig] = {}
+    if default is not None:
+        picked[default.name] = default
+    counts: dict[str, int] = {}
+    for launch in ranked:
+        g = schedule_group(launch.kernel)
+        if counts.get(g, 0) < (cols if g == "cols" else per_group):
+            counts[g] = counts.get(g, 0) + 1
+            picked.setdefault(launch.name, launch)
+    for launch in every:
+        if launch.name == winner_name:
+            picked.setdefault(launch.name, launch)
+    return [(l, default is not None and l.name == default.name, l.name == winner_name) for l in picked.values()]
+
+
+def load_winners(path: Optional[str]) -> dict:
+    if not path:
+        return {}
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return {(r["layer"], r["kind"]): r["launch"] for r in rows if r.get("launch")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--per-group", type=int, default=1, help="the model's best launches timed per schedule group")
+    ap.add_argument("--cols", type=int, default=3, help="... and of the \"cols\" group")
+    ap.add_argument("--winners", default=None, help="a bench --json report of the depthwise workload")
+    ap.add_argument("--layers", nargs="+", default=None, help="only these layers (bench's layer names)")
+    ap.add_argument("--json", default=None, help="write every row here")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel compiles of the kernels the cache lacks")
+    ap.add_argument("--list", action="store_true", help="print the kernels the launches need and stop")
+    args = ap.parse_args(argv)
+    winners = load_winners(args.winners)
+    items = [it for it in depthwise_workload(batch=args.batch) if not args.layers or it.layer in args.layers]
+    plan = [(it, chosen(it, args.per_group, winners, args.cols)) for it in items]
+    if args.list:
+        for k in dict.fromkeys(l.kernel for _, ls in plan for l, _, _ in ls):
+            print(k.name)
+        return 0
+
+    import torch  # noqa: PLC0415
+
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.ops import run_problem  # noqa: PLC0415
+    from cutlass_byoc.profiler.timing import time_gpu  # noqa: PLC0415
+    from cutlass_byoc.profiler.verify import compare, cudnn_fn, poison  # noqa: PLC0415
+    from cutlass_byoc.profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
+
+    # every kernel in one parallel build first (a kernel the cache lacks would otherwise compile at its first launch)
+    kernels = list(dict.fromkeys(l.kernel for _, ls in plan for l, _, _ in ls))
+    failed = [c.name for c, r in build(kernels, jobs=args.jobs).items() if not r.ok]
+    print(f"{len(kernels)} kernels, {len(failed)} failed to build: {failed[:5]}", flush=True)
+    ws = WorkerSettings()
+    rows = []
+    for item, picks in plan:
+        p = item.problem
+        sets, ref = make_problem_sets(p, ws)
+        cudnn_us = time_gpu(cudnn_fn(p, sets), len(sets), ws.timing).median_us
+        print(f"== {item.layer} {p.kind.value}: cuDNN {cudnn_us:.1f} us", flush=True)
+        for launch, is_default, is_winner in picks:
+            row = dict(problem=p.name, layer=item.layer, kind=p.kind.value, launch=launch.name,
+                       group=schedule_group(launch.kernel), estimate_us=estimate_us(p, launch),
+                       model_us=heuristics.estimate_us(p, launch), default=is_default, winner=is_winner,
+                       cudnn_us=cudnn_us, time_us=None, status="ok")
+            try:
+                s0 = sets[0]
+                poison(s0.out)
+                run_problem(p, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
+                torch.cuda.synchronize()
+                chk = compare(p, s0.out, ref)
+                if not chk.ok:
+                    row["status"] = "wrong: " + chk.message
+                else:
+                    def fn(i: int, launch=launch) -> None:
+                        s = sets[i]
+                        run_problem(p, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
+
+                    row["time_us"] = time_gpu(fn, len(sets), ws.timing).median_us
+            except Exception as e:  # noqa: BLE001 - a diagnostic: report the launch and go on
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                if "CUDA error" in str(e):
+                    raise
+            rows.append(row)
+            t = f"{row['time_us']:8.1f}" if row["time_us"] else f"{'-':>8}"
+            flags = ("D" if is_default else " ") + ("W" if is_winner else " ")
+            print(f"{t} {row['estimate_us']:8.1f} {flags} {row['group']:8} {launch.name}"
+                  + ("" if row["status"] == "ok" else f"  {row['status']}"), flush=True)
+        del sets, ref
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
