@@ -201,14 +201,44 @@ class BenchReport:
         plt.close(fig)
 
 
+def check_and_time(p: Conv2dProblem, launch, sets, ref, timing) -> tuple[Optional[float], Optional[float], str]:
+    """Runs `launch` once on operand set 0 (output poisoned first) against the float64 reference `ref`, then, if it
+    is right, times it over the rotated `sets` as the profiler does: (median us or None, max error or None, status:
+    "ok", "wrong: ..." or "error: ..."). A CUDA error is raised (it would recur on the next launch)."""
+    import torch  # noqa: PLC0415
+
+    from .ops import run_problem  # noqa: PLC0415
+    from .profiler.timing import time_gpu  # noqa: PLC0415
+    from .profiler.verify import compare, poison  # noqa: PLC0415
+
+    err = None
+    try:
+        s0 = sets[0]
+        poison(s0.out)
+        run_problem(p, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
+        torch.cuda.synchronize()
+        chk = compare(p, s0.out, ref)
+        err = chk.max_error
+        if not chk.ok:
+            return None, err, "wrong: " + chk.message
+
+        def fn(i: int) -> None:
+            s = sets[i]
+            run_problem(p, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
+
+        return time_gpu(fn, len(sets), timing).median_us, err, "ok"
+    except Exception as e:  # noqa: BLE001 - reported in the row; a CUDA error would recur on the next row
+        if "CUDA error" in str(e):
+            raise
+        return None, err, f"error: {type(e).__name__}: {str(e)[:200]}"
+
+
 def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     import torch  # noqa: PLC0415
 
     from .decisions import lookup  # noqa: PLC0415
     from .heuristics import default_launch  # noqa: PLC0415
-    from .ops import run_problem  # noqa: PLC0415
     from .profiler.timing import time_gpu  # noqa: PLC0415
-    from .profiler.verify import compare, poison  # noqa: PLC0415
     from .profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
 
     ws = settings or WorkerSettings()
@@ -228,25 +258,7 @@ def bench_item(item: WorkloadItem, settings=None) -> BenchRow:
     if launch is None:
         chosen_by, status = "none", "no kernel"
     else:
-        try:
-            s0 = sets[0]
-            poison(s0.out)
-            run_problem(p, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
-            torch.cuda.synchronize()
-            chk = compare(p, s0.out, ref)
-            err = chk.max_error
-            if not chk.ok:
-                status = "wrong: " + chk.message
-            else:
-                def fn(i: int) -> None:
-                    s = sets[i]
-                    run_problem(p, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
-
-                ours_us = time_gpu(fn, len(sets), ws.timing).median_us
-        except Exception as e:  # noqa: BLE001 - reported in the row; a CUDA error would recur on the next row
-            status = f"error: {type(e).__name__}: {str(e)[:200]}"
-            if "CUDA error" in str(e):
-                raise
+        ours_us, err, status = check_and_time(p, launch, sets, ref, ws.timing)
     del sets, ref
     torch.cuda.empty_cache()
     tf = lambda us: None if not us else p.flops / (us * 1e-6) / 1e12  # noqa: E731

@@ -92,10 +92,10 @@ def main(argv=None) -> int:
 
     import torch  # noqa: PLC0415
 
+    from cutlass_byoc.bench import check_and_time  # noqa: PLC0415
     from cutlass_byoc.build import build  # noqa: PLC0415
-    from cutlass_byoc.ops import run_problem  # noqa: PLC0415
     from cutlass_byoc.profiler.timing import time_gpu  # noqa: PLC0415
-    from cutlass_byoc.profiler.verify import compare, cudnn_fn, poison  # noqa: PLC0415
+    from cutlass_byoc.profiler.verify import cudnn_fn  # noqa: PLC0415
     from cutlass_byoc.profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
 
     # every kernel in one parallel build first (a kernel the cache lacks would otherwise compile at its first launch)
@@ -114,24 +114,7 @@ def main(argv=None) -> int:
                        group=schedule_group(launch.kernel), estimate_us=estimate_us(p, launch),
                        model_us=heuristics.estimate_us(p, launch), default=is_default, winner=is_winner,
                        cudnn_us=cudnn_us, time_us=None, status="ok")
-            try:
-                s0 = sets[0]
-                poison(s0.out)
-                run_problem(p, s0.a, s0.b, s0.out, s0.source, config=launch, bias=s0.bias)
-                torch.cuda.synchronize()
-                chk = compare(p, s0.out, ref)
-                if not chk.ok:
-                    row["status"] = "wrong: " + chk.message
-                else:
-                    def fn(i: int, launch=launch) -> None:
-                        s = sets[i]
-                        run_problem(p, s.a, s.b, s.out, s.source, config=launch, bias=s.bias)
-
-                    row["time_us"] = time_gpu(fn, len(sets), ws.timing).median_us
-            except Exception as e:  # noqa: BLE001 - a diagnostic: report the launch and go on
-                row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
-                if "CUDA error" in str(e):
-                    raise
+            row["time_us"], _, row["status"] = check_and_time(p, launch, sets, ref, ws.timing)
             rows.append(row)
             t = f"{row['time_us']:8.1f}" if row["time_us"] else f"{'-':>8}"
             flags = ("D" if is_default else " ") + ("W" if is_winner else " ")

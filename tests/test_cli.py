@@ -98,6 +98,51 @@ def test_bench_without_gpu_says_so(tmp_cache, capsys):
     assert "needs a GPU" in capsys.readouterr().err
 
 
+def test_check_and_time_checks_before_it_times(monkeypatch):
+    """bench.check_and_time (bench's rows, scripts/depthwise_defaults.py): a launch is run once on a poisoned output
+    and compared with the float64 reference before it is timed; a wrong one is reported and never timed, an error is
+    reported, a CUDA error raised. Here on the CPU, the kernel stood in for by PyTorch (right, or off by one)."""
+    torch = pytest.importorskip("torch")
+    from cutlass_byoc import bench, ops  # noqa: PLC0415
+    from cutlass_byoc.profiler import timing, verify  # noqa: PLC0415
+    from cutlass_byoc.profiler.timing import TimingSettings, TimingStats  # noqa: PLC0415
+
+    p = Conv2dProblem.make("fprop", 2, 8, 6, 6, 8, 3, padding=1)
+    gen = torch.Generator().manual_seed(0)
+    sets = [verify.make_operand_set(p, "cpu", gen) for _ in range(2)]
+    ref = verify.reference(p, sets[0])
+    behaviour = {"add": 0.0, "raise": None}
+    timed = []
+
+    def fake_run(problem, a, b, out, source=None, *, config=None, bias=None):
+        if behaviour["raise"]:
+            raise RuntimeError(behaviour["raise"])
+        y = torch.nn.functional.conv2d(a.float(), b.float(), padding=1) + behaviour["add"]
+        out.copy_(y.to(out.dtype))
+
+    def fake_time(fn, rotations, settings=TimingSettings()):
+        timed.append(rotations)
+        for i in range(rotations):
+            fn(i)
+        return TimingStats(12.5, 12.0, 12.5, 0.1, rotations, rotations)
+
+    monkeypatch.setattr(ops, "run_problem", fake_run)
+    monkeypatch.setattr(timing, "time_gpu", fake_time)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    launch = default_launch(p)
+    us, err, status = bench.check_and_time(p, launch, sets, ref, TimingSettings())
+    assert (us, status, timed) == (12.5, "ok", [2]) and err < 1e-2
+    behaviour["add"] = 1.0
+    us, err, status = bench.check_and_time(p, launch, sets, ref, TimingSettings())
+    assert us is None and status.startswith("wrong: ") and err > 1e-2 and timed == [2]
+    behaviour["raise"] = "no kernel library"
+    assert bench.check_and_time(p, launch, sets, ref, TimingSettings()) == (
+        None, None, "error: RuntimeError: no kernel library")
+    behaviour["raise"] = "CUDA error: an illegal memory access was encountered"
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        bench.check_and_time(p, launch, sets, ref, TimingSettings())
+
+
 # ---------------------------------------------------------------------------------------------- cache commands
 def _seed_decisions(n: int = 3) -> list[Conv2dProblem]:
     probs = [Conv2dProblem.make("fprop", 32, 64, 56, 56, 64, 3, padding=1).replace(n=8 * (i + 1)) for i in range(n)]
