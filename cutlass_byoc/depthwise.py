@@ -964,18 +964,34 @@ def calibrated_estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: in
     return estimate_us(problem, launch, sms) * factor
 
 
+#: The range DW_CALIBRATION was measured on: filters up to 5x5 (the `depthwise` workload has no larger one) and, of
+#: the "cols" kernels, vectors of 2 or more channels (its 5x5 "cols" kernels are at vector 2, the 3x3 ones at 4).
+CALIBRATED_MAX_FILTER = 5
+CALIBRATED_MIN_COLS_VECTOR = 2
+
+
 def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
-    """The best depthwise launch for `problem` by the calibrated model (`calibrated_estimate_us`, every schedule but
-    the cluster split), or None if no depthwise kernel computes it."""
+    """The best depthwise launch for `problem`, or None if no depthwise kernel computes it. Within the calibration's
+    range (filters up to CALIBRATED_MAX_FILTER) by the calibrated model (`calibrated_estimate_us`) over every schedule
+    but the cluster split and the "cols" kernels narrower than CALIBRATED_MIN_COLS_VECTOR, none of which were measured.
+    Past it (ConvNeXt's 7x7) by the model alone, as before the calibration: not a "cols" kernel, a pipelined wgrad nor
+    a cluster split, which the model cannot rank (its memory traffic misses their register-bound occupancy, the
+    staging's cost, the idle SMs of a few splits per channel block)."""
+    calibrated = max(problem.r, problem.s) <= CALIBRATED_MAX_FILTER
     best = None
     for cfg in depthwise_candidates(problem):
         if is_cluster_split(cfg):
+            continue
+        if calibrated and is_cols(cfg) and cfg.align_a < CALIBRATED_MIN_COLS_VECTOR:
+            continue
+        if not calibrated and (is_cols(cfg) or is_pipelined_wgrad(cfg)):
             continue
         for s in split_candidates(problem, cfg, sms):
             launch = LaunchConfig(cfg, s)
             if launch.reject_reason(problem) is not None:
                 continue
-            key = (round(calibrated_estimate_us(problem, launch, sms), 1), cfg.halo_smem, launch.name)
+            us = calibrated_estimate_us(problem, launch, sms) if calibrated else estimate_us(problem, launch, sms)
+            key = (round(us, 1), cfg.halo_smem, launch.name)
             if best is None or key < best[0]:
                 best = (key, launch)
     return best[1] if best else None

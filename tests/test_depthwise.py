@@ -308,7 +308,8 @@ def test_calibrated_default_on_the_measured_problems():
     pick was always among the launches timed, and they sum to 1231 us against 1536 for the defaults before (no
     "cols" kernel), 1011 for the best timed and 1542 for cuDNN; MobileNetV2's 144-channel 56x56 layer runs "cols"
     kernels (the tuned winners of every kind there), and never a one-column strip without prefetch where those ran
-    2-4x slower than their twins (the 576-channel stride-2 fprop: 25.6 against 9.0 us)."""
+    2-4x slower than their twins (the 576-channel stride-2 fprop: 25.6 against 9.0 us). Outside what was measured
+    (filters past 5x5, "cols" kernels of vector 1) the factors are not used."""
     from pathlib import Path  # noqa: PLC0415
 
     from cutlass_byoc.depthwise import (DW_CALIBRATION, DW_GROUP_CALIBRATION, calibration_group,  # noqa: PLC0415
@@ -335,6 +336,16 @@ def test_calibrated_default_on_the_measured_problems():
             assert calibration_group(launch.kernel) != "cols1", launch.name
     assert len(old) == 57 and round(new) == 1231 and round(sum(old.values())) == 1536 and round(sum(best.values())) == 1011
     assert set(DW_GROUP_CALIBRATION) == {g for g, _ in DW_CALIBRATION}
+    # outside the measured range the factors are not used: ConvNeXt's 7x7 keeps the model's own pick (no "cols"
+    # kernel, no pipelined wgrad), and no "cols" kernel of one channel per thread (2-byte loads) is a default
+    for kind in ("fprop", "dgrad", "wgrad"):
+        for c, hw in ((96, 56), (768, 7)):
+            k = default_depthwise_launch(dw(kind, n=32, c=c, hw=hw, r=7)).kernel
+            assert not is_cols(k) and not is_pipelined_wgrad(k) and not is_cluster_split(k), k.name
+        odd = dw(kind, n=32, c=33, hw=28)
+        assert any(is_cols(c) and c.align_a == 1 for c in depthwise_candidates(odd))
+        k = default_depthwise_launch(odd).kernel
+        assert not (is_cols(k) and k.align_a == 1), k.name
 
 
 def test_cols_prefetch_twins():
