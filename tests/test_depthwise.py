@@ -486,10 +486,18 @@ def test_render_wgrad_partials_and_reduction():
 
 
 # ---------------------------------------------------------------------------------------------- planner, model
-def test_plan_and_default_launch_use_the_depthwise_family():
+def test_plan_and_default_launch_use_the_depthwise_family(monkeypatch):
+    from cutlass_byoc.profiler import plan as plan_mod  # noqa: PLC0415
+
     for kind in ConvKind:
         p = dw(kind.value, n=32, c=144, hw=56)
-        plan = plan_problem(p, max_candidates=4)
+        # the untuned default is always among the launches timed, on top of the budgets where they left it out
+        full = plan_problem(p, max_candidates=4)
+        assert default_depthwise_launch(p).name in {c.name for c in full.candidates}
+        with monkeypatch.context() as m:  # the budgets alone
+            m.setattr(plan_mod, "_depthwise_default", lambda *a: [])
+            plan = plan_problem(p, max_candidates=4)
+        assert len(full.candidates) - len(plan.candidates) in (0, 1)
         assert plan.candidates and all(c.launch.kernel.family is KernelFamily.DEPTHWISE_DIRECT for c in plan.candidates)
         # depthwise kernels time in microseconds; fprop and stride-1 dgrad add their pipelined and (other)
         # wide-strip kernels on budgets of their own
