@@ -45,16 +45,18 @@ def split_k_slice_candidates(problem: Conv2dProblem, tile: tuple[int, int, int],
     return out
 
 
-def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS) -> list[int]:
+def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_SMS, *,
+                  one_wave: bool = False) -> list[int]:
     """The split-k slice counts to try with `kernel` on `problem`: the 2.x kernels take every count
     `split_k_slice_candidates` offers; the sm90 split-k kernels (wgrad, split_k_mode PARALLEL: fp32 partials and a
-    reduction, built by the project) take those above 1, since with one slice the plain sm90 kernel does the same
-    work without the partials; the GEMM family's stream-K kernels
+    reduction, built by the project) take those above 1 (with one slice the plain sm90 kernel does the same work
+    without the partials; with `one_wave`, only those whose CTAs fit one wave: `one_wave_slices`); the GEMM family's stream-K kernels
     take every count too (1: stream-K's own decomposition); every other kernel runs unsplit."""
     if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
         return split_k_slice_candidates(problem, kernel.tile, sms)
     if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode is SplitKMode.PARALLEL:
-        return [s for s in split_k_slice_candidates(problem, kernel.tile, sms) if s > 1]
+        counts = [s for s in split_k_slice_candidates(problem, kernel.tile, sms) if s > 1]
+        return one_wave_slices(problem, kernel, counts, sms) if one_wave else counts
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:  # wgrad's splits of N*P*Q ([1] for fprop and dgrad)
         from .depthwise import split_candidates  # noqa: PLC0415
 
@@ -62,6 +64,21 @@ def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_
     if kernel.splits_at_launch:  # the GEMM family's stream-K scheduler in its split-k decomposition
         return split_k_slice_candidates(problem, kernel.tile, sms)
     return [1]
+
+
+def one_wave_slices(problem: Conv2dProblem, kernel: KernelConfig, counts: list[int], sms: int = H200_SMS) -> list[int]:
+    """Of the slice counts `counts` of an sm90 split-k wgrad kernel, those whose CTAs (output tiles x slices) fit one
+    wave of `sms` (these kernels run one CTA per SM); the smallest where none does. What the untuned default takes
+    (`launch_slices(one_wave=True)`): on the H200 the fastest count was the largest one that fits one wave on all 14
+    split problems of ResNet-50's b32 training tune (2026-12-03,
+    benchmarks/h200/untuned/tune-model-r50-b32-training-call1.json; within 3% on the one-tile layer): a few tiles
+    past one wave leave a second wave nearly empty and write more fp32 partials, where the model saw only less work
+    per CTA (layer 2's 3x3 wgrad, 9 tiles of 128 x 128: 8 slices 25.9 us, 16 slices 29.8, 32 slices 32.0; the model
+    had picked 32). Not measured on very long reductions (the stem's space-to-depth fold, whose tuned winner ran 32
+    slices over 16 tiles), so the tuner's plans keep every count."""
+    m, n, _ = _sm90_tiled_mnk(problem, kernel.tile)
+    tiles = math.ceil(m / kernel.tile[0]) * math.ceil(n / kernel.tile[1])
+    return [s for s in counts if tiles * s <= sms] or counts[:1]
 
 
 #: The 3.x GEMM family (1x1 convs): what cuBLAS-class sm90 GEMMs reach on an H200 (issue 11: cuDNN's 1x1 convs
@@ -295,11 +312,12 @@ def order_key(problem: Conv2dProblem, estimate: float, kernel: KernelConfig, nam
     return (round(estimate, 1), tile_waste(kernel.tile, m, n), kernel.iterator is IteratorAlgorithm.ANALYTIC, name)
 
 
-def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H200_SMS) -> list[tuple[float, LaunchConfig]]:
-    """Every (kernel, slice count) the problem admits, best estimate first."""
+def rank(problem: Conv2dProblem, kernels: Iterable[KernelConfig], sms: int = H200_SMS, *,
+         one_wave: bool = False) -> list[tuple[float, LaunchConfig]]:
+    """Every (kernel, slice count) the problem admits (`launch_slices`), best estimate first."""
     ranked = []
     for kc in kernels:
-        for s in launch_slices(problem, kc, sms):
+        for s in launch_slices(problem, kc, sms, one_wave=one_wave):
             launch = LaunchConfig(kc, s)
             if launch.reject_reason(problem) is None:
                 ranked.append((estimate_us(problem, launch, sms), launch))
@@ -345,7 +363,8 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
             from .smem_im2col import smem_im2col_candidates  # noqa: PLC0415
 
             kernels += list(smem_im2col_candidates(kp))
-        ranked = rank(kp, kernels, sms)
+        # the sm90 split-k wgrads of the conv as it is: slice counts within one wave (`one_wave_slices`)
+        ranked = rank(kp, kernels, sms, one_wave=(blk, pad_c, pad_k) == (1, 1, 1))
         if not ranked:
             continue
         launch = dataclasses.replace(ranked[0][1], pad_c=pad_c, pad_k=pad_k, s2d=blk)

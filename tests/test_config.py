@@ -204,6 +204,27 @@ def test_default_launch_of_memory_bound_1x1_convs_is_3x(kind, c, hw, k):
     assert calibration(p, launch) > 1.0  # the model's ceilings leave latency out: measured times run above them
 
 
+@pytest.mark.parametrize("c, hw, k, stride, slices", [(128, 28, 128, 1, 8), (64, 56, 64, 1, 8), (128, 56, 128, 2, 8)])
+def test_untuned_3x_split_wgrad_fits_one_wave(c, hw, k, stride, slices):
+    """ResNet-50's early 3x3 wgrads: on the H200 the sm90 split ran fastest at the most slices whose CTAs fit one wave
+    (layer 2's, 9 tiles of 128 x 128: 8 slices 25.9 us, 16 29.8, 32 32.0), where the model had picked 32. The untuned
+    default takes only such counts (heuristics.one_wave_slices); the tuner's plans keep every count."""
+    import math  # noqa: PLC0415
+
+    from cutlass_byoc.heuristics import _sm90_tiled_mnk, launch_slices  # noqa: PLC0415
+    from cutlass_byoc.types import SplitKMode  # noqa: PLC0415
+
+    p = P("wgrad", 32, c, hw, k, 3, stride=stride, out_dtype="f32")
+    launch = default_launch(p)
+    kc = launch.kernel
+    assert kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is SplitKMode.PARALLEL, launch.name
+    m, n, _ = _sm90_tiled_mnk(p, kc.tile)
+    tiles = math.ceil(m / kc.tile[0]) * math.ceil(n / kc.tile[1])
+    assert launch.split_k_slices == slices and tiles * slices <= 132 < tiles * 2 * slices
+    assert max(launch_slices(p, kc)) > slices  # the tuner still times more
+    assert max(launch_slices(p, kc, one_wave=True)) == slices
+
+
 def test_calibration_groups():
     """heuristics.CALIBRATION's keys: family, schedule group (the GEMM family's by tile scheduler), fprop/dgrad or
     wgrad, split; the depthwise family (which competes with no other) is not calibrated."""
