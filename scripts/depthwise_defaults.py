@@ -6,9 +6,10 @@ model's best launches of every schedule group, so the default's rule can be fitt
 
 For each problem of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0 depthwise layers, every kind)
 the launches timed are: the current untuned default (`heuristics.default_launch`), the `--per-group` best launches
-(`--cols` for the "cols" group) by the model (`depthwise.estimate_us`) of each schedule group (`schedule_group`: pixel tiles through L1, staged,
-pipelined; "rows", "taprows", "cols", cluster split), and the launch a bench report names for the layer and kind
-(`--winners`: a `cutlass-byoc bench --json` file of this workload, matched by name among the enumerated launches).
+(`--cols` for the "cols" group) by the model (`depthwise.estimate_us`) of each schedule group (`schedule_group`:
+pixel tiles through L1, staged, pipelined; "rows", "taprows", "cols", cluster split), and the launch a bench report
+names for the layer and kind (`--winners`: a `cutlass-byoc bench --json` file of this workload, matched by name among
+the enumerated launches).
 Each launch is checked once against the float64 reference, then timed as the profiler times (operands rotated past
 L2, median of the runs), beside cuDNN. `--json` writes every row (problem, layer, kind, launch, group, model
 estimate, measured time, cuDNN's, flags default / winner); `--list` prints the launches' kernels and stops. The
@@ -31,13 +32,7 @@ from cutlass_byoc.workloads import WorkloadItem, depthwise_workload
 
 def launches(problem: Conv2dProblem) -> list[LaunchConfig]:
     """Every launch of every depthwise config that can run `problem` (each config at each of its split counts)."""
-    out = []
-    for cfg in depthwise_candidates(problem):
-        for s in heuristics.launch_slices(problem, cfg):
-            launch = LaunchConfig(cfg, s)
-            if launch.reject_reason(problem) is None:
-                out.append(launch)
-    return out
+    return [launch for _, launch in heuristics.rank(problem, depthwise_candidates(problem))]
 
 
 def chosen(item: WorkloadItem, per_group: int, winners: dict, cols: int = 3) -> list[tuple[LaunchConfig, bool, bool]]:
@@ -110,11 +105,11 @@ def main(argv=None) -> int:
         cudnn_us = time_gpu(cudnn_fn(p, sets), len(sets), ws.timing).median_us
         print(f"== {item.layer} {p.kind.value}: cuDNN {cudnn_us:.1f} us", flush=True)
         for launch, is_default, is_winner in picks:
+            time_us, _, status = check_and_time(p, launch, sets, ref, ws.timing)
             row = dict(problem=p.name, layer=item.layer, kind=p.kind.value, launch=launch.name,
                        group=schedule_group(launch.kernel), estimate_us=estimate_us(p, launch),
                        model_us=heuristics.estimate_us(p, launch), default=is_default, winner=is_winner,
-                       cudnn_us=cudnn_us, time_us=None, status="ok")
-            row["time_us"], _, row["status"] = check_and_time(p, launch, sets, ref, ws.timing)
+                       cudnn_us=cudnn_us, time_us=time_us, status=status)
             rows.append(row)
             t = f"{row['time_us']:8.1f}" if row["time_us"] else f"{'-':>8}"
             flags = ("D" if is_default else " ") + ("W" if is_winner else " ")
