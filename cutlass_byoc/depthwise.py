@@ -35,8 +35,9 @@ min_blocks     None, or the CTAs per SM the compiler must fit (`__launch_bounds_
                register cap of 65536 / (min_blocks * threads) per thread, for more warps in flight at the price
                of possible spills. Candidates come in pairs, without and with the cap of MIN_BLOCKS_REGS.
 prefetch       "cols" only: None, or the rows ahead of the row being summed whose loads a thread issues first (name
-               `cols<rows>pf<n>`): more loads in flight for more registers. "cols" candidates come with a twin
-               loading PREFETCH_ROWS rows ahead where its registers stay within COLS_MAX_REGS (`prefetch_variant`).
+               `cols<rows>pf<n>`): more loads in flight for more registers. "cols" candidates come with twins
+               loading PREFETCH_ROWS rows ahead and as many rows ahead as their registers allow within
+               COLS_MAX_REGS (`prefetch_variants`).
 =============  ===============================================================================================
 
 Kernels:
@@ -747,7 +748,7 @@ def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
                     if cfg not in seen and cfg.reject_reason(problem) is None:
                         seen.add(cfg)
                         yield cfg
-                        twins = [t for t in (min_blocks_variant(cfg), prefetch_variant(cfg)) if t is not None]
+                        twins = [t for t in (min_blocks_variant(cfg),) if t is not None] + prefetch_variants(cfg)
                         # then the cluster-split twin of each (wgrad)
                         twins += [t for t in map(cluster_variant, [cfg, *twins]) if t is not None]
                         for twin in twins:
@@ -791,16 +792,31 @@ def schedule_group(c: KernelConfig) -> str:
     return "smem" if c.halo_smem else "l1"
 
 
-def prefetch_variant(c: KernelConfig) -> Optional[KernelConfig]:
-    """A "cols" config `c` issuing its loads PREFETCH_ROWS rows ahead instead of one (more loads in flight per thread,
-    more registers): None where `c` is another schedule, already has a prefetch or a register cap, its strips have
-    too few rows, or the registers would pass COLS_MAX_REGS."""
-    if not is_cols(c) or c.prefetch is not None or c.min_blocks is not None or c.stages <= PREFETCH_ROWS:
+def prefetch_variant(c: KernelConfig, rows: int = PREFETCH_ROWS) -> Optional[KernelConfig]:
+    """A "cols" config `c` issuing its loads `rows` rows ahead instead of one (more loads in flight per thread, more
+    registers): None where `c` is another schedule, already has a prefetch or a register cap, its strips have too few
+    rows, or the registers would pass COLS_MAX_REGS."""
+    if not is_cols(c) or c.prefetch is not None or c.min_blocks is not None or c.stages <= rows:
         return None
     try:
-        return dataclasses.replace(c, prefetch=PREFETCH_ROWS)  # the config's rules check its registers
+        return dataclasses.replace(c, prefetch=rows)  # the config's rules check its registers
     except ValueError:
         return None
+
+
+def prefetch_variants(c: KernelConfig) -> list[KernelConfig]:
+    """The prefetch twins of a "cols" config `c` (`prefetch_variant`): PREFETCH_ROWS rows ahead, and the deepest
+    prefetch past that the registers allow (at most the strip's rows - 1: then every load of the strip is issued before
+    its first row's multiply-adds). A strip's rows are a chain of load latencies at one row ahead: on the H200 the
+    1152-channel 7x7 fprop's one-column "cols7" kernel ran 22.0 us at one row ahead and 9.1 at two
+    (benchmarks/h200/dw-defaults.json), so small images, whose threads have one strip each, may want them all."""
+    out = [t for t in (prefetch_variant(c),) if t is not None]
+    for rows in range(c.stages - 1, PREFETCH_ROWS, -1):
+        deep = prefetch_variant(c, rows)
+        if deep is not None:
+            out.append(deep)
+            break
+    return out
 
 
 def split_candidates(problem: Conv2dProblem, c: KernelConfig, sms: int = H200_SMS) -> list[int]:
@@ -973,7 +989,8 @@ CALIBRATED_MIN_COLS_VECTOR = 2
 def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Optional[LaunchConfig]:
     """The best depthwise launch for `problem`, or None if no depthwise kernel computes it. Within the calibration's
     range (filters up to CALIBRATED_MAX_FILTER) by the calibrated model (`calibrated_estimate_us`) over every schedule
-    but the cluster split and the "cols" kernels narrower than CALIBRATED_MIN_COLS_VECTOR, none of which were measured.
+    but the cluster split, the "cols" kernels narrower than CALIBRATED_MIN_COLS_VECTOR and those loading more than
+    PREFETCH_ROWS rows ahead, none of which were measured.
     Past it (ConvNeXt's 7x7) by the model alone, as before the calibration: not a "cols" kernel, a pipelined wgrad nor
     a cluster split, which the model cannot rank (its memory traffic misses their register-bound occupancy, the
     staging's cost, the idle SMs of a few splits per channel block)."""
@@ -983,6 +1000,8 @@ def default_depthwise_launch(problem: Conv2dProblem, sms: int = H200_SMS) -> Opt
         if is_cluster_split(cfg):
             continue
         if calibrated and is_cols(cfg) and cfg.align_a < CALIBRATED_MIN_COLS_VECTOR:
+            continue
+        if cfg.prefetch and cfg.prefetch > PREFETCH_ROWS:  # the deep prefetch twins: not in the calibration's data
             continue
         if not calibrated and (is_cols(cfg) or is_pipelined_wgrad(cfg)):
             continue

@@ -2,30 +2,33 @@
 model's best launches of every schedule group, so the default's rule can be fitted to measurements.
 
     python scripts/depthwise_defaults.py [--batch 32] [--per-group 1] [--cols 3] [--winners bench-depthwise.json]
-                                         [--json OUT] [--list] [--layers NAME ...]
+                                         [--twins] [--json OUT] [--list] [--layers NAME ...]
 
 For each problem of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0 depthwise layers, every kind)
 the launches timed are: the current untuned default (`heuristics.default_launch`), the `--per-group` best launches
 (`--cols` for the "cols" group) by the model (`depthwise.estimate_us`) of each schedule group (`schedule_group`:
 pixel tiles through L1, staged, pipelined; "rows", "taprows", "cols", cluster split), and the launch a bench report
 names for the layer and kind (`--winners`: a `cutlass-byoc bench --json` file of this workload, matched by name among
-the enumerated launches).
+the enumerated launches) and, with `--twins`, that winner's prefetch twins where it is a "cols" kernel.
 Each launch is checked once against the float64 reference, then timed as the profiler times (operands rotated past
 L2, median of the runs), beside cuDNN. `--json` writes every row (problem, layer, kind, launch, group, model
 estimate, measured time, cuDNN's, flags default / winner); `--list` prints the launches' kernels and stops. The
-kernels the cache lacks are compiled first, in one parallel build (`--jobs`). A diagnostic: it records no decision.
+kernels the cache lacks are compiled first, in one parallel build (`--jobs`). A diagnostic: it records no decision,
+unless `--record`: then each problem's fastest right launch among those timed becomes its decision in the cache (a
+tune over these launches only, for `cutlass-byoc bench depthwise` to bench).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional
 
 from cutlass_byoc import heuristics
 from cutlass_byoc.config import LaunchConfig
-from cutlass_byoc.depthwise import depthwise_candidates, estimate_us, schedule_group
+from cutlass_byoc.depthwise import depthwise_candidates, estimate_us, is_cols, prefetch_variants, schedule_group
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.workloads import WorkloadItem, depthwise_workload
 
@@ -35,9 +38,12 @@ def launches(problem: Conv2dProblem) -> list[LaunchConfig]:
     return [launch for _, launch in heuristics.rank(problem, depthwise_candidates(problem))]
 
 
-def chosen(item: WorkloadItem, per_group: int, winners: dict, cols: int = 3) -> list[tuple[LaunchConfig, bool, bool]]:
+def chosen(item: WorkloadItem, per_group: int, winners: dict, cols: int = 3,
+           twins: bool = False) -> list[tuple[LaunchConfig, bool, bool]]:
     """(launch, is the default, is the named winner) to time for the item, the default first: the model's
-    `per_group` best of each schedule group, `cols` of the "cols" group."""
+    `per_group` best of each schedule group, `cols` of the "cols" group; with `twins`, where the winner is a "cols"
+    kernel, also its kernel loading one row ahead without a register cap and that one's prefetch twins
+    (`depthwise.prefetch_variants`), at the winner's split count."""
     p = item.problem
     every = launches(p)
     default = heuristics.default_launch(p)
@@ -55,6 +61,12 @@ def chosen(item: WorkloadItem, per_group: int, winners: dict, cols: int = 3) -> 
     for launch in every:
         if launch.name == winner_name:
             picked.setdefault(launch.name, launch)
+            if twins and is_cols(launch.kernel):
+                base = dataclasses.replace(launch.kernel, prefetch=None, min_blocks=None)
+                for k in (base, *prefetch_variants(base)):
+                    twin = dataclasses.replace(launch, kernel=k)
+                    if twin.reject_reason(p) is None:
+                        picked.setdefault(twin.name, twin)
     return [(l, default is not None and l.name == default.name, l.name == winner_name) for l in picked.values()]
 
 
@@ -72,14 +84,19 @@ def main(argv=None) -> int:
     ap.add_argument("--per-group", type=int, default=1, help="the model's best launches timed per schedule group")
     ap.add_argument("--cols", type=int, default=3, help="... and of the \"cols\" group")
     ap.add_argument("--winners", default=None, help="a bench --json report of the depthwise workload")
+    ap.add_argument("--twins", action="store_true",
+                    help="also each \"cols\" winner's prefetch twins (at one row ahead, PREFETCH_ROWS and deep)")
     ap.add_argument("--layers", nargs="+", default=None, help="only these layers (bench's layer names)")
+    ap.add_argument("--record", action="store_true",
+                    help="record each problem's fastest right launch of those timed as its decision in the cache (a "
+                         "tune restricted to these launches; `cutlass-byoc bench depthwise` then benches them)")
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles of the kernels the cache lacks")
     ap.add_argument("--list", action="store_true", help="print the kernels the launches need and stop")
     args = ap.parse_args(argv)
     winners = load_winners(args.winners)
     items = [it for it in depthwise_workload(batch=args.batch) if not args.layers or it.layer in args.layers]
-    plan = [(it, chosen(it, args.per_group, winners, args.cols)) for it in items]
+    plan = [(it, chosen(it, args.per_group, winners, args.cols, args.twins)) for it in items]
     if args.list:
         for k in dict.fromkeys(l.kernel for _, ls in plan for l, _, _ in ls):
             print(k.name)
@@ -89,6 +106,7 @@ def main(argv=None) -> int:
 
     from cutlass_byoc.bench import check_and_time  # noqa: PLC0415
     from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.decisions import record_decision  # noqa: PLC0415
     from cutlass_byoc.profiler.timing import time_gpu  # noqa: PLC0415
     from cutlass_byoc.profiler.verify import cudnn_fn  # noqa: PLC0415
     from cutlass_byoc.profiler.worker import WorkerSettings, make_problem_sets  # noqa: PLC0415
@@ -104,8 +122,11 @@ def main(argv=None) -> int:
         sets, ref = make_problem_sets(p, ws)
         cudnn_us = time_gpu(cudnn_fn(p, sets), len(sets), ws.timing).median_us
         print(f"== {item.layer} {p.kind.value}: cuDNN {cudnn_us:.1f} us", flush=True)
+        timed = []  # (us, max error, launch) of the right ones
         for launch, is_default, is_winner in picks:
-            time_us, _, status = check_and_time(p, launch, sets, ref, ws.timing)
+            time_us, err, status = check_and_time(p, launch, sets, ref, ws.timing)
+            if status == "ok":
+                timed.append((time_us, err, launch))
             row = dict(problem=p.name, layer=item.layer, kind=p.kind.value, launch=launch.name,
                        group=schedule_group(launch.kernel), estimate_us=estimate_us(p, launch),
                        model_us=heuristics.estimate_us(p, launch), default=is_default, winner=is_winner,
@@ -115,6 +136,12 @@ def main(argv=None) -> int:
             flags = ("D" if is_default else " ") + ("W" if is_winner else " ")
             print(f"{t} {row['estimate_us']:8.1f} {flags} {row['group']:8} {launch.name}"
                   + ("" if row["status"] == "ok" else f"  {row['status']}"), flush=True)
+        if args.record and timed:
+            timed.sort(key=lambda t: t[0])
+            (us, err, best), runner = timed[0], (timed[1] if len(timed) > 1 else None)
+            record_decision(p, best, us, candidates_timed=len(timed), runner_up=runner and runner[2].name,
+                            runner_up_us=runner and runner[0], max_error=err, cudnn_us=cudnn_us)
+            print(f"   recorded {best.name} ({us:.1f} us)", flush=True)
         del sets, ref
         torch.cuda.empty_cache()
     if args.json:

@@ -50,7 +50,8 @@
 #           torchvision:resnet50; CS_BATCH, default 32; kernels from the test cache) -> channel-stats.json, .log
 # dw-defaults: scripts/depthwise_defaults.py: the depthwise workload's untuned defaults timed against the model's best
 #           launches of each schedule group and the published bench's winners (kernels from the test cache, those
-#           it lacks compiled first in one parallel build) -> dw-defaults.json, dw-defaults.log
+#           it lacks compiled first in one parallel build; DW_ARGS: the script's other arguments) -> dw-defaults.json,
+#           dw-defaults.log
 # cudnn-kernels: scripts/sweep_kernels.py cudnn-kernels: cuDNN's kernels per default and depthwise cell, and cuBLAS's
 #           time of each 1x1 cell's GEMM -> cudnn-kernels.json, cudnn-kernels.log
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
@@ -230,7 +231,8 @@ for step in "${steps[@]}"; do
     dw-defaults)
       # scripts/depthwise_defaults.py: on the depthwise workload, the untuned default against the model's best launches
       # of each schedule group and the published bench's winner (kernels from the test cache)
-      python3 scripts/depthwise_defaults.py --winners benchmarks/h200/bench-depthwise.json \
+      # (DW_ARGS: more arguments, e.g. "--per-group 0 --cols 0 --twins": the winners, their prefetch twins, defaults)
+      python3 scripts/depthwise_defaults.py --winners benchmarks/h200/bench-depthwise.json ${DW_ARGS:-} \
         --jobs "$CUTLASS_BYOC_JOBS" --json "$OUT/dw-defaults.json" 2>&1 | tee "$OUT/dw-defaults.log" || rc=1 ;;
     cudnn-kernels)
       python3 scripts/sweep_kernels.py cudnn-kernels "$OUT/cudnn-kernels.json" > "$OUT/cudnn-kernels.log" 2>&1 \

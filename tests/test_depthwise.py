@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -14,6 +15,7 @@ from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.depthwise import (
     WIDE_STRIP,
     prefetch_variant,
+    prefetch_variants,
     default_depthwise_launch,
     depthwise_candidates,
     is_pipelined,
@@ -350,24 +352,35 @@ def test_calibrated_default_on_the_measured_problems():
 
 
 def test_cols_prefetch_twins():
-    """A "cols" kernel's prefetch twin issues its loads PREFETCH_ROWS rows ahead: its own name, more registers (the
-    rows of loads in flight), within COLS_MAX_REGS or not proposed; "cols" only, fewer rows ahead than the strip has."""
+    """A "cols" kernel's prefetch twins issue their loads PREFETCH_ROWS rows ahead and as many rows ahead as the
+    registers allow (at most the strip's rows - 1): their own names, more registers (the rows of loads in flight),
+    within COLS_MAX_REGS or not proposed; "cols" only, fewer rows ahead than the strip has."""
     from cutlass_byoc.depthwise import COLS_MAX_REGS, PREFETCH_ROWS, cols_registers, is_cols  # noqa: PLC0415
 
+    deep_seen = 0
     for kind in ("fprop", "dgrad", "wgrad"):
-        p = dw(kind, r=3, c=144, hw=56)
-        cands = list(depthwise_candidates(p))
-        twins = [k for k in cands if k.prefetch]
-        assert twins and all(is_cols(k) and k.prefetch == PREFETCH_ROWS and not k.min_blocks for k in twins)
-        for k in twins:
-            base = dataclasses.replace(k, prefetch=None)
-            assert base in cands and prefetch_variant(base) == k and f"_cols{k.stages}pf2_" in k.name
-            assert base.name == k.name.replace("pf2", "") and cols_registers(base) < cols_registers(k) <= COLS_MAX_REGS
-        # a twin for every "cols" kernel with the registers and rows for it
-        for k in cands:
-            if is_cols(k) and not k.prefetch and not k.min_blocks and k.stages > PREFETCH_ROWS:
-                assert (prefetch_variant(k) is not None) == _fits_ahead(k), k.name
-    k = next(k for k in depthwise_candidates(dw("wgrad", r=3, c=144, hw=56)) if k.prefetch and k.stages == 7)
+        for p in (dw(kind, r=3, c=144, hw=56), dw(kind, r=3, c=1152, hw=7), dw(kind, r=5, c=672, hw=14, stride=2)):
+            cands = list(depthwise_candidates(p))
+            twins = [k for k in cands if k.prefetch]
+            assert twins and all(is_cols(k) and 2 <= k.prefetch < k.stages and not k.min_blocks for k in twins)
+            for k in twins:
+                base = dataclasses.replace(k, prefetch=None)
+                assert base in cands and k in prefetch_variants(base) and f"_cols{k.stages}pf{k.prefetch}_" in k.name
+                assert base.name == k.name.replace(f"pf{k.prefetch}", "")
+                assert cols_registers(base) < cols_registers(k) <= COLS_MAX_REGS
+            # for every "cols" kernel with the registers and rows for them: the PREFETCH_ROWS twin, and the deepest one
+            # past it that fits
+            for k in cands:
+                if is_cols(k) and not k.prefetch and not k.min_blocks:
+                    got = [t.prefetch for t in prefetch_variants(k)]
+                    fits = [rows for rows in range(PREFETCH_ROWS, k.stages) if _fits_ahead(k, rows)]
+                    want = ([PREFETCH_ROWS] if PREFETCH_ROWS in fits else []) + \
+                        ([max(fits)] if fits and max(fits) > PREFETCH_ROWS else [])
+                    assert got == want, (k.name, got, want)
+                    assert (prefetch_variant(k) is not None) == (PREFETCH_ROWS in fits)
+                    deep_seen += len(got) == 2 and got[1] == k.stages - 1
+    assert deep_seen  # some strips load all their rows ahead
+    k = next(k for k in depthwise_candidates(dw("wgrad", r=3, c=144, hw=56)) if k.prefetch == 2 and k.stages == 7)
     src = render(k, "nvcc")
     assert "constexpr int kPrefetch = 2;" in src and "if (k + kPrefetch < kRun)" in src
     assert "constexpr int kPrefetch = 1;" in render(dataclasses.replace(k, prefetch=None), "nvcc")
@@ -379,13 +392,17 @@ def test_cols_prefetch_twins():
         dataclasses.replace(first(dw("fprop")), family=KernelFamily.SM80_IMPLICIT_GEMM, prefetch=2)
 
 
-def _fits_ahead(k) -> bool:
-    """Whether `k` loading PREFETCH_ROWS rows ahead stays within COLS_MAX_REGS (computed here from the register count
-    of one row ahead: each row ahead adds the new input rows' and wgrad's dy row's vectors as loaded)."""
-    from cutlass_byoc.depthwise import COLS_MAX_REGS, PREFETCH_ROWS, cols_registers, cols_window  # noqa: PLC0415
+def _fits_ahead(k, rows: int = 2) -> bool:
+    """Whether `k` loading `rows` rows ahead stays within COLS_MAX_REGS (computed here from the register count of one
+    row ahead: each row ahead adds the new input rows' and wgrad's dy row's vectors as loaded)."""
+    from cutlass_byoc.depthwise import COLS_MAX_REGS, cols_registers, cols_window, is_gathered  # noqa: PLC0415
 
-    per_row = min(k.conv_stride[0], k.filter_rs[0]) * cols_window(k) + (k.tile[1] if k.kind is ConvKind.WGRAD else 0)
-    return cols_registers(k) + (PREFETCH_ROWS - 1) * per_row * k.align_a * k.element_a.nbytes / 4 <= COLS_MAX_REGS
+    if is_gathered(k):  # a dy row every u dx rows
+        per_row = cols_window(k)
+    else:
+        per_row = min(k.conv_stride[0], k.filter_rs[0]) * cols_window(k) + \
+            (k.tile[1] if k.kind is ConvKind.WGRAD else 0)
+    return math.ceil(cols_registers(k) + (rows - 1) * per_row * k.align_a * k.element_a.nbytes / 4) <= COLS_MAX_REGS
 
 
 def test_reject_reason_names_what_does_not_fit():

@@ -218,6 +218,10 @@ def test_fprop_and_dgrad_cols_schedule(kind, r, stride, vec, run, shape, dt, c, 
     ("wgrad", 3, 1, 4, 7, 2, (32, 2), ("f16", "f16"), 24, 9, 21, 3),
     ("wgrad", 3, 2, 2, 8, 3, (16, 2), ("f16", "f32"), 16, 13, 11, None),  # a run past the image's bottom edge
     ("dgrad", 5, 1, 2, 4, 2, (32, 1), ("bf16", "bf16"), 10, 14, 9, 1),  # 5x5, strips of 1 column
+    # every load of the strip ahead (prefetch = rows - 1: the deep twin, depthwise.prefetch_variants)
+    ("fprop", 3, 1, 2, 7, 6, (32, 2), ("f16", "f16"), 24, 9, 21, 1),
+    ("dgrad", 5, 1, 2, 4, 3, (32, 1), ("bf16", "bf16"), 10, 14, 9, 1),
+    ("wgrad", 3, 1, 2, 7, 6, (32, 2), ("f16", "f32"), 16, 9, 11, 2),
 ])
 def test_cols_schedule_with_loads_rows_ahead(kind, r, stride, vec, run, prefetch, shape, dt, c, h, w, splits):
     """The "cols" kernels issuing their loads `prefetch` rows ahead (the prologue loads the first rows, each row the
@@ -234,6 +238,7 @@ def test_cols_schedule_with_loads_rows_ahead(kind, r, stride, vec, run, prefetch
     (3, 2, 1, 4, 4, (32, 4), 2, ("bf16", "f32"), 16, 14, 15, Epilogue(source=SourceKind.RESIDUAL)),  # rows ahead
     (5, 2, 2, 2, 4, (32, 2), None, ("f16", "f16"), 10, 15, 12, Epilogue()),  # 5x5: up to 3 dy rows per dx row
     (5, 2, 3, 2, 8, (32, 2), 2, ("f16", "f16"), 12, 9, 13, Epilogue()),       # pad 3 (odd, past R // 2)
+    (3, 2, 1, 4, 8, (32, 2), 7, ("f16", "f16"), 16, 14, 15, Epilogue()),      # every dy row ahead
     (3, (1, 2), 1, 4, 7, (32, 2), None, ("f16", "f16"), 16, 9, 11, Epilogue()),  # stride 1 x 2: rows as fprop's
     (5, (2, 1), 1, 2, 4, (32, 1), None, ("f16", "bf16"), 10, 11, 9, Epilogue()),  # stride 2 x 1, strips of 1 column
 ])

@@ -465,6 +465,10 @@ COLS_AHEAD_KERNELS = [
     ("dgrad", ("f16", "f32"), 5, 1, 2, 4, (32, 1), Epilogue(), 2),
     ("wgrad", ("f16", "f16"), 3, 1, 4, 7, (32, 2), Epilogue(), 2),
     ("wgrad", ("f16", "f32"), 3, 2, 2, 4, (16, 2), Epilogue(), 3),
+    # every load of the strip ahead (prefetch = rows - 1: the deep twins of depthwise.prefetch_variants)
+    ("fprop", ("f16", "f16"), 3, 1, 4, 7, (32, 1), Epilogue(Activation.SILU, SourceKind.BIAS), 6),
+    ("dgrad", ("bf16", "bf16"), 3, 1, 2, 8, (16, 2), Epilogue(), 7),
+    ("wgrad", ("f16", "f32"), 3, 1, 2, 7, (32, 2), Epilogue(), 6),
 ]
 
 
@@ -498,6 +502,7 @@ COLS_STRIDED_DGRAD_KERNELS = [
     (("f16", "f16"), 3, 2, 4, 4, (32, 4), Epilogue(Activation.IDENTITY, SourceKind.RESIDUAL), 2),
     (("bf16", "f32"), 3, 2, 8, 14, (16, 2), Epilogue(), None),
     (("f16", "f16"), 5, 2, 2, 8, (32, 2), Epilogue(), 2),
+    (("f16", "f16"), 3, 2, 4, 8, (32, 2), Epilogue(), 7),  # every dy row ahead
 ]
 
 
