@@ -655,3 +655,13 @@ def test_depthwise_defaults_script_picks(tmp_path):
     assert groups.count("cols") <= 3 and all(groups.count(g) <= 1 for g in set(groups) - {"cols"})
     assert {"cols", "taprows", "rows", "cluster"} <= set(groups) | {schedule_group(picks[0][0].kernel)}
     assert mod.main(["--list", "--layers", item.layer]) == 0
+    # --twins: a "cols" winner brings its kernel at one row ahead (no register cap) and that one's prefetch twins, at
+    # the winner's split count; --per-group 0 --cols 0 leaves the default and those
+    cols_winner = next(l for l in every if l.kernel.schedule == "cols" and l.kernel.prefetch == 2)
+    report.write_text(json.dumps({"rows": [{"layer": item.layer, "kind": "wgrad", "launch": cols_winner.name}]}))
+    picks = mod.chosen(item, 0, mod.load_winners(str(report)), cols=0, twins=True)
+    base = dataclasses.replace(cols_winner.kernel, prefetch=None)
+    want = {dataclasses.replace(cols_winner, kernel=k).name for k in (base, *dwmod.prefetch_variants(base))}
+    assert want <= {l.name for l, _, _ in picks} and len(want) >= 2
+    assert {l.name for l, _, _ in picks} <= want | {default_depthwise_launch(item.problem).name}
+    assert all(l.split_k_slices == cols_winner.split_k_slices for l, d, _ in picks if not d)
