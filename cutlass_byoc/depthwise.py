@@ -809,7 +809,10 @@ def prefetch_variants(c: KernelConfig) -> list[KernelConfig]:
     prefetch past that the registers allow (at most the strip's rows - 1: then every load of the strip is issued before
     its first row's multiply-adds). A strip's rows are a chain of load latencies at one row ahead: on the H200 the
     1152-channel 7x7 fprop's one-column "cols7" kernel ran 22.0 us at one row ahead and 9.1 at two
-    (benchmarks/h200/dw-defaults.json), so small images, whose threads have one strip each, may want them all."""
+    (benchmarks/h200/dw-defaults.json), so small images, whose threads have one strip each, may want them all. Timed
+    beside the published winners (benchmarks/h200/dw-prefetch-twins.json) the deep twin was the fastest on 13 of the
+    57 problems of the `depthwise` workload (4-10% on 7x7 and strided layers, where every row of a narrow strip went
+    ahead) and up to 27% slower where a partly deeper prefetch of a wide strip cost occupancy: the profiler decides."""
     out = [t for t in (prefetch_variant(c),) if t is not None]
     for rows in range(c.stages - 1, PREFETCH_ROWS, -1):
         deep = prefetch_variant(c, rows)

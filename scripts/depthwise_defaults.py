@@ -2,7 +2,7 @@
 model's best launches of every schedule group, so the default's rule can be fitted to measurements.
 
     python scripts/depthwise_defaults.py [--batch 32] [--per-group 1] [--cols 3] [--winners bench-depthwise.json]
-                                         [--twins] [--json OUT] [--list] [--layers NAME ...]
+                                         [--twins] [--record] [--json OUT] [--list] [--layers NAME ...]
 
 For each problem of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0 depthwise layers, every kind)
 the launches timed are: the current untuned default (`heuristics.default_launch`), the `--per-group` best launches
