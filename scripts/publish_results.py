@@ -71,6 +71,8 @@ def bench_tables(data: dict) -> list[str]:
                          + (f" ({kinds})" if kinds else ""))
         out[-1:] = [f"Rows from {len(runs)} bench runs, each row's two times from one process: " + "; ".join(parts)
                     + ".", ""]
+    elif runs and runs[0].get("note"):  # one run, described when it was published (--merge-bench --note)
+        out[-1:] = [f"All rows from one bench run, each row's two times from one process: {runs[0]['note']}.", ""]
     for what, cells in (("ResNet-50", [r for r in dense if r.get("resnet50")]), ("depthwise", dw)):
         cells = [r for r in cells if r.get("ratio")]
         if not cells:

@@ -184,6 +184,14 @@ def test_merge_bench_replaces_only_the_remeasured_cells(pr, tmp_path):
     again = json.loads((results / "bench-depthwise.json").read_text())
     assert [r["run"] for r in again["rows"]] == [2, 2, 2, 2, 1]
     assert [r.get("note") for r in again["runs"]] == ["call 2", "call 3"]
+    # a merge that re-measures every cell leaves one run, and its note heads the table
+    fresh = tmp_path / "h200-fresh"
+    pr.publish([first], fresh)
+    pr.publish([first], fresh, merge_bench_rows=True, note="call 5, every cell")
+    single = json.loads((fresh / "bench-depthwise.json").read_text())
+    assert [r.get("note") for r in single["runs"]] == ["call 5, every cell"]
+    assert "All rows from one bench run, each row's two times from one process: call 5, every cell." in \
+        "\n".join(pr.bench_tables(single))
     # without the flag the file is copied as it is
     pr.publish([rerun], results)
     assert json.loads((results / "bench-depthwise.json").read_text())["rows"] == new
