@@ -32,7 +32,7 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 #: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
 _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
-                      "channel_stats", "swap_ab")
+                      "channel_stats")
 #: The widest tile a channel-statistics kernel takes (KernelConfig.channel_stats): 128 x 64 outputs. At 128 x 128 the
 #: consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers: ptxas put 688
 #: bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel.
@@ -99,12 +99,6 @@ class KernelConfig:
     # the buffer: the atomics' order, so the sums' last bits, varies between runs (fuse_bn_stats stays off under
     # torch.use_deterministic_algorithms).
     channel_stats: Optional[bool] = None
-    # The GEMM 1x1 family's operand order (fprop and dgrad only; None elsewhere and then left out of to_dict). True:
-    # the kernel computes the transposed GEMM, output channels as M and pixels as N (y^T = w . x^T, dx^T = w^T . dy^T),
-    # with D column-major (still channels last in memory). The tile's M then spans channels and its N pixels: a layer
-    # of 64 output channels gets one 64-row wgmma of up to 256 pixels per k-step instead of four 64 x 64 ones, the
-    # form cuBLAS's nvjet kernels take on these layers (gemm1x1.py).
-    swap_ab: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.element_bias is not None and not isinstance(self.element_bias, DType):
@@ -197,8 +191,6 @@ class KernelConfig:
             parts.append(self.lowering)
         if self.channel_stats:
             parts.append("chstats")
-        if self.swap_ab:
-            parts.append("swapab")
         parts.append(f"sm{self.arch}")
         return "_".join(parts)
 
@@ -355,8 +347,6 @@ class KernelConfig:
                 return f"stages {self.stages}: mainloop + epilogue exceed the 227 KiB of shared memory of an sm90 CTA"
         if self.lowering is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
             return f"lowering: only the GEMM 1x1 family lowers convs (im2col), not {self.family.value}"
-        if self.swap_ab is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
-            return f"swap_ab: only the GEMM 1x1 family swaps its operands, not {self.family.value}"
         if self.family is KernelFamily.SM90_GEMM_1X1:
             from .gemm1x1 import static_error  # noqa: PLC0415 - the family's rules live in its module
             return static_error(self)

@@ -212,12 +212,6 @@ def static_error(c: KernelConfig) -> Optional[str]:
         return f"element_acc: the GEMM 1x1 family accumulates in f32, got {c.element_acc.value}"
     if c.split_k_mode is not SplitKMode.SERIAL:
         return "split_k_mode: the GEMM 1x1 family splits K through its tile scheduler (the stream-K schedules)"
-    if c.swap_ab is not None:
-        if c.swap_ab is not True:
-            return "swap_ab: True or None (left out), not False"
-        if c.lowering is not None or c.kind is ConvKind.WGRAD:
-            return ("swap_ab: the swapped operand order is for the 1x1 fprop and dgrad GEMMs (output channels as M), "
-                    f"not {'the im2col lowering' if c.lowering is not None else 'wgrad'}")
     if c.lowering is not None:
         if c.lowering != IM2COL:
             return f"lowering: the GEMM 1x1 family lowers with {IM2COL!r}, got {c.lowering!r}"
@@ -367,7 +361,7 @@ def tile_schedules() -> tuple[tuple[Shape3, str], ...]:
 
 
 def _config(problem: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3, swizzle: int,
-            lowering: Optional[str], swap_ab: Optional[bool] = None) -> KernelConfig:
+            lowering: Optional[str]) -> KernelConfig:
     """The family's config of `problem` (plain, or lowered with `lowering`); raises ValueError if invalid."""
     p = problem
     if schedule not in SCHEDULES:
@@ -385,16 +379,15 @@ def _config(problem: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3
         tile=tile, warps=WARPS[schedule], stages=stages, stride_support=stride_support,
         align_a=aligns[0], align_b=aligns[1], align_c=aligns[2],
         split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
-        cluster=cluster, schedule=schedule, lowering=lowering, swap_ab=swap_ab,
+        cluster=cluster, schedule=schedule, lowering=lowering,
     )
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",
-                   cluster: Shape3 = (1, 1, 1), swizzle: int = 1, swap_ab: bool = False) -> KernelConfig:
+                   cluster: Shape3 = (1, 1, 1), swizzle: int = 1) -> KernelConfig:
     """The config of `problem` with this tile, schedule and cluster (16-byte alignments; raises ValueError if
-    the combination is invalid). `swizzle` is the tile scheduler's max_swizzle_size; `swap_ab` the transposed
-    operand order (fprop and dgrad: the tile's M spans output channels, its N pixels)."""
-    return _config(problem, tile, schedule, cluster, swizzle, None, True if swap_ab else None)
+    the combination is invalid). `swizzle` is the tile scheduler's max_swizzle_size."""
+    return _config(problem, tile, schedule, cluster, swizzle, None)
 
 
 def im2col_config(problem: Conv2dProblem, tile: Shape3 = (128, 64, 64), schedule: str = "cooperative",

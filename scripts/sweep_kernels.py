@@ -46,20 +46,17 @@ def cells(layers, kinds):
 
 
 def kernels_of(problem, extra=()):
-    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, swap_ab,
-    cluster) tuples (tiles outside cutlass_library's list or the swapped operand order, to try before adding them to
-    the family's candidates)."""
+    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule) pairs (tiles
+    outside cutlass_library's list, to try before adding them to gemm1x1.EXTRA_TILES)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
     out = [k for k in valid if k.family is family]
     if family is KernelFamily.SM90_GEMM_1X1:
         from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
 
-        for tile, schedule, swap, cluster in extra:
-            if swap and problem.kind.value == "wgrad":
-                continue
+        for tile, schedule in extra:
             try:
-                k = gemm1x1_config(problem, tile, schedule, cluster, swap_ab=swap)
+                k = gemm1x1_config(problem, tile, schedule)
             except ValueError as e:
                 print(f"{problem.name}: {tile} {schedule}: {e}")
                 continue
@@ -69,11 +66,9 @@ def kernels_of(problem, extra=()):
 
 
 def parse_tile(text: str):
-    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong", False, (1, 1, 1)); a ":swap" field asks for the swapped
-    operand order (fprop, dgrad) and a ":c1x2x1" field for a cluster: "64x256x64:pingpong:swap:c1x2x1"."""
-    tile, schedule, *more = text.split(":")
-    cluster = next((tuple(int(x) for x in f[1:].split("x")) for f in more if f.startswith("c")), (1, 1, 1))
-    return tuple(int(x) for x in tile.split("x")), schedule, "swap" in more, cluster
+    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong")."""
+    tile, _, schedule = text.partition(":")
+    return tuple(int(x) for x in tile.split("x")), schedule
 
 
 def kernel_times(fn, calls: int = 5) -> list:
@@ -236,8 +231,8 @@ def main() -> None:
     for s in (b, t):
         s.add_argument("--layers", nargs="+", default=sorted(FAMILY_OF), choices=sorted(FAMILY_OF))
         s.add_argument("--kinds", nargs="+", default=["fprop", "dgrad", "wgrad"], choices=["fprop", "dgrad", "wgrad"])
-        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE[:swap][:cMxNx1]",
-                       help="GEMM 1x1 configs to add to the family's (e.g. 192x64x64:pingpong, 64x256x64:pingpong:swap:c1x2x1)")
+        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE",
+                       help="GEMM 1x1 tiles to add to the family's (e.g. 192x64x64:pingpong)")
     args = ap.parse_args()
     {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)
 

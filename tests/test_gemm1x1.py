@@ -334,35 +334,3 @@ def test_render_epilogue(act, functor):
     assert "using ElementOutput = float;" in src and "using ElementA = cutlass::bfloat16_t;" in src
     assert "constexpr int kAlignC = 4;" in src
     assert "cute::get<0>(stride_c) = 0;" in src  # the bias: a zero stride along M
-
-
-@pytest.mark.parametrize("kind, a, b, shape, first, second", [
-    ("fprop", "RowMajor", "ColumnMajor", "return {int(x.k), pixels, int(x.c)};", "x.b", "x.a"),
-    ("dgrad", "ColumnMajor", "ColumnMajor", "return {int(x.c), pixels, int(x.k)};", "x.b", "x.a"),
-])
-def test_render_swapped_operands(kind, a, b, shape, first, second):
-    """The swapped order computes the transposed GEMM: w is A (fprop: K-major; dgrad: M-major), the activation B
-    (K-major), D and C column-major (channels still contiguous) with a bias broadcast along N (pixels)."""
-    src = _src(p1x1(kind), tile=(64, 256, 64), schedule="pingpong", swap_ab=True)
-    assert f"using LayoutA = cutlass::layout::{a};" in src
-    assert f"using LayoutB = cutlass::layout::{b};" in src
-    assert "using LayoutC = cutlass::layout::ColumnMajor;" in src
-    assert shape in src
-    assert f"args.mainloop.ptr_A = static_cast<const ElementA*>({first});" in src
-    assert f"args.mainloop.ptr_B = static_cast<const ElementB*>({second});" in src
-    assert "cute::get<1>(stride_c) = 0;" in src and "cute::get<0>(stride_c) = 0;" not in src
-
-
-def test_swapped_config_rules_and_name():
-    p = p1x1("fprop")
-    cfg = gemm1x1_config(p, (64, 256, 64), "pingpong", swap_ab=True)
-    assert cfg.swap_ab is True and cfg.name.endswith("_pingpong_swapab_sm90")
-    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
-    plain = gemm1x1_config(p, (64, 256, 64), "pingpong")
-    assert plain.swap_ab is None and "swap_ab" not in plain.to_dict()  # older kernels' JSON, source and key unchanged
-    with pytest.raises(ValueError, match="swap_ab: True or None"):
-        dataclasses.replace(cfg, swap_ab=False)
-    with pytest.raises(ValueError, match="swap_ab.*wgrad"):
-        gemm1x1_config(p1x1("wgrad"), (128, 64, 64), "pingpong", swap_ab=True)
-    with pytest.raises(ValueError, match="swap_ab: only the GEMM 1x1 family"):
-        dataclasses.replace(cfg, family=KernelFamily.SM90_TMA_WGMMA, schedule="pingpong")

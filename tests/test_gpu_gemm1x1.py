@@ -3,7 +3,7 @@ float64 PyTorch reference, with every activation, bias and residual sources, 16-
 split-k launches. Fresh random inputs per test; every output is filled with NaN first, so an element the kernel fails
 to write shows up as an error.
 
-The module compiles 14 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
+The module compiles 10 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
 own), plus one 2.x kernel on demand (the misaligned-view fallback): run with ``CUTLASS_BYOC_TEST_CACHE_DIR``
 pointing at a cache to reuse them.
 """
@@ -35,13 +35,13 @@ def problem(kind, dtype="f16", out="f16", act=Activation.IDENTITY, source=Source
                          element_b=dtype, element_out=out, epilogue=Epilogue(act, source))
 
 
-def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1), swap_ab=False):
-    return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster, swap_ab=swap_ab)
+def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1)):
+    return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster)
 
 
-#: The 14 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
-#: remaining activation, spread over the schedules, tiles, clusters and output types, two wgrad kernels with the
-#: nondeterministic stream-K reduction and four with the swapped operand order.
+#: The 10 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
+#: remaining activation, spread over the schedules, tiles, clusters and output types, and two wgrad kernels with the
+#: nondeterministic stream-K reduction.
 KERNELS = {
     "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
     "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
@@ -54,12 +54,6 @@ KERNELS = {
     # the nondeterministic stream-K reduction (peers add their partials with atomics), 16-bit and fp32 outputs
     "wgrad_nd": cfg("wgrad", "f16", "f16", Activation.IDENTITY, (128, 64, 64), "cooperative_streamk_nd"),
     "wgrad_nd_f32": cfg("wgrad", "bf16", "f32", Activation.IDENTITY, (128, 128, 64), "cooperative_streamk_nd", (2, 1, 1)),
-    # the swapped operand order (output channels as the GEMM's M, D column-major): fprop with a bias / residual
-    # source through the transposed C, dgrad with w as an M-major A, and the stream-K scheduler's split-k
-    "swap_fprop": cfg("fprop", "f16", "f16", Activation.IDENTITY, (64, 256, 64), "pingpong", swap_ab=True),
-    "swap_relu": cfg("fprop", "bf16", "f32", Activation.RELU, (128, 128, 64), "cooperative", (1, 2, 1), swap_ab=True),
-    "swap_dgrad": cfg("dgrad", "f16", "f16", Activation.IDENTITY, (64, 128, 64), "pingpong", swap_ab=True),
-    "swap_streamk": cfg("fprop", "f16", "f16", Activation.SILU, (128, 128, 64), "cooperative_streamk", swap_ab=True),
 }
 
 
@@ -86,29 +80,27 @@ def check(p: Conv2dProblem, name: str, seed: int, slices: int = 1):
 SOURCES = [SourceKind.NONE, SourceKind.BIAS, SourceKind.RESIDUAL]
 
 
-@pytest.mark.parametrize("name", ["fprop", "relu", "gelu", "silu", "hardswish", "sigmoid", "swap_fprop", "swap_relu",
-                                  "swap_streamk"])
+@pytest.mark.parametrize("name", ["fprop", "relu", "gelu", "silu", "hardswish", "sigmoid"])
 @pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.value)
 def test_fprop_epilogues_and_output_types(name, source):
     check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
 
 
 @pytest.mark.parametrize("source", [SourceKind.NONE, SourceKind.RESIDUAL], ids=lambda s: s.value)
-@pytest.mark.parametrize("name", ["dgrad", "wgrad", "swap_dgrad"])
+@pytest.mark.parametrize("name", ["dgrad", "wgrad"])
 def test_dgrad_wgrad(name, source):
     check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
 
 
 @pytest.mark.parametrize("shape", [dict(n=32, hw=(14, 14), c=256, k=1024), dict(n=1, hw=(1, 1), c=8, k=8),
                                    dict(n=2, hw=(56, 56), c=64, k=64)], ids=["256to1024", "tiny", "64ch"])
-@pytest.mark.parametrize("name", ["fprop", "dgrad", "wgrad", "relu", "gelu", "swap_fprop", "swap_relu", "swap_dgrad"])
+@pytest.mark.parametrize("name", ["fprop", "dgrad", "wgrad", "relu", "gelu"])
 def test_layer_shapes(name, shape):
     check(problem_for(name, **shape), name, seed=11)
 
 
 @pytest.mark.parametrize("name, source", [("wgrad", SourceKind.NONE), ("wgrad", SourceKind.RESIDUAL),
-                                          ("relu", SourceKind.BIAS), ("sigmoid", SourceKind.RESIDUAL),
-                                          ("swap_streamk", SourceKind.BIAS)])
+                                          ("relu", SourceKind.BIAS), ("sigmoid", SourceKind.RESIDUAL)])
 def test_stream_k_and_split_k(name, source):
     """A reduction far longer than the output (wgrad of a 64x64 filter over N*H*W = 12544, or few output tiles for
     fprop): the stream-K heuristic (1 slice) and split-k slice counts, fp32 partials in the workspace, the epilogue
