@@ -13,7 +13,9 @@
 #           problems only, in the tune and the bench)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
 #           when the cache is empty, e.g. on a fresh machine; BENCH_SPLITK=0: not the split-k study, whose launches
-#           beyond the tune's plan compile first)
+#           beyond the tune's plan compile first; TUNE_WORKLOAD and TUNE_KINDS narrow it as they do the tune, e.g.
+#           scripts/workloads/resnet50-1x1.json: the 21 stride-1 1x1 cells, whose rows publish_results.py
+#           --merge-bench merges into the published table)
 # offload:  tests/test_gpu_offload.py with its output (training-step accuracy of ResNet-50, MobileNetV2, NCHW ResNet-18)
 # tune-model: `cutlass-byoc tune --model $MODEL --batch $MODEL_BATCH --training` into the offload cache, so the
 #           benchmark's "cached" selection runs the model's own tuned problems (MODEL default torchvision:resnet50;
@@ -52,6 +54,8 @@
 #           launches of each schedule group and the published bench's winners (kernels from the test cache, those
 #           it lacks compiled first in one parallel build; DW_ARGS: the script's other arguments) -> dw-defaults.json,
 #           dw-defaults.log
+# profile:  scripts/profile_kernels.py $PROFILE_ARGS: kernel by kernel GPU time of the named launches and cuDNN's, and
+#           each call's span from its first kernel's start to its last one's end -> profile.log
 # cudnn-kernels: scripts/sweep_kernels.py cudnn-kernels: cuDNN's kernels per default and depthwise cell, and cuBLAS's
 #           time of each 1x1 cell's GEMM -> cudnn-kernels.json, cudnn-kernels.log
 # tune-depthwise, bench-depthwise: tune and bench of the named workload `depthwise` (MobileNetV2 and EfficientNet-B0
@@ -63,7 +67,8 @@
 # tune.log, tune.json (TUNE_JSON=1), tune-model.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log,
 # time-launches.log, gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to
 # offload-bench.log), sweep.json, sweep.log,
-# cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log, dw-defaults.json, dw-defaults.log.
+# cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log, dw-defaults.json, dw-defaults.log,
+# profile.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -153,8 +158,8 @@ for step in "${steps[@]}"; do
       if [ ! -d "$TUNE_CACHE/decisions" ] && [ -f tuned.tar.gz ]; then
         CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc cache import tuned.tar.gz || rc=1
       fi
-      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench ${TUNE_KINDS:+--kinds $TUNE_KINDS} --no-progress \
-        --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+      CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} \
+        --no-progress --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
       [ "${BENCH_SPLITK:-1}" = 1 ] && { CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench --no-progress --split-k \
         --json "$OUT/bench-splitk.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1; } ;;
     tune-depthwise)
@@ -234,6 +239,12 @@ for step in "${steps[@]}"; do
       # (DW_ARGS: more arguments, e.g. "--per-group 0 --cols 0 --twins": the winners, their prefetch twins, defaults)
       python3 scripts/depthwise_defaults.py --winners benchmarks/h200/bench-depthwise.json ${DW_ARGS:-} \
         --jobs "$CUTLASS_BYOC_JOBS" --json "$OUT/dw-defaults.json" 2>&1 | tee "$OUT/dw-defaults.log" || rc=1 ;;
+    profile)
+      # scripts/profile_kernels.py: each kernel's own GPU time and the call's first-start-to-last-end span, for the
+      # launches PROFILE_ARGS names (e.g. "--layers mbv2_dw_960_7 --kinds wgrad --winners
+      # benchmarks/h200/bench-depthwise.json --cluster-twins"), next to cuDNN's (kernels from the test cache)
+      python3 scripts/profile_kernels.py ${PROFILE_ARGS:-} 2>&1 | grep -v "^W[0-9]\|UserWarning\|_warn_once" \
+        | tee "$OUT/profile.log" || rc=1 ;;
     cudnn-kernels)
       python3 scripts/sweep_kernels.py cudnn-kernels "$OUT/cudnn-kernels.json" > "$OUT/cudnn-kernels.log" 2>&1 \
         || rc=1 ;;

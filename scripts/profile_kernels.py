@@ -29,6 +29,10 @@ def main(argv=None) -> int:
     ap.add_argument("--match", nargs="+", default=[""], help="launch-name substrings; the model's best of each")
     ap.add_argument("--decided", action="store_true",
                     help="the launch the decision cache holds for each problem (after `tune`), not --match's")
+    ap.add_argument("--winners", default=None,
+                    help="a bench --json report of the workload: each problem's published launch, not --match's (with "
+                         "--cluster-twins also that launch's cluster-split twin at each of its split counts)")
+    ap.add_argument("--cluster-twins", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args(argv)
 
@@ -54,7 +58,21 @@ def main(argv=None) -> int:
 
             decided = choose(p, "cached")
             launches += [decided] if decided is not None else []
-        for m in [] if a.decided else a.match:  # the model's best launch among the kernels whose name contains m
+        if a.winners:
+            import json  # noqa: PLC0415
+
+            from cutlass_byoc import heuristics  # noqa: PLC0415
+            from cutlass_byoc.depthwise import cluster_variant, depthwise_candidates  # noqa: PLC0415
+
+            rows = json.loads(Path(a.winners).read_text())["rows"]
+            name = next((r["launch"] for r in rows if (r["layer"], r["kind"]) == (item.layer, p.kind.value)), None)
+            every = [launch for _, launch in heuristics.rank(p, depthwise_candidates(p))]
+            won = [lc for lc in every if lc.name == name]
+            launches += won
+            twin = cluster_variant(won[0].kernel) if won and a.cluster_twins else None
+            if twin is not None:
+                launches += [lc for _, lc in launches_for(p, twin)]
+        for m in [] if (a.decided or a.winners) else a.match:  # the model's best launch among the kernels whose name contains m
             ranked = [launches_for(p, k) for k in valid if m in k.name]
             best = [ls[0] for ls in ranked if ls]
             if best:
@@ -77,11 +95,19 @@ def main(argv=None) -> int:
                     fn(i % len(sets))
                 torch.cuda.synchronize()
             per = collections.defaultdict(float)
+            spans = []  # (start, end) of each kernel, us
             for e in prof.events():
                 if e.device_type.name == "CUDA":
                     per[e.name] += e.device_time / a.iters if hasattr(e, "device_time") else e.cuda_time / a.iters
+                    spans.append((e.time_range.start, e.time_range.end))
             total = sum(per.values())
-            print(f"  {name}: {total:.1f} us of kernels per call")
+            # GPU time per call from its first kernel's start to its last one's end (a programmatic dependent launch
+            # overlaps its predecessor, so the kernels' sum can exceed it): every call launches the same kernels
+            spans.sort()
+            per_call = max(1, len(spans) // a.iters)
+            calls = [max(e for _, e in spans[i:i + per_call]) - spans[i][0] for i in range(0, len(spans), per_call)]
+            span = sorted(calls)[len(calls) // 2] if calls else float("nan")
+            print(f"  {name}: {total:.1f} us of kernels per call, {span:.1f} us first start to last end (median)")
             for k, us in sorted(per.items(), key=lambda kv: -kv[1])[:6]:
                 print(f"      {us:8.1f} us  {k[:110]}")
     return 0
