@@ -182,7 +182,7 @@ def consumer_threads(schedule: str) -> int:
     return 256 if schedule.startswith("cooperative") else 128
 
 
-def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str) -> int:
+def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourceless: bool = False) -> int:
     """Shared memory of the TMA epilogue (sm90_builder.inl): an epilogue tile of min(128 | 64, M) x min(32, N), C
     and D of one type share StagesC = max(min(tiles, 4), min(tiles, 2) + 1) buffers (ReuseSmemC), plus 2 KiB for
     the barriers and alignment of the whole kernel's SharedStorage (nvcc's sizeof for every tile, schedule and
@@ -190,15 +190,18 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str) -> int:
     em = min(128 if schedule.startswith("cooperative") else 64, tile[0])
     en = min(32, tile[1])
     epi_tiles = (tile[0] // em) * (tile[1] // en)
+    if sourceless:  # D's StagesD = min(tiles, 2) buffers alone
+        return min(epi_tiles, 2) * em * en * element_out.nbytes + 2048
     stages_c = max(min(epi_tiles, 4), min(epi_tiles, 2) + 1)
     return stages_c * em * en * element_out.nbytes + 2048
 
 
-def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str) -> int:
+def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str, sourceless: bool = False) -> int:
     """What StageCountAutoCarveout would choose with the epilogue above carved out (capped at 8)."""
     m, n, k = tile
     per_stage = (m + n) * k * element_in.nbytes + 16  # + the stage's pipeline barriers
-    return max(2, min(8, (SMEM_CAPACITY - epilogue_smem_bytes(tile, element_out, schedule)) // per_stage))
+    epi = epilogue_smem_bytes(tile, element_out, schedule, sourceless)
+    return max(2, min(8, (SMEM_CAPACITY - epi) // per_stage))
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -245,7 +248,10 @@ def static_error(c: KernelConfig) -> Optional[str]:
     if len(c.cluster) != 3 or c.cluster[2] != 1 or any(x not in (1, 2, 4) for x in c.cluster) \
             or c.cluster[0] * c.cluster[1] > 4:
         return f"cluster {c.cluster}: expected (1|2|4, 1|2|4, 1) with at most 4 CTAs"
-    smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(c.tile, gemm_output(c), c.schedule)
+    if c.sourceless and c.lowering is not None:
+        return "sourceless: not for the im2col lowering (its GEMMs are built with their own C)"
+    smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(
+        c.tile, gemm_output(c), c.schedule, bool(c.sourceless))
     if smem > SMEM_CAPACITY:
         return f"stages {c.stages}: mainloop + epilogue need {smem} bytes of shared memory, past the {SMEM_CAPACITY} of an sm90 CTA"
     return None
@@ -361,7 +367,7 @@ def tile_schedules() -> tuple[tuple[Shape3, str], ...]:
 
 
 def _config(problem: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3, swizzle: int,
-            lowering: Optional[str]) -> KernelConfig:
+            lowering: Optional[str], sourceless: Optional[bool] = None) -> KernelConfig:
     """The family's config of `problem` (plain, or lowered with `lowering`); raises ValueError if invalid."""
     p = problem
     if schedule not in SCHEDULES:
@@ -372,22 +378,24 @@ def _config(problem: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3
     else:
         aligns = lowered_alignments(p.kind, p.element_out)
         stride_support = StrideSupport.STRIDED
-    stages = stage_count(tile, p.element_a, _gemm_store_type(p.kind, p.element_out, lowering), schedule)
+    stages = stage_count(tile, p.element_a, _gemm_store_type(p.kind, p.element_out, lowering), schedule,
+                         bool(sourceless))
     return KernelConfig(
         family=KernelFamily.SM90_GEMM_1X1, kind=p.kind,
         element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,
         tile=tile, warps=WARPS[schedule], stages=stages, stride_support=stride_support,
         align_a=aligns[0], align_b=aligns[1], align_c=aligns[2],
         split_k_mode=SplitKMode.SERIAL, swizzle=swizzle, activation=p.epilogue.activation,
-        cluster=cluster, schedule=schedule, lowering=lowering,
+        cluster=cluster, schedule=schedule, lowering=lowering, sourceless=sourceless,
     )
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",
-                   cluster: Shape3 = (1, 1, 1), swizzle: int = 1) -> KernelConfig:
+                   cluster: Shape3 = (1, 1, 1), swizzle: int = 1, sourceless: bool = False) -> KernelConfig:
     """The config of `problem` with this tile, schedule and cluster (16-byte alignments; raises ValueError if
-    the combination is invalid). `swizzle` is the tile scheduler's max_swizzle_size."""
-    return _config(problem, tile, schedule, cluster, swizzle, None)
+    the combination is invalid). `swizzle` is the tile scheduler's max_swizzle_size; `sourceless` builds it without
+    an epilogue source (KernelConfig.sourceless: only for a problem without bias or residual)."""
+    return _config(problem, tile, schedule, cluster, swizzle, None, True if sourceless else None)
 
 
 def im2col_config(problem: Conv2dProblem, tile: Shape3 = (128, 64, 64), schedule: str = "cooperative",
@@ -434,7 +442,13 @@ def gemm1x1_candidates(
     """Every config of the family that can implement `problem` (before compiling): (tile, schedule) x clusters,
     pruned by the config rules. Nothing for problems the family cannot take (see `applicable`). Under
     ``torch.use_deterministic_algorithms(True)`` the nondeterministic stream-K reduction is not offered, so the
-    profiler never times (and records) a kernel the launch would not run."""
+    profiler never times (and records) a kernel the launch would not run. A problem whose epilogue has no source
+    (no bias, no residual) gets the sourceless kernels (KernelConfig.sourceless), which ran faster on the H200."""
     if applicable(problem) is not None:
         return
-    yield from _candidates(problem, gemm1x1_config, clusters, tile_filter)
+    sourceless = problem.epilogue.source is SourceKind.NONE
+
+    def make(p: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3) -> KernelConfig:
+        return gemm1x1_config(p, tile, schedule, cluster, sourceless=sourceless)
+
+    yield from _candidates(problem, make, clusters, tile_filter)

@@ -45,18 +45,37 @@ def cells(layers, kinds):
             yield it
 
 
+def sourceless_twins(problem, kernels):
+    """The sourceless twin (KernelConfig.sourceless) of each 3.x kernel in `kernels` that has one, for a problem
+    without an epilogue source (none otherwise)."""
+    import dataclasses  # noqa: PLC0415
+
+    if problem.epilogue.source.value != "none":
+        return []
+    out = []
+    for k in kernels:
+        if k.family in (KernelFamily.SM90_GEMM_1X1, KernelFamily.SM90_TMA_WGMMA) and not k.sourceless:
+            try:
+                out.append(dataclasses.replace(k, sourceless=True))
+            except ValueError:
+                pass
+    return out
+
+
 def kernels_of(problem, extra=()):
-    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule) pairs (tiles
-    outside cutlass_library's list, to try before adding them to gemm1x1.EXTRA_TILES)."""
+    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless)
+    tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
     out = [k for k in valid if k.family is family]
     if family is KernelFamily.SM90_GEMM_1X1:
         from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
 
-        for tile, schedule in extra:
+        for tile, schedule, sourceless in extra:
+            if sourceless and problem.epilogue.source.value != "none":
+                continue
             try:
-                k = gemm1x1_config(problem, tile, schedule)
+                k = gemm1x1_config(problem, tile, schedule, sourceless=sourceless)
             except ValueError as e:
                 print(f"{problem.name}: {tile} {schedule}: {e}")
                 continue
@@ -66,9 +85,10 @@ def kernels_of(problem, extra=()):
 
 
 def parse_tile(text: str):
-    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong")."""
-    tile, _, schedule = text.partition(":")
-    return tuple(int(x) for x in tile.split("x")), schedule
+    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong", False); ":nosrc" asks for the kernel without an
+    epilogue source (e.g. "256x64x64:pingpong:nosrc"), for the cells whose epilogue has none."""
+    tile, schedule, *more = text.split(":")
+    return tuple(int(x) for x in tile.split("x")), schedule, "nosrc" in more
 
 
 def kernel_times(fn, calls: int = 5) -> list:
@@ -92,7 +112,10 @@ def kernel_times(fn, calls: int = 5) -> list:
 
 
 def cmd_build(args) -> None:
-    kernels = {k.name: k for it in cells(args.layers, args.kinds) for k in kernels_of(it.problem, args.tiles)}
+    kernels = {}
+    for it in cells(args.layers, args.kinds):
+        ks = kernels_of(it.problem, args.tiles)
+        kernels.update({k.name: k for k in ks + (sourceless_twins(it.problem, ks) if args.sourceless else [])})
     t0 = time.time()
     res = build(list(kernels.values()), jobs=args.jobs, cache=KernelCache(), progress=True)
     print(f"{sum(r.ok for r in res.values())} of {len(res)} kernels in the cache ({time.time() - t0:.0f} s)")
@@ -108,6 +131,7 @@ def cmd_time(args) -> None:
     for it in cells(args.layers, args.kinds):
         p = it.problem
         kernels = kernels_of(p, args.tiles)
+        kernels += sourceless_twins(p, kernels) if args.sourceless else []
         if args.build:
             build(kernels, cache=cache, progress=False)
         sets, ref = make_problem_sets(p, settings)
@@ -231,8 +255,10 @@ def main() -> None:
     for s in (b, t):
         s.add_argument("--layers", nargs="+", default=sorted(FAMILY_OF), choices=sorted(FAMILY_OF))
         s.add_argument("--kinds", nargs="+", default=["fprop", "dgrad", "wgrad"], choices=["fprop", "dgrad", "wgrad"])
-        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE",
-                       help="GEMM 1x1 tiles to add to the family's (e.g. 192x64x64:pingpong)")
+        s.add_argument("--sourceless", action="store_true",
+                       help="also the sourceless twin of each 3.x kernel (cells without an epilogue source)")
+        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE[:nosrc]",
+                       help="GEMM 1x1 configs to add to the family's (e.g. 192x64x64:pingpong, 256x64x64:pingpong:nosrc)")
     args = ap.parse_args()
     {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)
 

@@ -10,8 +10,8 @@ import pytest
 
 from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.gemm1x1 import (CLUSTERS, DETERMINISTIC_TWIN, SCHEDULES, applicable, deterministic_twin,
-                                  gemm1x1_candidates, gemm1x1_config, generator_configs, is_deterministic,
-                                  tile_schedules)
+                                  epilogue_smem_bytes, gemm1x1_candidates, gemm1x1_config, generator_configs,
+                                  im2col_candidates, is_deterministic, tile_schedules)
 from cutlass_byoc.heuristics import estimate_us, rank
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import plan_problem
@@ -334,3 +334,37 @@ def test_render_epilogue(act, functor):
     assert "using ElementOutput = float;" in src and "using ElementA = cutlass::bfloat16_t;" in src
     assert "constexpr int kAlignC = 4;" in src
     assert "cute::get<0>(stride_c) = 0;" in src  # the bias: a zero stride along M
+
+
+def test_sourceless_kernels_for_problems_without_a_source():
+    """A problem without bias or residual gets the sourceless kernels (CUTLASS's ElementC = void), any other problem
+    the kernels with a C; a sourceless kernel refuses a problem with a source, in Python and in cb_can_implement."""
+    plain = p1x1("fprop")
+    assert all(c.sourceless for c in gemm1x1_candidates(plain)) and list(gemm1x1_candidates(plain))
+    assert all(c.name.endswith("_nosrc_sm90") for c in gemm1x1_candidates(plain))
+    for src in (SourceKind.BIAS, SourceKind.RESIDUAL):
+        p = p1x1("fprop", epilogue=Epilogue(Activation.IDENTITY, src))
+        assert not any(c.sourceless for c in gemm1x1_candidates(p))
+        assert "sourceless kernel reads no epilogue source" in gemm1x1_config(plain, sourceless=True).reject_reason(p)
+    assert all(c.sourceless for c in gemm1x1_candidates(p1x1("wgrad")))
+    assert not any(c.sourceless for c in im2col_candidates(Conv2dProblem(
+        kind=ConvKind.FPROP, n=2, h=16, w=16, c=3, k=64, r=7, s=7, stride_h=2, stride_w=2, pad_h=3, pad_w=3)))
+    cfg = gemm1x1_config(plain, (256, 64, 64), "pingpong", sourceless=True)
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert "sourceless" not in gemm1x1_config(plain).to_dict()  # older kernels' JSON, source and key unchanged
+    with pytest.raises(ValueError, match="sourceless: True or None"):
+        dataclasses.replace(cfg, sourceless=False)
+    with pytest.raises(ValueError, match="sourceless: a field of the 3.x families"):
+        dataclasses.replace(cfg, family=KernelFamily.SM80_IMPLICIT_GEMM, schedule=None)
+    src = render(cfg, "nvcc x.cu")
+    assert "    void, LayoutC, kAlignC,  // sourceless" in src
+    assert "args.epilogue.ptr_C = nullptr;" in src
+    assert "this kernel is built without an epilogue source" in src
+    with_c = render(gemm1x1_config(plain, (256, 64, 64), "pingpong"), "nvcc x.cu")
+    assert "    ElementSource, LayoutC, kAlignC," in with_c and "ptr_C = nullptr" not in with_c
+
+
+def test_sourceless_shared_memory_leaves_the_c_buffers_out():
+    # 128x128 ping-pong, f16 out: epilogue tile 64x32, 8 sub-tiles; with C: 4 shared C/D buffers, without: 2 D buffers
+    assert epilogue_smem_bytes((128, 128, 64), DType.F16, "pingpong") == 4 * 64 * 32 * 2 + 2048
+    assert epilogue_smem_bytes((128, 128, 64), DType.F16, "pingpong", sourceless=True) == 2 * 64 * 32 * 2 + 2048

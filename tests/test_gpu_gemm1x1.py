@@ -3,7 +3,7 @@ float64 PyTorch reference, with every activation, bias and residual sources, 16-
 split-k launches. Fresh random inputs per test; every output is filled with NaN first, so an element the kernel fails
 to write shows up as an error.
 
-The module compiles 10 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
+The module compiles 14 GEMM kernels (~60 s each, in parallel: CUTLASS_BYOC_JOBS; 3 of them are the compile tests'
 own), plus one 2.x kernel on demand (the misaligned-view fallback): run with ``CUTLASS_BYOC_TEST_CACHE_DIR``
 pointing at a cache to reuse them.
 """
@@ -22,7 +22,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, check_launch, module_kernels, operands, poisoned_output, reference, rel_err, run_launch,
+    TOLERANCE, check_launch, epilogue_case, module_kernels, operands, poisoned_output, reference, rel_err, run_launch,
 )
 from test_compile_gemm1x1 import KERNELS as COMPILE_KERNELS  # noqa: E402
 
@@ -35,13 +35,13 @@ def problem(kind, dtype="f16", out="f16", act=Activation.IDENTITY, source=Source
                          element_b=dtype, element_out=out, epilogue=Epilogue(act, source))
 
 
-def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1)):
-    return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster)
+def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1), sourceless=False):
+    return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster, sourceless=sourceless)
 
 
-#: The 10 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
-#: remaining activation, spread over the schedules, tiles, clusters and output types, and two wgrad kernels with the
-#: nondeterministic stream-K reduction.
+#: The 14 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
+#: remaining activation, spread over the schedules, tiles, clusters and output types, two wgrad kernels with the
+#: nondeterministic stream-K reduction and four sourceless kernels (one per kind, the fprop ones on two schedules).
 KERNELS = {
     "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
     "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
@@ -54,6 +54,11 @@ KERNELS = {
     # the nondeterministic stream-K reduction (peers add their partials with atomics), 16-bit and fp32 outputs
     "wgrad_nd": cfg("wgrad", "f16", "f16", Activation.IDENTITY, (128, 64, 64), "cooperative_streamk_nd"),
     "wgrad_nd_f32": cfg("wgrad", "bf16", "f32", Activation.IDENTITY, (128, 128, 64), "cooperative_streamk_nd", (2, 1, 1)),
+    # sourceless (CUTLASS's ElementC = void): what the candidates propose for problems without bias or residual
+    "nosrc_fprop": cfg("fprop", "f16", "f16", Activation.IDENTITY, (256, 64, 64), "pingpong", sourceless=True),
+    "nosrc_relu": cfg("fprop", "bf16", "f32", Activation.RELU, (128, 128, 64), "cooperative", (2, 1, 1), sourceless=True),
+    "nosrc_dgrad": cfg("dgrad", "f16", "f16", Activation.IDENTITY, (128, 64, 64), "pingpong", sourceless=True),
+    "nosrc_wgrad": cfg("wgrad", "f16", "f32", Activation.IDENTITY, (128, 64, 64), "cooperative_streamk", sourceless=True),
 }
 
 
@@ -90,6 +95,24 @@ def test_fprop_epilogues_and_output_types(name, source):
 @pytest.mark.parametrize("name", ["dgrad", "wgrad"])
 def test_dgrad_wgrad(name, source):
     check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
+
+
+@pytest.mark.parametrize("name", ["nosrc_fprop", "nosrc_relu", "nosrc_dgrad", "nosrc_wgrad"])
+def test_sourceless(name):
+    """The sourceless kernels on their problems (no bias, no residual), at the module's odd shape and at layer
+    shapes; the stream-K one at split-k slice counts too. A problem with a source is refused, never launched."""
+    for shape in (dict(), dict(n=32, hw=(14, 14), c=256, k=1024), dict(n=2, hw=(56, 56), c=64, k=64)):
+        check(problem_for(name, **shape), name, seed=3)
+    if name == "nosrc_wgrad":
+        p = problem_for(name, n=16, hw=(28, 28), c=64, k=64)
+        for slices in (2, 8):
+            check(p, name, seed=slices, slices=slices)
+    kind = KERNELS[name].kind
+    for source in ([SourceKind.RESIDUAL] if kind is ConvKind.WGRAD else [SourceKind.BIAS, SourceKind.RESIDUAL]):
+        p = problem_for(name, source)
+        a, b, src, _ = epilogue_case(p, 0)
+        with pytest.raises(ValueError, match="sourceless kernel reads no epilogue source"):
+            ops.run_problem(p, a, b, poisoned_output(p), src, config=LaunchConfig(KERNELS[name]))
 
 
 @pytest.mark.parametrize("shape", [dict(n=32, hw=(14, 14), c=256, k=1024), dict(n=1, hw=(1, 1), c=8, k=8),

@@ -595,3 +595,31 @@ def test_compile_one_pingpong_kernel(shared_cache):
     args = make_args(p, 1, a=0x10000, b=0x20008, d=0x30000)
     buf = ctypes.create_string_buffer(512)
     assert lib._lib.cb_can_implement(ctypes.byref(args), buf, len(buf)) and b"alignment" in buf.value
+
+
+def test_sourceless_twin_rules_and_render():
+    """The sourceless sm90 kernel (KernelConfig.sourceless: CUTLASS's ElementC = void): for problems without bias or
+    residual only, refused with the channel-statistics and bias-vector epilogues; its source passes a void C and
+    no C pointer and refuses a source at launch."""
+    p = problem("fprop")
+    cfg = dataclasses.replace(one(p), sourceless=True)
+    assert cfg.name.endswith("_nosrc_sm90") and cfg.reject_reason(p) is None
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg and "sourceless" not in one(p).to_dict()
+    for src in (SourceKind.BIAS, SourceKind.RESIDUAL):
+        q = problem("fprop", epilogue=Epilogue(Activation.IDENTITY, src))
+        assert "sourceless kernel reads no epilogue source" in cfg.reject_reason(q)
+    assert cfg.with_channel_stats().sourceless is None  # the statistics twin keeps its own epilogue
+    with pytest.raises(ValueError, match="not with the channel-statistics"):
+        dataclasses.replace(cfg.with_channel_stats(), sourceless=True)
+    src = render(cfg, "nvcc")
+    assert "    void, LayoutC, kAlignC,  // sourceless" in src
+    assert "args.epilogue.ptr_C = nullptr;" in src and "this kernel is built without an epilogue source" in src
+    for kind in ("dgrad", "wgrad"):
+        twin = dataclasses.replace(one(problem(kind)), sourceless=True)
+        assert "    void, LayoutC, kAlignC," in render(twin, "nvcc")
+    sub = problem("dgrad", stride=2)  # the sub-pixel phases' arguments take no C either
+    sub_cfg = next(k for k in sm90_candidates(sub) if k.is_subpixel_dgrad)
+    sub_src = render(dataclasses.replace(sub_cfg, sourceless=True), "nvcc")
+    assert sub_src.count("args.epilogue.ptr_C = nullptr;") == 2
+    plain = render(one(p), "nvcc")
+    assert "    ElementSource, LayoutC, kAlignC,\n" in plain and "ptr_C = nullptr" not in plain
