@@ -108,7 +108,7 @@ def test_sourceless(name):
         for slices in (2, 8):
             check(p, name, seed=slices, slices=slices)
     kind = KERNELS[name].kind
-    for source in ([SourceKind.RESIDUAL] if kind is ConvKind.WGRAD else [SourceKind.BIAS, SourceKind.RESIDUAL]):
+    for source in ([SourceKind.BIAS, SourceKind.RESIDUAL] if kind is ConvKind.FPROP else [SourceKind.RESIDUAL]):
         p = problem_for(name, source)
         a, b, src, _ = epilogue_case(p, 0)
         with pytest.raises(ValueError, match="sourceless kernel reads no epilogue source"):
