@@ -99,12 +99,14 @@ class KernelConfig:
     # the buffer: the atomics' order, so the sums' last bits, varies between runs (fuse_bn_stats stays off under
     # torch.use_deterministic_algorithms).
     channel_stats: Optional[bool] = None
-    # The GEMM 1x1 family's epilogue without a source (None elsewhere and then left out of to_dict, so every other
-    # kernel's source and cache key is unchanged). True: CUTLASS's ElementC = void, for problems whose epilogue has no
-    # bias or residual (gemm1x1_candidates proposes only these for such problems): no C buffers in shared memory, no C
-    # load in the epilogue, and each sub-tile's TMA store issued after the next sub-tile's registers reach shared
-    # memory (CUTLASS delays the store only without C). On the H200 these ran 4% faster than the same kernels with a C
-    # (geomean of 42 pairs on ResNet-50's 1x1 cells, up to 12%; benchmarks/h200/sweep-sourceless-session19.json).
+    # A 3.x TMA epilogue without a source (GEMM 1x1 and sm90 conv families; None elsewhere and then left out of
+    # to_dict, so every other kernel's source and cache key is unchanged). True: CUTLASS's ElementC = void, for
+    # problems whose epilogue has no bias or residual (gemm1x1_candidates proposes only these for such problems; the
+    # sm90 conv candidates do not use it yet, scripts/sweep_kernels.py --sourceless times them): no C buffers in
+    # shared memory, no C load in the epilogue, and each sub-tile's TMA store issued after the next sub-tile's
+    # registers reach shared memory (CUTLASS delays the store only without C). On the H200 these ran 4% faster than
+    # the same GEMM 1x1 kernels with a C (geomean of 42 pairs on ResNet-50's 1x1 cells, up to 12%;
+    # benchmarks/h200/sweep-sourceless-session19.json).
     sourceless: Optional[bool] = None
 
     def __post_init__(self) -> None:

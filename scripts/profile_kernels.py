@@ -59,15 +59,12 @@ def main(argv=None) -> int:
             decided = choose(p, "cached")
             launches += [decided] if decided is not None else []
         if a.winners:
-            import json  # noqa: PLC0415
+            from depthwise_defaults import launches as depthwise_launches, load_winners  # noqa: PLC0415
 
-            from cutlass_byoc import heuristics  # noqa: PLC0415
-            from cutlass_byoc.depthwise import cluster_variant, depthwise_candidates  # noqa: PLC0415
+            from cutlass_byoc.depthwise import cluster_variant  # noqa: PLC0415
 
-            rows = json.loads(Path(a.winners).read_text())["rows"]
-            name = next((r["launch"] for r in rows if (r["layer"], r["kind"]) == (item.layer, p.kind.value)), None)
-            every = [launch for _, launch in heuristics.rank(p, depthwise_candidates(p))]
-            won = [lc for lc in every if lc.name == name]
+            name = load_winners(a.winners).get((item.layer, p.kind.value))
+            won = [lc for lc in depthwise_launches(p) if lc.name == name]
             launches += won
             twin = cluster_variant(won[0].kernel) if won and a.cluster_twins else None
             if twin is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import time
@@ -31,7 +32,7 @@ from cutlass_byoc import workloads
 from cutlass_byoc.build import build, prepare
 from cutlass_byoc.cache import EntryState, KernelCache
 from cutlass_byoc.profiler import plan
-from cutlass_byoc.types import KernelFamily
+from cutlass_byoc.types import KernelFamily, SourceKind
 
 #: filter size -> the family swept on those cells
 FAMILY_OF = {"1x1": KernelFamily.SM90_GEMM_1X1, "3x3": KernelFamily.SM90_TMA_WGMMA}
@@ -48,9 +49,7 @@ def cells(layers, kinds):
 def sourceless_twins(problem, kernels):
     """The sourceless twin (KernelConfig.sourceless) of each 3.x kernel in `kernels` that has one, for a problem
     without an epilogue source (none otherwise)."""
-    import dataclasses  # noqa: PLC0415
-
-    if problem.epilogue.source.value != "none":
+    if problem.epilogue.source is not SourceKind.NONE:
         return []
     out = []
     for k in kernels:
@@ -62,26 +61,27 @@ def sourceless_twins(problem, kernels):
     return out
 
 
-def kernels_of(problem, extra=()):
+def kernels_of(problem, extra=(), sourceless=False):
     """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless)
-    tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates)."""
+    tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates); with
+    `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
     out = [k for k in valid if k.family is family]
     if family is KernelFamily.SM90_GEMM_1X1:
         from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
 
-        for tile, schedule, sourceless in extra:
-            if sourceless and problem.epilogue.source.value != "none":
+        for tile, schedule, nosrc in extra:
+            if nosrc and problem.epilogue.source is not SourceKind.NONE:
                 continue
             try:
-                k = gemm1x1_config(problem, tile, schedule, sourceless=sourceless)
+                k = gemm1x1_config(problem, tile, schedule, sourceless=nosrc)
             except ValueError as e:
                 print(f"{problem.name}: {tile} {schedule}: {e}")
                 continue
             if k not in out:
                 out.append(k)
-    return out
+    return out + (sourceless_twins(problem, out) if sourceless else [])
 
 
 def parse_tile(text: str):
@@ -112,10 +112,8 @@ def kernel_times(fn, calls: int = 5) -> list:
 
 
 def cmd_build(args) -> None:
-    kernels = {}
-    for it in cells(args.layers, args.kinds):
-        ks = kernels_of(it.problem, args.tiles)
-        kernels.update({k.name: k for k in ks + (sourceless_twins(it.problem, ks) if args.sourceless else [])})
+    kernels = {k.name: k for it in cells(args.layers, args.kinds)
+               for k in kernels_of(it.problem, args.tiles, args.sourceless)}
     t0 = time.time()
     res = build(list(kernels.values()), jobs=args.jobs, cache=KernelCache(), progress=True)
     print(f"{sum(r.ok for r in res.values())} of {len(res)} kernels in the cache ({time.time() - t0:.0f} s)")
@@ -130,8 +128,7 @@ def cmd_time(args) -> None:
     cache, settings, out, t0 = KernelCache(), WorkerSettings(), [], time.time()
     for it in cells(args.layers, args.kinds):
         p = it.problem
-        kernels = kernels_of(p, args.tiles)
-        kernels += sourceless_twins(p, kernels) if args.sourceless else []
+        kernels = kernels_of(p, args.tiles, args.sourceless)
         if args.build:
             build(kernels, cache=cache, progress=False)
         sets, ref = make_problem_sets(p, settings)
