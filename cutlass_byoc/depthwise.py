@@ -26,6 +26,10 @@ split_k_mode   CLUSTER for wgrad (the cluster twin of each config, `cluster_vari
 align_b        fprop/dgrad: 1 (the filter, [C][R][S], is read per channel into shared memory once per CTA);
                wgrad: x's alignment
 align_c        fprop/dgrad: the output's store width; wgrad: 1 (the reduction writes dw [C][R][S] per element)
+element_bias   fprop only: None, or the type of a separate bias-vector operand (name `vbias<type>`), for a bias with
+               a residual (y = act(alpha * conv + beta * residual + bias)) or a bias typed unlike the output (an
+               fp32 bias under a 16-bit output, a 16-bit bias under a trailing fp32 cast); as the implicit-GEMM
+               families' bias-vector kernels. Without it a bias is read as the epilogue source, in the output's type
 stages         pixel tiles: 1, or 2 with halo_smem ("pipelined", name `smem2`): fprop and stride-1 dgrad keep
                their CTAs resident (as many as the GPU holds) and walk the pixel tiles, the next tile's halo
                streaming into a second shared-memory buffer while the current one is computed; wgrad walks its
@@ -341,6 +345,8 @@ def depthwise_name(c: KernelConfig) -> str:
         parts.append(f"splitk_{c.split_k_mode.value}")
     if c.activation is not Activation.IDENTITY:
         parts.append(c.activation.value)
+    if c.element_bias is not None:
+        parts.append(f"vbias{c.element_bias.value}")
     if c.filter_rs:
         parts.append(f"f{c.filter_rs[0]}x{c.filter_rs[1]}")
     if c.conv_stride:
@@ -360,6 +366,11 @@ def depthwise_static_error(c: KernelConfig) -> Optional[str]:
         return f"conv_stride: expected (stride_h, stride_w) in 1..{MAX_STRIDE}, got {c.conv_stride}"
     if c.halo_smem is None:
         return "halo_smem: expected True or False for the depthwise family"
+    if c.element_bias is not None:
+        if c.kind is not ConvKind.FPROP:
+            return f"element_bias: the bias-vector epilogue is fprop only, got {c.kind.value}"
+        if c.align_c * c.element_bias.bits > 256:
+            return f"element_bias: {c.align_c} x {c.element_bias.value} per bias access is over 32 bytes"
     if c.schedule not in (None, ROWS, TAPROWS, COLS):
         return (f"schedule: depthwise kernels take None (pixel tiles), {ROWS!r}, {TAPROWS!r} or {COLS!r} (wgrad "
                 f"only), got {c.schedule!r}")
@@ -675,6 +686,8 @@ def _config(problem: Conv2dProblem, shape, vec: int, halo: bool, schedule: Optio
         split_k_mode=SplitKMode.PARALLEL if wgrad else SplitKMode.SERIAL,
         activation=p.epilogue.activation,
         filter_rs=(p.r, p.s), conv_stride=(p.stride_h, p.stride_w), halo_smem=halo,
+        # the bias-vector epilogue: a bias with a residual, or a bias typed unlike the output (fprop)
+        element_bias=p.element_bias if p.epilogue.bias_vector else None,
     )
 
 

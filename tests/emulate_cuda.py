@@ -156,15 +156,17 @@ def load(config, build_dir: str = os.path.join(tempfile.gettempdir(), "cutlass-b
     return open_library(out)
 
 
-def run(config, problem, a, b, out, source=None, splits: int = 1, alpha: float = 1.0) -> None:
-    """cb_run of the emulated library on CPU tensors (channels_last, as the kernels read them)."""
+def run(config, problem, a, b, out, source=None, splits: int = 1, alpha: float = 1.0, bias=None) -> None:
+    """cb_run of the emulated library on CPU tensors (channels_last, as the kernels read them); `bias` is the bias of
+    SourceKind.BIAS_RESIDUAL (`source` then the residual)."""
     import torch  # noqa: PLC0415
 
     from cutlass_byoc.runtime import make_args  # noqa: PLC0415
 
     lib = load(config)
     args = make_args(problem, splits, a.data_ptr(), b.data_ptr(), out.data_ptr(),
-                     source.data_ptr() if source is not None else 0, alpha)
+                     source.data_ptr() if source is not None else 0, alpha,
+                     bias=bias.data_ptr() if bias is not None else 0)
     ws = torch.empty(max(1, lib.cb_workspace_size(ctypes.byref(args))), dtype=torch.uint8)
     msg = ctypes.create_string_buffer(256)
     rc = lib.cb_run(ctypes.byref(args), ws.data_ptr(), ws.numel(), None, msg, len(msg))

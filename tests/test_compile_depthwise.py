@@ -20,6 +20,9 @@ STRIDED_DGRAD = Conv2dProblem.make("dgrad", 32, 144, 56, 56, 144, 5, stride=2, p
 WGRAD = Conv2dProblem.make("wgrad", 32, 576, 14, 14, 576, 3, padding=1, groups=576, dtype="bf16", out_dtype="f32")
 FLIPPED_DGRAD = Conv2dProblem.make("dgrad", 32, 240, 28, 28, 240, 5, padding=2, groups=240)
 WGRAD_5X5 = Conv2dProblem.make("wgrad", 32, 240, 28, 28, 240, 5, padding=2, groups=240, out_dtype="f32")
+# the bias-vector epilogue: an fp32 bias with a residual (CPVT's positional conv: x + dwconv(x) with a bias)
+VBIAS = Conv2dProblem.make("fprop", 32, 144, 56, 56, 144, 3, padding=1, groups=144,
+                           epilogue=Epilogue(Activation.RELU6, SourceKind.BIAS_RESIDUAL, bias_dtype="f32"))
 
 
 def pick(problem, **want):
@@ -38,6 +41,8 @@ KERNELS = {
     "cluster_wgrad": (WGRAD, pick(WGRAD, halo_smem=False, align_a=8, split_k_mode=SplitKMode.CLUSTER)),
     "cluster_cols_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="cols", stages=7, align_a=2, min_blocks=None,
                                            split_k_mode=SplitKMode.CLUSTER)),
+    "vbias_fprop": (VBIAS, pick(VBIAS, halo_smem=True, stages=1, schedule=None, align_a=8, min_blocks=None)),
+    "vbias_cols_fprop": (VBIAS, pick(VBIAS, schedule="cols", align_a=4, min_blocks=None, prefetch=None)),
 }
 
 
@@ -69,6 +74,20 @@ def test_host_api_refuses_what_the_kernel_cannot_do(built):
     dgrad, dcfg = KERNELS["strided_dgrad"]
     dlib = KernelLibrary(dcfg, built[dcfg].library)
     assert "bias" in raw_can_implement(dlib, dgrad, source_kind=1)  # a bias, which only fprop takes
+
+
+@pytest.mark.parametrize("which", ["vbias_fprop", "vbias_cols_fprop"])
+def test_bias_vector_kernel_takes_a_bias_alone_or_with_a_residual(built, which):
+    problem, cfg = KERNELS[which]
+    assert cfg.element_bias.value == "f32" and "_vbiasf32_" in cfg.name
+    lib = KernelLibrary(cfg, built[cfg].library)
+    bias = {"bias": 0x50000}
+    assert raw_can_implement(lib, problem, fields=bias) is None  # source_kind 3: the residual and the bias
+    assert raw_can_implement(lib, problem, source_kind=1) is None  # the bias alone, as the source
+    for kind in (0, 2):
+        assert raw_can_implement(lib, problem, source_kind=kind, fields=bias).startswith("source_kind")
+    assert raw_can_implement(lib, problem, fields={"bias": 0x50004}).startswith("bias")  # an fp32 vector of 4 or 8
+    assert "using ElementBias = float;" in built[cfg].entry.source.read_text()
 
 
 @pytest.mark.parametrize("which", ["wgrad", "pipelined_wgrad", "cols_wgrad"])

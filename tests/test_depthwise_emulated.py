@@ -53,16 +53,18 @@ def check(problem, cfg, splits=1, seed=0, alpha=1.0):
     else:
         a, b, ref = dy, x, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), st, pd, 1, p.c)
     ref = alpha * ref
-    source = None
-    if p.epilogue.source is SourceKind.BIAS:
-        source = torch.randn(p.k, generator=g).to(ot)
-        ref = ref + source.double().view(1, -1, 1, 1)
-    elif p.epilogue.source is SourceKind.RESIDUAL:
+    source = bias = None
+    if p.epilogue.source.has_residual:
         source = torch.randn(ref.shape, generator=g).to(ot).contiguous(memory_format=cl)
         ref = ref + source.double()
+    if p.epilogue.source.has_bias:  # in its own type (bias_dtype), else the output's
+        bias = torch.randn(p.k, generator=g).to(TORCH[p.element_bias])
+        ref = ref + bias.double().view(1, -1, 1, 1)
+        if p.epilogue.source is SourceKind.BIAS:
+            source, bias = bias, None  # a lone bias is the epilogue source
     ref = _apply_activation(ref, p.epilogue.activation)
     out = torch.full(ref.shape, float("nan"), dtype=ot).contiguous(memory_format=cl)
-    emulate_cuda.run(cfg, p, a, b, out, source, splits, alpha)
+    emulate_cuda.run(cfg, p, a, b, out, source, splits, alpha, bias=bias)
     err = float((out.double() - ref).norm() / ref.norm())
     assert not math.isnan(err), f"{cfg.name}: NaN in the output of {p.name} (unwritten)"
     assert err < TOLERANCE[p.element_out], f"{cfg.name} on {p.name} ({splits} splits): relative error {err:.2e}"
@@ -81,6 +83,29 @@ def test_fprop_relu6_clamp_with_bias():
 def test_fprop_bf16_to_fp32_5x5_with_residual_relu():
     p = problem_of("fprop", 24, 11, 7, 5, 1, ("bf16", "f32"), epilogue=Epilogue(Activation.RELU, SourceKind.RESIDUAL))
     check(p, config(p, 8, False))
+
+
+@pytest.mark.parametrize("schedule", ["tile", "halo", "rows", "cols", "cols_capped", "piped"])
+@pytest.mark.parametrize("epi, dt", [
+    (Epilogue(Activation.RELU, SourceKind.BIAS_RESIDUAL), ("f16", "f16")),   # a bias and a residual
+    (Epilogue(Activation.SILU, SourceKind.BIAS, bias_dtype="f32"), ("f16", "f16")),  # an fp32 bias, fp16 out
+    (Epilogue(source=SourceKind.BIAS_RESIDUAL, bias_dtype="bf16"), ("bf16", "f32")),  # 16-bit bias, trailing cast
+])
+def test_fprop_bias_vector_epilogues(schedule, epi, dt):
+    """The bias-vector kernels (element_bias, name `vbias<type>`): a bias with a residual, or a bias typed unlike the
+    output, on every fprop schedule (pixel tiles through L1 and staged, "rows", "cols" and its register-capped twin,
+    pipelined); C=20 is not a multiple of 8 (narrower vectors)."""
+    p = problem_of("fprop", 20, 11, 13, 3, 1 if schedule in ("rows", "piped") else 2, dt, epilogue=epi)
+    assert p.epilogue.bias_vector
+    if schedule.startswith("cols"):
+        cfg = depthwise_cols_config(p, 4, 4)
+        cfg = min_blocks_variant(cfg) if schedule == "cols_capped" else cfg
+    else:
+        cfg = next(c for c in depthwise_candidates(p) if {
+            "tile": c.schedule is None and not c.halo_smem, "halo": c.schedule is None and c.halo_smem and c.stages == 1,
+            "rows": c.schedule == "rows", "piped": is_pipelined(c)}[schedule])
+    assert cfg.element_bias is p.element_bias and f"_vbias{p.element_bias.value}_" in cfg.name
+    check(p, cfg, 1, seed=len(schedule), alpha=0.75)
 
 
 @pytest.mark.parametrize("pad", [1, 0, 3])

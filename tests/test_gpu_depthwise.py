@@ -24,7 +24,7 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config,
+    TOLERANCE, TORCH, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config,
     epilogue_case, kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
 )
 
@@ -224,6 +224,59 @@ def capped_kernels():
     return out
 
 
+# The bias-vector fprop kernels (element_bias): a bias with a residual, or a bias typed unlike the output, on the
+# pixel-tile schedule (halo staged), "cols" and the pipelined one: (schedule, dtypes, epilogue, C, H, W, stride)
+BIAS_VECTOR_CASES = [
+    ("halo", ("f16", "f16"), Epilogue(Activation.RELU, SourceKind.BIAS_RESIDUAL), 96, 15, 13, 1),
+    ("cols", ("f16", "f16"), Epilogue(Activation.RELU6, SourceKind.BIAS_RESIDUAL, "f32"), 144, 14, 14, 1),
+    ("cols", ("bf16", "bf16"), Epilogue(Activation.SILU, SourceKind.BIAS, "f32"), 40, 17, 9, 2),
+    ("piped", ("f16", "f32"), Epilogue(Activation.HARDSWISH, SourceKind.BIAS_RESIDUAL, "f16"), 96, 15, 13, 1),
+    ("halo", ("f16", "f32"), Epilogue(source=SourceKind.BIAS, bias_dtype="f16"), 24, 9, 21, 2),  # trailing cast
+]
+
+
+def bias_vector_case(schedule, dt, epilogue, c, h, w, stride):
+    """(problem, config) of a BIAS_VECTOR_CASES row: the first candidate of that schedule."""
+    from cutlass_byoc.depthwise import COLS, is_pipelined  # noqa: PLC0415
+
+    problem = problem_of("fprop", c, h, w, 3, stride, dt, n=4, epilogue=epilogue)
+    want = {"halo": lambda k: k.schedule is None and k.halo_smem and k.stages == 1 and k.min_blocks is None,
+            "cols": lambda k: k.schedule == COLS and k.prefetch is None and k.min_blocks is None,
+            "piped": is_pipelined}[schedule]
+    return problem, next(k for k in depthwise_candidates(problem) if want(k))
+
+
+@pytest.mark.parametrize("case", BIAS_VECTOR_CASES, ids=lambda k: f"{k[0]}-{k[2].tag}-{k[1][0]}_{k[1][1]}-c{k[3]}")
+def test_bias_vector_epilogues(case):
+    """act(conv + residual + bias) with the bias in its own type, against float64, fresh operands, poisoned output;
+    the bias scaled x100 where the output is fp32 (a bias rounded to 16 bits on the way would show)."""
+    problem, cfg = bias_vector_case(*case)
+    assert cfg.element_bias is problem.element_bias and "_vbias" in cfg.name
+    g = torch.Generator(device="cuda").manual_seed(case[3] + case[4])
+    x, w, dy = operands(problem, case[3])
+    a, b = kernel_operands(problem, x, w, dy)
+    ref = reference(problem, x, w, dy)
+    scale = 100.0 if problem.element_out.value == "f32" else 1.0
+    bias = (torch.randn(problem.k, device="cuda", generator=g) * scale).to(TORCH[problem.element_bias])
+    ref = ref + bias.double().view(1, -1, 1, 1)
+    residual = None
+    if problem.epilogue.source.has_residual:
+        residual = torch.randn(ref.shape, device="cuda", generator=g).to(TORCH[problem.element_out])
+        residual = residual.contiguous(memory_format=torch.channels_last)
+        ref = ref + residual.double()
+    ref = ops._apply_activation(ref, problem.epilogue.activation)
+    out = poisoned_output(problem)
+    if residual is not None:
+        ops.run_problem(problem, a, b, out, residual, config=LaunchConfig(cfg), bias=bias)
+    else:
+        ops.run_problem(problem, a, b, out, bias, config=LaunchConfig(cfg))
+    torch.cuda.synchronize()
+    err = rel_err(out, ref)
+    bound = 1e-4 if problem.element_out.value == "f32" else TOLERANCE[problem.element_out]
+    assert not math.isnan(err), f"{cfg.name}: NaN in the output (unwritten) for {problem.name}"
+    assert err < bound, f"{cfg.name} on {problem.name}: relative error {err:.3e} >= {bound}"
+
+
 def all_kernels():
     ks = [kernel(problem_of(kind, 96, 15, 13, r, stride, dt), vec, halo) for kind, dt, r, stride, vec, halo in KERNELS]
     ks += capped_kernels()
@@ -240,6 +293,7 @@ def all_kernels():
     ks += cols_capped_kernels()
     ks += [graph_kernel()]
     ks += [cluster_kernel(*k) for k in CLUSTER_KERNELS]
+    ks += [bias_vector_case(*k)[1] for k in BIAS_VECTOR_CASES]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 

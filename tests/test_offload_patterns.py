@@ -403,6 +403,19 @@ def test_depthwise_bias_and_activation_fused():
     assert close(run(gm, m, x), m(x))
 
 
+@pytest.mark.parametrize("decomp", [None, "inductor"])
+def test_depthwise_bias_and_residual_are_one_epilogue(decomp):
+    """CPVT's positional conv (x + dwconv(x), the conv with a bias): bias and residual go to the depthwise kernel's
+    bias-vector epilogue, one pass over the output."""
+    m = Lambda(lambda c, x: c[0](x) + x, nn.Conv2d(16, 16, 3, padding=1, groups=16))
+    x = x_(c=16, h=9, w=9)
+    gm, rep = explain(m, x, options=CPU, decompositions=decomp)
+    (e,) = rep.entries
+    assert e.offloaded and e.kind is Pass.FPROP and e.fused == ("bias", "residual"), rep.summary()
+    assert e.kernel.startswith("cb_dw_fprop_") and "_vbiasf32_" in e.kernel, e.kernel
+    assert close(run(gm, m, x), m(x))
+
+
 @pytest.mark.parametrize("decomp, dtype", [(None, torch.float32), ("inductor", torch.float32),
                                            ("inductor", torch.float16), ("core", torch.bfloat16)])
 def test_relu6_fused_into_depthwise_and_left_after_a_dense_conv(decomp, dtype):
