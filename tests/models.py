@@ -626,11 +626,30 @@ class OddChannels(nn.Module):
         return self.c(torch.tanh(self.b(F.leaky_relu(self.a(x[:, :1])))))
 
 
+class PositionalConv(nn.Module):
+    """CPVT's positional encoding generator (y + dwconv(y), the depthwise conv with a bias: bias and residual in one
+    depthwise epilogue, the bias-vector kernels) between 1x1 convs, then PVTv2's depthwise conv with a bias and GELU."""
+
+    in_channels = 16
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Conv2d(16, 32, 1)
+        self.peg = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.out = nn.Conv2d(32, 16, 1)
+
+    def forward(self, x):
+        y = self.inp(x)
+        y = y + self.peg(y)
+        return self.out(F.gelu(self.dw(y)))
+
+
 FAMILIES = {"chain": lambda: Chain(False), "chain_pool": lambda: Chain(True), "unet": UNet, "grouped": Grouped,
             "dilated": Dilated, "convnext": ConvNeXtLike, "resnext": ResNeXtBlock, "mobilenet_v3": MobileNetV3Block,
             "inception": InceptionLike, "aspp": ASPP, "multiplier": Multiplier, "paddings": Paddings,
             "shared_frozen": SharedFrozen, "slices": Slices, "weight_std": WeightStandardized, "dense": DenseLike,
-            "regnet": RegNetLike, "odd_channels": OddChannels}
+            "regnet": RegNetLike, "odd_channels": OddChannels, "positional": PositionalConv}
 #: tests/test_gpu_dynamic.py: families trained through torch.compile's default over these batch sizes (64x64): the
 #: graph turns dynamic at the second size (its plan's batch), which then serves the rest (each size met again runs
 #: on the C++ path's binding of that size)

@@ -112,6 +112,7 @@ JOINT = {
     "dense": ((6, 6, 6), []),
     "regnet": ((6, 4, 6), ["groups"] * 3),
     "odd_channels": ((3, 2, 3), []),
+    "positional": ((4, 3, 4), []),
 }
 
 
@@ -138,6 +139,19 @@ def test_depthwise_with_bias_and_patchify_stem_of_convnext_are_offloaded():
     assert len(dw) == 2 and all(e.fused == ("bias",) for e in dw), rep.summary()
     stem = [e for e in rep.offloaded if e.kind is Pass.FPROP and "_r4s4_" in e.problem]
     assert len(stem) == 1 and "bias" in stem[0].fused, rep.summary()
+
+
+def test_positional_conv_fuses_bias_and_residual_into_the_depthwise_kernel():
+    """CPVT's y + dwconv(y) under autocast: the 16-bit bias and the residual in one bias-vector depthwise epilogue;
+    the next depthwise conv fuses its bias (not the GELU, whose input the backward needs); their dgrad and wgrad are
+    offloaded too."""
+    m = FAMILIES["positional"]()
+    _, rep = explain(m, _input(m), training=True, autocast=torch.float16, options=OPTS)
+    dw = sorted((e for e in rep.offloaded if e.kind is Pass.FPROP and e.kernel.startswith("cb_dw_")),
+                key=lambda e: len(e.fused))
+    assert [e.fused for e in dw] == [("bias",), ("bias", "residual")], rep.summary()
+    assert "_vbiasf16_" in dw[1].kernel and "_vbias" not in dw[0].kernel, rep.summary()
+    assert sum(e.kernel.startswith("cb_dw_") for e in rep.offloaded if e.kind is not Pass.FPROP) == 4, rep.summary()
 
 
 def _projected_step(model, x, autocast, weights, compiled=None):
