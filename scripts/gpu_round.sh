@@ -64,12 +64,15 @@
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
 #           (DW_KINDS=wgrad or fprop,dgrad: those kinds' problems only, as `--kinds`; TUNE_JSON=1: the tune's report,
 #           every candidate's time, to tune-depthwise.json)
+# copy-floor: scripts/copy_floor.py: each published bench cell's compulsory bytes moved by one device-to-device copy,
+#           timed as the bench times (the floor no memory-bound kernel beats; cuDNN's time over it bounds the ratio any
+#           kernel can reach) -> copy-floor.json, copy-floor.log
 # The files a call may bring back from the device (plan the steps of one call so they write at most 8): gpu-tests.log,
 # tune.log, tune.json (TUNE_JSON=1), tune-model.json (TUNE_JSON=1), bench.json, bench-splitk.json, bench.log,
 # time-launches.log, gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to
 # offload-bench.log), sweep.json, sweep.log,
 # cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log, dw-defaults.json, dw-defaults.log,
-# profile.log.
+# profile.log, copy-floor.json, copy-floor.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -175,6 +178,8 @@ for step in "${steps[@]}"; do
       fi
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc bench depthwise ${DW_KINDS:+--kinds $DW_KINDS} --no-progress \
         --json "$OUT/bench-depthwise.json" 2>&1 | tee -a "$OUT/tune-depthwise.log" || rc=1 ;;
+    copy-floor)
+      python3 scripts/copy_floor.py --json "$OUT/copy-floor.json" 2>&1 | tee "$OUT/copy-floor.log" || rc=1 ;;
     offload)
       (cd tests && python3 -m pytest -m gpu -q -s -p no:cacheprovider \
         --timeout=900 test_gpu_offload.py 2>&1 | tee "$OUT/gpu-offload.log") || rc=1 ;;
