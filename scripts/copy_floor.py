@@ -67,12 +67,13 @@ def main(argv=None) -> int:
         print("copy_floor: needs a GPU (the floors are timed)", file=sys.stderr)
         return 3
     sizes = cell_bytes()
-    rows, cache = [], {}
+    rows, cache, seen = [], {}, set()
     for path in args.bench:
         for r in json.loads(path.read_text())["rows"]:
             key = (r["layer"], r["kind"])
-            if key not in sizes or not r.get("ours_us") or not r.get("cudnn_us"):
-                continue
+            if key in seen or key not in sizes or not r.get("ours_us") or not r.get("cudnn_us"):
+                continue  # (bench.json holds bench-depthwise.json's rows too: each cell once)
+            seen.add(key)
             nbytes = sizes[key]
             if nbytes not in cache:
                 cache[nbytes] = floor_us(nbytes)

@@ -17,7 +17,9 @@ every number comes from those files.
                                               # re-measure, e.g. a wgrad-only tune and bench; each row says its run
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
-A file that no given folder holds is left as it is in benchmarks/h200/.
+A file that no given folder holds is left as it is in benchmarks/h200/. bench.json is the file the per-layer and the
+depthwise issues share: whenever a bench file is published it also takes every row of bench-depthwise.json (the
+depthwise step's own file), and the README renders both from it (combine_bench).
 """
 
 from __future__ import annotations
@@ -360,9 +362,13 @@ def goals_table(results: Path = RESULTS) -> list[str]:
 
 def render(results: Path = RESULTS) -> str:
     parts: list[str] = goals_table(results)
+    bench = results / "bench.json"
+    combined = bench.exists() and any(r.get("depthwise") for r in json.loads(bench.read_text()).get("rows", []))
     for name, fn in (("bench.json", bench_tables), ("bench-splitk.json", splitk_table),
                      ("bench-depthwise.json", bench_tables), ("offload.json", offload_tables)):
         path = results / name
+        if name == "bench-depthwise.json" and combined:
+            continue  # its rows are bench.json's depthwise rows (combine_bench), rendered with them
         if path.exists():
             parts += fn(json.loads(path.read_text())) + [""]
             parts.append(f"(from `benchmarks/h200/{name}`)")
@@ -458,6 +464,31 @@ def merge_bench(published: dict, new: dict, note: str = "") -> dict:
     return dict(new, summary=report.summary(), rows=rows, runs=[runs[i - 1] for i in live])
 
 
+def combine_bench(bench: dict, dw: dict) -> dict:
+    """bench.json as the per-layer and depthwise issues share it: its own rows but the depthwise ones, then every
+    depthwise row of bench-depthwise.json (the depthwise step's own file, which stays as it is), each part's runs kept
+    in order and numbered on (a run no kept row comes from is dropped), the summary recomputed over all of them
+    (cutlass_byoc.bench.BenchReport.summary: the ResNet-50 figures stay those of the resnet50 rows)."""
+    import dataclasses  # noqa: PLC0415
+
+    from cutlass_byoc.bench import BenchReport, BenchRow  # noqa: PLC0415
+
+    def part(data: dict, keep) -> tuple[list, list, dict]:
+        rows = [r for r in data.get("rows", []) if keep(r)]
+        runs = data.get("runs") or [{k: data.get(k) for k in ("gpu", "torch", "cudnn")}]
+        live = sorted({r.get("run", 1) for r in rows})
+        return rows, [runs[i - 1] for i in live], {old: i for i, old in enumerate(live, 1)}
+
+    dense, dense_runs, dense_no = part(bench, lambda r: not r.get("depthwise"))
+    dw_rows, dw_runs, dw_no = part(dw, lambda r: r.get("depthwise"))
+    rows = ([dict(r, run=dense_no[r.get("run", 1)]) for r in dense]
+            + [dict(r, run=len(dense_runs) + dw_no[r.get("run", 1)]) for r in dw_rows])
+    fields = [f.name for f in dataclasses.fields(BenchRow)]
+    report = BenchReport(tuple(BenchRow(**{k: r[k] for k in fields if k in r}) for r in rows), bench.get("gpu"),
+                         bench.get("torch"), bench.get("cudnn"))
+    return dict(bench, summary=report.summary(), rows=rows, runs=dense_runs + dw_runs)
+
+
 def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False,
             merge_bench_rows: bool = False, note: str = "") -> None:
     """Copy the given device folders' result files into `results` (see the module's docstring); a file no folder
@@ -467,6 +498,7 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
     results.mkdir(parents=True, exist_ok=True)
     offload = None
     texts: dict[str, list[str]] = {}
+    bench_published = False
     for d in dirs:
         for f in FILES:
             if not (d / f).exists():
@@ -488,6 +520,7 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
                     offload["host_overhead"] = offload.get("host_overhead", []) + data.get("host_overhead", [])
                 offload["runs"] = runs
                 continue
+            bench_published |= f in BENCH_FILES
             if merge_bench_rows and f in BENCH_FILES and (results / f).exists():
                 merged = merge_bench(json.loads((results / f).read_text()), data, note)
                 (results / f).write_text(json.dumps(merged, indent=1) + "\n")
@@ -509,6 +542,12 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
                     if line.strip():
                         json.loads(line)  # only whole, valid records are published
             texts.setdefault(f, []).append(text if not text or text.endswith("\n") else text + "\n")
+    if bench_published and all((results / f).exists() for f in BENCH_FILES):
+        # bench.json is the file both issues name: it holds the depthwise rows too
+        bench = combine_bench(*(json.loads((results / f).read_text()) for f in BENCH_FILES))
+        (results / "bench.json").write_text(json.dumps(bench, indent=1) + "\n")
+        print(f"wrote {results / 'bench.json'} with the depthwise rows of {results / 'bench-depthwise.json'} "
+              f"({len(bench['rows'])} rows)")
     if offload is not None:
         if merge_offload_rows and (results / "offload.json").exists():
             offload = merge_offload(json.loads((results / "offload.json").read_text()), offload)

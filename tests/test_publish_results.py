@@ -297,3 +297,29 @@ def test_goals_table_reads_the_published_files(pr, tmp_path):
     assert "run 2, ours vs aten µs: fprop 12.0 vs 25.0 |" in text
     assert "mobilenet_v2" not in text
     assert pr.render(results).startswith("Against the goals of the open issues")
+
+
+def test_bench_json_takes_the_depthwise_rows(pr, tmp_path):
+    """bench.json is the file both issues name: publishing either bench file puts bench-depthwise.json's rows into it
+    (after its own dense rows, each part's runs numbered on), and the README renders them once, from bench.json."""
+    dense = [dict(bench_row("l1", "fprop", 10.0, 12.0), resnet50=True, depthwise=False)]
+    dw = [bench_row("dw1", k, 10.0, 10.0 * r) for k, r in (("fprop", 1.1), ("dgrad", 2.0), ("wgrad", 1.5))]
+    dev, results = tmp_path / "dev", tmp_path / "results"
+    dev.mkdir(), results.mkdir()
+    (results / "bench.json").write_text(json.dumps(bench_file(dense, "2.x")))
+    (dev / "bench-depthwise.json").write_text(json.dumps(bench_file(dw, "2.y")))
+    pr.publish([dev], results, merge_bench_rows=True, note="the depthwise run")
+    bench = json.loads((results / "bench.json").read_text())
+    assert [(r["layer"], r["kind"], r["run"]) for r in bench["rows"]] == [
+        ("l1", "fprop", 1), ("dw1", "fprop", 2), ("dw1", "dgrad", 2), ("dw1", "wgrad", 2)]
+    assert [run["torch"] for run in bench["runs"]] == ["2.x", "2.y"]  # each part's run, in order
+    assert bench["summary"]["geomean_depthwise_by_kind"]["dgrad"] == pytest.approx(2.0)
+    assert bench["summary"]["geomean_cudnn_over_ours_resnet50"] == pytest.approx(1.2)
+    # published again (a dense rerun): the depthwise rows stay, once
+    (dev / "bench-depthwise.json").unlink()
+    (dev / "bench.json").write_text(json.dumps(bench_file([dict(dense[0], cudnn_us=13.0, ratio=1.3)], "2.z")))
+    pr.publish([dev], results, merge_bench_rows=True, note="a dense rerun")
+    bench = json.loads((results / "bench.json").read_text())
+    assert [r["layer"] for r in bench["rows"]] == ["l1", "dw1", "dw1", "dw1"] and bench["rows"][0]["ratio"] == 1.3
+    text = pr.render(results)
+    assert text.count("| dw1 (depthwise) | dgrad |") == 1 and "bench-depthwise.json`)" not in text
