@@ -216,3 +216,64 @@ def fp32_truth(model, x):
         return training_step(model, x, autocast=False)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def depthwise_random_cases(count: int = 24, seed: int = 2026):
+    """Seeded random depthwise problems (kind, C, H, W, filter, stride, padding, types, epilogue, which launch):
+    the combinations the hand-picked cases of the depthwise tests do not name (tests/test_depthwise_emulated.py on the
+    CPU, tests/test_gpu_depthwise.py on the GPU). A case: (index, kind, C, H, W, R, stride, padding, dtypes, epilogue,
+    "default" or "candidate", seed)."""
+    import random  # noqa: PLC0415
+
+    from cutlass_byoc.problem import Epilogue  # noqa: PLC0415
+    from cutlass_byoc.types import Activation, SourceKind  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    fprop_epilogues = [Epilogue(), Epilogue(Activation.RELU6, SourceKind.BIAS), Epilogue(Activation.SILU),
+                       Epilogue(Activation.HARDSWISH, SourceKind.RESIDUAL),
+                       Epilogue(Activation.RELU, SourceKind.BIAS_RESIDUAL),
+                       Epilogue(Activation.GELU, SourceKind.BIAS, bias_dtype="f32")]
+    out = []
+    for i in range(count):
+        kind = rng.choice(["fprop", "fprop", "dgrad", "wgrad"])
+        r = rng.choice([3, 3, 5, 7])
+        stride = rng.choice([1, 2])
+        c = rng.choice([4, 8, 12, 20, 24, 36, 40])
+        h, w = rng.randint(r, 15), rng.randint(r, 15)
+        pad = rng.randint(0, r // 2 + (1 if stride == 1 else 0))
+        dt = rng.choice([("f16", "f16"), ("bf16", "bf16"), ("f16", "f32"), ("bf16", "f32")])
+        epi = rng.choice(fprop_epilogues) if kind == "fprop" else Epilogue()
+        pick = rng.choice(["default", "candidate"])
+        out.append((i, kind, c, h, w, r, stride, pad, dt, epi, pick, rng.randint(0, 10**6)))
+    return out
+
+
+
+def random_case_id(case) -> str:
+    i, kind, c, h, w, r, stride, pad, dt, epi, pick, _ = case
+    return f"{i}-{kind}-c{c}-{r}x{r}s{stride}p{pad}-{dt[0]}_{dt[1]}-{epi.tag}-{pick}"
+
+
+def random_case_launch(case):
+    """(problem, config, splits, seed) of a depthwise_random_cases case: the untuned default launch, or a random
+    candidate of the problem's plan but the cluster-split twins (the CPU emulation has no thread-block clusters;
+    test_gpu_depthwise.py runs them on their own), wgrad over a few splits."""
+    import random  # noqa: PLC0415
+
+    from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles  # noqa: PLC0415
+    from cutlass_byoc.heuristics import default_launch  # noqa: PLC0415
+
+    _, kind, c, h, w, r, stride, pad, dt, epi, pick, seed = case
+    p = Conv2dProblem.make(kind, 2, c, h, w, c, r, stride=stride, padding=pad, groups=c, dtype=dt[0], out_dtype=dt[1],
+                           epilogue=epi)
+    if pick == "default":
+        launch = default_launch(p)
+        assert launch is not None and launch.kernel.family.value == "depthwise_direct", p.name
+        cfg, splits = launch.kernel, launch.split_k_slices
+    else:
+        cands = [k for k in depthwise_candidates(p) if k.split_k_mode.value != "cluster"]
+        cfg = random.Random(seed).choice(cands)
+        splits = min(4, pixel_tiles(cfg, p)) if kind == "wgrad" else 1
+    assert (cfg.element_bias is not None) == p.epilogue.bias_vector, cfg.name
+    return p, cfg, splits, seed
+

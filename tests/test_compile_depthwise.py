@@ -1,6 +1,6 @@
-"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad, and a "cols"
-wgrad, fprop and strided dgrad) rendered, built with nvcc for sm_90a (no hidden warnings), loaded, and asked its
-host-side API (can_implement, workspace size; no GPU needed)."""
+"""Compile-only tests of the depthwise family: one kernel per kind (and a pipelined dgrad and wgrad, a "cols" wgrad,
+fprop and strided dgrad, the "rows" and "taprows" schedules, the bias-vector kernels) rendered, built with nvcc for
+sm_90a (no hidden warnings), loaded, and asked its host-side API (can_implement, workspace size; no GPU needed)."""
 
 import pytest
 
@@ -8,7 +8,7 @@ from cutlass_byoc.build import build
 from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.runtime import KernelLibrary
-from cutlass_byoc.types import Activation, SourceKind, SplitKMode
+from cutlass_byoc.types import Activation, ConvKind, SourceKind, SplitKMode
 
 from compile_util import loaded_kernel, raw_can_implement  # noqa: E402
 
@@ -43,6 +43,11 @@ KERNELS = {
                                            split_k_mode=SplitKMode.CLUSTER)),
     "vbias_fprop": (VBIAS, pick(VBIAS, halo_smem=True, stages=1, schedule=None, align_a=8, min_blocks=None)),
     "vbias_cols_fprop": (VBIAS, pick(VBIAS, schedule="cols", align_a=4, min_blocks=None, prefetch=None)),
+    # the "rows" schedules (fprop and wgrad) and wgrad's "taprows": no unused declarations left in them either
+    "rows_fprop": (FLIPPED_DGRAD.replace(kind=ConvKind.FPROP), pick(FLIPPED_DGRAD.replace(kind=ConvKind.FPROP),
+                                                                     schedule="rows", min_blocks=None)),
+    "rows_wgrad": (WGRAD, pick(WGRAD, schedule="rows", min_blocks=None)),
+    "taprows_wgrad": (WGRAD_5X5, pick(WGRAD_5X5, schedule="taprows", min_blocks=None)),
 }
 
 

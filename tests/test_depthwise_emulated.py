@@ -21,7 +21,8 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, TORCH, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config)
+    TOLERANCE, TORCH, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_random_cases,
+    depthwise_rows_config, random_case_id, random_case_launch)
 
 pytestmark = [pytest.mark.compile,
               pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
@@ -348,3 +349,12 @@ def test_staged_halo_layouts(kind, stride, r, vectors, piped):
                and lanes(c) == vectors)
     assert (pad_groups(cfg)[0] > 0) == (vectors < 8), (cfg.name, pad_groups(cfg))
     check(p, cfg, splits=3 if kind == "wgrad" else 1, seed=r + stride + vectors)
+
+
+@pytest.mark.parametrize("case", depthwise_random_cases(), ids=random_case_id)
+def test_random_problems_against_float64(case):
+    """Seeded random problems: each through the untuned default launch (what a model gets without tuning) or one
+    random candidate of its plan (a few splits for wgrad), on fresh operands with the output poisoned (the same
+    cases as test_gpu_depthwise.py's, gpu_util.depthwise_random_cases)."""
+    p, cfg, splits, seed = random_case_launch(case)
+    check(p, cfg, splits, seed=seed % 1000)

@@ -24,8 +24,9 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, TORCH, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_rows_config,
-    epilogue_case, kernel_operands, module_kernels, operands, poisoned_output, reference, rel_err,
+    TOLERANCE, TORCH, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_random_cases,
+    depthwise_rows_config, epilogue_case, kernel_operands, module_kernels, operands, poisoned_output, random_case_id,
+    random_case_launch, reference, rel_err,
 )
 
 pytestmark = pytest.mark.gpu
@@ -252,29 +253,45 @@ def test_bias_vector_epilogues(case):
     the bias scaled x100 where the output is fp32 (a bias rounded to 16 bits on the way would show)."""
     problem, cfg = bias_vector_case(*case)
     assert cfg.element_bias is problem.element_bias and "_vbias" in cfg.name
-    g = torch.Generator(device="cuda").manual_seed(case[3] + case[4])
-    x, w, dy = operands(problem, case[3])
+    check_epilogue(problem, cfg, 1, case[3] + case[4])
+
+
+def check_epilogue(problem, cfg, splits, seed):
+    """`cfg` on `problem` with every epilogue source it has (a bias in its own type, a residual, both), against
+    float64 on fresh operands, the output poisoned; the bias scaled x100 where the output is fp32 (a bias rounded to 16
+    bits on the way would show)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, w, dy = operands(problem, seed)
     a, b = kernel_operands(problem, x, w, dy)
     ref = reference(problem, x, w, dy)
-    scale = 100.0 if problem.element_out.value == "f32" else 1.0
-    bias = (torch.randn(problem.k, device="cuda", generator=g) * scale).to(TORCH[problem.element_bias])
-    ref = ref + bias.double().view(1, -1, 1, 1)
-    residual = None
+    scale = 100.0 if problem.element_out.value == "f32" and problem.element_a.bits == 16 else 1.0
+    bias = residual = None
+    if problem.epilogue.source.has_bias:
+        bias = (torch.randn(problem.k, device="cuda", generator=g) * scale).to(TORCH[problem.element_bias])
+        ref = ref + bias.double().view(1, -1, 1, 1)
     if problem.epilogue.source.has_residual:
         residual = torch.randn(ref.shape, device="cuda", generator=g).to(TORCH[problem.element_out])
         residual = residual.contiguous(memory_format=torch.channels_last)
         ref = ref + residual.double()
     ref = ops._apply_activation(ref, problem.epilogue.activation)
     out = poisoned_output(problem)
-    if residual is not None:
-        ops.run_problem(problem, a, b, out, residual, config=LaunchConfig(cfg), bias=bias)
+    if bias is not None and residual is not None:
+        ops.run_problem(problem, a, b, out, residual, config=LaunchConfig(cfg, splits), bias=bias)
     else:
-        ops.run_problem(problem, a, b, out, bias, config=LaunchConfig(cfg))
+        ops.run_problem(problem, a, b, out, bias if bias is not None else residual, config=LaunchConfig(cfg, splits))
     torch.cuda.synchronize()
     err = rel_err(out, ref)
-    bound = 1e-4 if problem.element_out.value == "f32" else TOLERANCE[problem.element_out]
+    bound = 1e-4 if problem.element_out.value == "f32" and scale > 1 else TOLERANCE[problem.element_out]
     assert not math.isnan(err), f"{cfg.name}: NaN in the output (unwritten) for {problem.name}"
-    assert err < bound, f"{cfg.name} on {problem.name}: relative error {err:.3e} >= {bound}"
+    assert err < bound, f"{cfg.name} on {problem.name} ({splits} splits): relative error {err:.3e} >= {bound}"
+
+
+@pytest.mark.parametrize("case", depthwise_random_cases(), ids=random_case_id)
+def test_random_problems_against_float64(case):
+    """The seeded random problems of tests/test_depthwise_emulated.py on the GPU: each through the untuned default
+    launch or one random candidate of its plan, every epilogue source, against float64."""
+    problem, cfg, splits, seed = random_case_launch(case)
+    check_epilogue(problem, cfg, splits, seed % 1000)
 
 
 def all_kernels():
@@ -294,6 +311,7 @@ def all_kernels():
     ks += [graph_kernel()]
     ks += [cluster_kernel(*k) for k in CLUSTER_KERNELS]
     ks += [bias_vector_case(*k)[1] for k in BIAS_VECTOR_CASES]
+    ks += [random_case_launch(k)[1] for k in depthwise_random_cases()]
     return list(dict.fromkeys(ks + epilogue_kernels() + rows_kernels()))
 
 
