@@ -261,7 +261,9 @@ def main() -> int:
     if a.no_archive:
         return 1 if failed else 0
     wanted = {r.entry.path.relative_to(a.cache_dir) for r in results.values() if r.ok}
-    with tarfile.open(a.archive, "w:xz", preset=6) as tar:
+    # preset 9: a 64 MiB window, which spans dozens of kernels and finds the code they share (CUTLASS's host code,
+    # the templates' common parts): 1,518 depthwise kernels took 37 MB this way against about 60 at preset 6
+    with tarfile.open(a.archive, "w:xz", preset=9) as tar:
         for rel in sorted(wanted):
             tar.add(a.cache_dir / rel, arcname=str(Path("kernels") / rel.relative_to("kernels")))
     print(f"{a.archive}: {a.archive.stat().st_size / 2**20:.1f} MiB, {len(wanted)} kernels")
