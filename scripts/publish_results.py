@@ -309,7 +309,7 @@ def _step_cell(rows: list, model: str, batch: int, mode: str) -> str:
 
 def goals_table(results: Path = RESULTS) -> list[str]:
     """The open issues' goal figures next to what the published files measured (nothing here is typed: every number
-    comes from bench.json, bench-depthwise.json and offload.json; the goals are the issues' words)."""
+    comes from bench.json, bench-depthwise.json, copy-floor.json and offload.json; the goals are the issues' words)."""
     out = ["Against the goals of the open issues (each figure computed from the files below; `vs Inductor` rows: the "
            "latest run of the case and mode, and the other runs' ratios):", "",
            "| goal | measured | from |", "|---|---|---|"]
@@ -335,6 +335,15 @@ def goals_table(results: Path = RESULTS) -> list[str]:
                        f"the goal: {sum(1 for x in by['fprop'] if x < 1.0)} of {len(by['fprop'])} fprop, "
                        f"{sum(1 for x in by['dgrad'] if x < 2.0)} of {len(by['dgrad'])} dgrad, "
                        f"{sum(1 for x in by['wgrad'] if x < 2.0)} of {len(by['wgrad'])} wgrad) | bench-depthwise.json |")
+    floor = results / "copy-floor.json"
+    if floor.exists():  # what any memory-bound kernel could reach: cuDNN's time over a copy of the cell's bytes
+        summary = json.loads(floor.read_text()).get("summary", {})
+        parts = [f"{label}: {s['geomean_max_ratio']:.2f} (goal {s['goal_ratio']:g}; {s['cells_max_ratio_below_goal']} "
+                 f"of {s['cells']} cells below it even at copy speed; ours at {s['geomean_ours_of_floor']:.2f} of copy "
+                 "speed)" for label, s in summary.items()]
+        if parts:
+            out.append("| bound: the geomean cuDNN/ours a kernel running at copy speed on every cell would reach | "
+                       + "; ".join(parts) + " | copy-floor.json |")
     off = results / "offload.json"
     if off.exists():
         data = json.loads(off.read_text())

@@ -295,7 +295,12 @@ def test_goals_table_reads_the_published_files(pr, tmp_path):
         in text
     assert "| resnet50 b64 training step >= 1.10x Inductor, with CUDA graphs | 1.020 (an earlier run) |" in text
     assert "run 2, ours vs aten µs: fprop 12.0 vs 25.0 |" in text
-    assert "mobilenet_v2" not in text
+    assert "mobilenet_v2" not in text and "copy speed" not in text
+    (results / "copy-floor.json").write_text(json.dumps({"summary": {"depthwise dgrad": {
+        "cells": 19, "goal_ratio": 2.0, "geomean_max_ratio": 2.2, "cells_max_ratio_below_goal": 10,
+        "geomean_ours_of_floor": 0.79}}}))
+    assert ("depthwise dgrad: 2.20 (goal 2; 10 of 19 cells below it even at copy speed; ours at 0.79 of copy speed)"
+            in "\n".join(pr.goals_table(results)))
     assert pr.render(results).startswith("Against the goals of the open issues")
 
 
