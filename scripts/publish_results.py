@@ -448,29 +448,43 @@ def bench_key(row: dict) -> tuple:
     return row["layer"], row["kind"]
 
 
+def _published_runs(data: dict) -> list:
+    """A bench JSON's runs: its "runs" list, or the one run its own gpu / torch / cuDNN describe."""
+    return data.get("runs") or [{k: data.get(k) for k in ("gpu", "torch", "cudnn")}]
+
+
+def _live_runs(rows: list, runs: list, first: int = 1) -> tuple[list, list]:
+    """(rows, runs) with the runs no row comes from dropped and the others numbered on from `first` in their order."""
+    live = sorted({r.get("run", 1) for r in rows})
+    renumber = {old: i for i, old in enumerate(live, first)}
+    return [dict(r, run=renumber[r.get("run", 1)]) for r in rows], [runs[i - 1] for i in live]
+
+
+def _bench_summary(rows: list, data: dict) -> dict:
+    """cutlass_byoc.bench.BenchReport.summary over `rows`, with `data`'s gpu / torch / cuDNN."""
+    import dataclasses  # noqa: PLC0415
+
+    from cutlass_byoc.bench import BenchReport, BenchRow  # noqa: PLC0415
+
+    fields = [f.name for f in dataclasses.fields(BenchRow)]
+    return BenchReport(tuple(BenchRow(**{k: r[k] for k in fields if k in r}) for r in rows), data.get("gpu"),
+                       data.get("torch"), data.get("cudnn")).summary()
+
+
 def merge_bench(published: dict, new: dict, note: str = "") -> dict:
     """`new` (a bench JSON) with the published rows of the cells it does not re-measure kept: the published rows in
     their order, each re-measured cell replaced in place, new cells appended; every row tagged with its run (1.. for
     the published runs, then `new`'s) and the runs listed ("runs": gpu, torch, cuDNN and `note`); the summary
     recomputed over the merged rows (cutlass_byoc.bench.BenchReport.summary)."""
-    import dataclasses  # noqa: PLC0415
-
-    from cutlass_byoc.bench import BenchReport, BenchRow  # noqa: PLC0415
-
-    runs = published.get("runs") or [{k: published.get(k) for k in ("gpu", "torch", "cudnn")}]
+    runs = _published_runs(published)
     run = len(runs) + 1
     fresh = {bench_key(r): dict(r, run=run) for r in new["rows"]}
     rows = [fresh.pop(bench_key(r), None) or dict(r, run=r.get("run", 1)) for r in published.get("rows", [])]
     rows += list(fresh.values())
-    fields = [f.name for f in dataclasses.fields(BenchRow)]
-    report = BenchReport(tuple(BenchRow(**{k: r[k] for k in fields if k in r}) for r in rows), new.get("gpu"),
-                         new.get("torch"), new.get("cudnn"))
     runs = runs + [{**{k: new.get(k) for k in ("gpu", "torch", "cudnn")}, "note": note}]
     # a run whose every cell was re-measured since is dropped, the others numbered on in their order
-    live = sorted({r["run"] for r in rows})
-    renumber = {old: i for i, old in enumerate(live, 1)}
-    rows = [dict(r, run=renumber[r["run"]]) for r in rows]
-    return dict(new, summary=report.summary(), rows=rows, runs=[runs[i - 1] for i in live])
+    rows, runs = _live_runs(rows, runs)
+    return dict(new, summary=_bench_summary(rows, new), rows=rows, runs=runs)
 
 
 def combine_bench(bench: dict, dw: dict) -> dict:
@@ -478,24 +492,11 @@ def combine_bench(bench: dict, dw: dict) -> dict:
     depthwise row of bench-depthwise.json (the depthwise step's own file, which stays as it is), each part's runs kept
     in order and numbered on (a run no kept row comes from is dropped), the summary recomputed over all of them
     (cutlass_byoc.bench.BenchReport.summary: the ResNet-50 figures stay those of the resnet50 rows)."""
-    import dataclasses  # noqa: PLC0415
-
-    from cutlass_byoc.bench import BenchReport, BenchRow  # noqa: PLC0415
-
-    def part(data: dict, keep) -> tuple[list, list, dict]:
-        rows = [r for r in data.get("rows", []) if keep(r)]
-        runs = data.get("runs") or [{k: data.get(k) for k in ("gpu", "torch", "cudnn")}]
-        live = sorted({r.get("run", 1) for r in rows})
-        return rows, [runs[i - 1] for i in live], {old: i for i, old in enumerate(live, 1)}
-
-    dense, dense_runs, dense_no = part(bench, lambda r: not r.get("depthwise"))
-    dw_rows, dw_runs, dw_no = part(dw, lambda r: r.get("depthwise"))
-    rows = ([dict(r, run=dense_no[r.get("run", 1)]) for r in dense]
-            + [dict(r, run=len(dense_runs) + dw_no[r.get("run", 1)]) for r in dw_rows])
-    fields = [f.name for f in dataclasses.fields(BenchRow)]
-    report = BenchReport(tuple(BenchRow(**{k: r[k] for k in fields if k in r}) for r in rows), bench.get("gpu"),
-                         bench.get("torch"), bench.get("cudnn"))
-    return dict(bench, summary=report.summary(), rows=rows, runs=dense_runs + dw_runs)
+    dense, dense_runs = _live_runs([r for r in bench.get("rows", []) if not r.get("depthwise")], _published_runs(bench))
+    dw_rows, dw_runs = _live_runs([r for r in dw.get("rows", []) if r.get("depthwise")], _published_runs(dw),
+                                  first=len(dense_runs) + 1)
+    rows = dense + dw_rows
+    return dict(bench, summary=_bench_summary(rows, bench), rows=rows, runs=dense_runs + dw_runs)
 
 
 def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False,
