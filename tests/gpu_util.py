@@ -144,49 +144,62 @@ def rel_err(out, ref) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def epilogue_case(problem: Conv2dProblem, seed: int, source_scale: float = 1.0):
-    """(A, B, source, float64 reference) of `problem` with its epilogue: fresh operands, a random bias (one value per
-    output channel) or residual (output-shaped, channels_last) in the output type as the problem's source asks,
-    added to the reference, and the activation applied to it."""
+def epilogue_operands(problem: Conv2dProblem, seed: int, source_scale: float = 1.0):
+    """(A, B, source, bias, float64 reference) of `problem` with its epilogue: fresh operands; a random residual
+    (output-shaped, channels_last, the output's type) and a random bias (one value per output channel, in its own type:
+    `problem.element_bias`) as the problem's source asks, both times `source_scale`, added to the reference, and the
+    activation applied to it. The source is the bias (BIAS) or the residual (RESIDUAL, BIAS_RESIDUAL); `bias` is the
+    bias of BIAS_RESIDUAL (ops.run_problem's `bias`), else None."""
     from cutlass_byoc.ops import _apply_activation  # noqa: PLC0415
     from cutlass_byoc.types import SourceKind  # noqa: PLC0415
 
     x, w, dy = operands(problem, seed)
     a, b = kernel_operands(problem, x, w, dy)
     ref = reference(problem, x, w, dy)
-    source = None
+    source = bias = None
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    out_t = TORCH[problem.element_out]
-    if problem.epilogue.source is SourceKind.BIAS:
-        source = (torch.randn(ref.shape[1], device="cuda", generator=gen) * source_scale).to(out_t)
-        ref = ref + source.double().view(1, -1, 1, 1)
-    elif problem.epilogue.source is SourceKind.RESIDUAL:
-        source = (torch.randn(ref.shape, device="cuda", generator=gen) * source_scale).to(out_t).contiguous(
-            memory_format=torch.channels_last)
+    kind = problem.epilogue.source
+    if kind.has_residual:
+        source = (torch.randn(ref.shape, device="cuda", generator=gen) * source_scale).to(
+            TORCH[problem.element_out]).contiguous(memory_format=torch.channels_last)
         ref = ref + source.double()
-    return a, b, source, _apply_activation(ref, problem.epilogue.activation)
+    if kind.has_bias:
+        bias = (torch.randn(ref.shape[1], device="cuda", generator=gen) * source_scale).to(TORCH[problem.element_bias])
+        ref = ref + bias.double().view(1, -1, 1, 1)
+        if kind is SourceKind.BIAS:
+            source, bias = bias, None
+    return a, b, source, bias, _apply_activation(ref, problem.epilogue.activation)
+
+
+def epilogue_case(problem: Conv2dProblem, seed: int, source_scale: float = 1.0):
+    """(A, B, source, float64 reference): epilogue_operands for a problem without a separate bias operand."""
+    a, b, source, bias, ref = epilogue_operands(problem, seed, source_scale)
+    assert bias is None, f"{problem.name}: a bias and a residual, use epilogue_operands"
+    return a, b, source, ref
 
 
 def run_launch(problem: Conv2dProblem, launch, seed: int, source_scale: float = 1.0):
-    """(out, float64 reference) of `problem` run through ops with `launch` on fresh operands (epilogue_case), the
-    output filled with NaN first."""
+    """(out, float64 reference) of `problem` run through ops with `launch` on fresh operands (epilogue_operands),
+    the output filled with NaN first."""
     from cutlass_byoc import ops  # noqa: PLC0415
 
-    a, b, source, ref = epilogue_case(problem, seed, source_scale)
+    a, b, source, bias, ref = epilogue_operands(problem, seed, source_scale)
     out = poisoned_output(problem)
-    ops.run_problem(problem, a, b, out, source, config=launch)
+    ops.run_problem(problem, a, b, out, source, config=launch, bias=bias)
     torch.cuda.synchronize()
     return out, ref
 
 
-def check_launch(problem: Conv2dProblem, launch, seed: int):
-    """run_launch, asserting every element was written and the result is within the output type's tolerance."""
-    out, ref = run_launch(problem, launch, seed)
+def check_launch(problem: Conv2dProblem, launch, seed: int, source_scale: float = 1.0,
+                 bound: Optional[float] = None):
+    """run_launch, asserting every element was written and the result is within `bound` (the output type's
+    tolerance by default)."""
+    out, ref = run_launch(problem, launch, seed, source_scale)
     err = rel_err(out, ref)
+    bound = TOLERANCE[problem.element_out] if bound is None else bound
     assert not math.isnan(err), f"{launch.name}: NaN in the output (unwritten?) for {problem.name}"
-    assert err < TOLERANCE[problem.element_out], f"{launch.name} on {problem.name}: {err:.3e}"
+    assert err < bound, f"{launch.name} on {problem.name}: {err:.3e} >= {bound}"
     return out
-
 
 
 # ---------------------------------------------------------------------------------------------- training steps
