@@ -42,7 +42,8 @@
 # ncu:      Nsight Compute (--clock-control none) on the kernels named by the regex $NCU_KERNEL (default
 #           im2col_smem_kernel; the first $NCU_COUNT launches, default 1) while scripts/time_launches.py times
 #           $TIME_LAYERS / $TIME_KINDS, once per name in $NCU_ONLY (the launches whose names contain it; an entry
-#           LAYER:NAME times that layer alone) -> ncu.log
+#           LAYER:NAME times that layer alone) -> ncu.log; NCU_PROFILE_ARGS="...": instead, the launches
+#           scripts/profile_kernels.py names with those arguments, each run once (NCU_KERNEL default depthwise_kernel)
 # sweep:    scripts/sweep_kernels.py time: every kernel of the GEMM 1x1 family on the ResNet-50 stride-1 1x1 cells and
 #           of the 3.x conv family on the 3x3 ones (SWEEP_LAYERS="1x1", SWEEP_KINDS="fprop dgrad", SWEEP_TILES=
 #           "192x64x64:pingpong ..." narrow or extend it; SWEEP_PROFILE=1: each cell's best launch and cuDNN also
@@ -221,15 +222,23 @@ for step in "${steps[@]}"; do
         $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) ${TIME_ONLY:+--only $TIME_ONLY} 2>&1 \
         | tee "$OUT/time-launches.log" || rc=1 ;;
     ncu)
-      for only in ${NCU_ONLY:-im2colsm}; do  # one profiled process per launch name (LAYER:NAME: of that layer only)
-        layers=${TIME_LAYERS:-stem}
-        case $only in *:*) layers=${only%%:*}; only=${only#*:} ;; esac
-        ncu --clock-control none -k "regex:${NCU_KERNEL:-im2col_smem_kernel}" --launch-count "${NCU_COUNT:-1}" \
+      if [ -n "${NCU_PROFILE_ARGS:-}" ]; then  # the launches scripts/profile_kernels.py names (e.g. depthwise layers)
+        ncu --clock-control none -k "regex:${NCU_KERNEL:-depthwise_kernel}" --launch-count "${NCU_COUNT:-1}" \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
           --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-          --section InstructionStats python3 scripts/time_launches.py $layers \
-          --kinds "${TIME_KINDS:-fprop}" --only "$only" 2>&1 | tee -a "$OUT/ncu.log" || rc=1
-      done ;;
+          --section InstructionStats python3 scripts/profile_kernels.py --plain --iters 1 $NCU_PROFILE_ARGS 2>&1 \
+          | grep -v "^W[0-9]\|UserWarning\|_warn_once" | tee -a "$OUT/ncu.log" || rc=1
+      else
+        for only in ${NCU_ONLY:-im2colsm}; do  # one profiled process per launch name (LAYER:NAME: of that layer only)
+          layers=${TIME_LAYERS:-stem}
+          case $only in *:*) layers=${only%%:*}; only=${only#*:} ;; esac
+          ncu --clock-control none -k "regex:${NCU_KERNEL:-im2col_smem_kernel}" --launch-count "${NCU_COUNT:-1}" \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+            --section InstructionStats python3 scripts/time_launches.py $layers \
+            --kinds "${TIME_KINDS:-fprop}" --only "$only" 2>&1 | tee -a "$OUT/ncu.log" || rc=1
+        done
+      fi ;;
     sweep)
       python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
         ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} ${SWEEP_PROFILE:+--profile} \

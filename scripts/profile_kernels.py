@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="depthwise")
     ap.add_argument("--layers", nargs="+", required=True)
     ap.add_argument("--kinds", nargs="+", default=["wgrad"])
-    ap.add_argument("--match", nargs="+", default=[""], help="launch-name substrings; the model's best of each")
+    ap.add_argument("--match", nargs="+", default=None,
+                    help="launch-name substrings; the model's best of each (with --decided / --winners: besides those)")
     ap.add_argument("--decided", action="store_true",
                     help="the launch the decision cache holds for each problem (after `tune`), not --match's")
     ap.add_argument("--winners", default=None,
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
                          "--cluster-twins also that launch's cluster-split twin at each of its split counts)")
     ap.add_argument("--cluster-twins", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--plain", action="store_true",
+                    help="run each launch --iters times without torch.profiler (under ncu, which owns the counters)")
     a = ap.parse_args(argv)
 
     import torch  # noqa: PLC0415
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
             twin = cluster_variant(won[0].kernel) if won and a.cluster_twins else None
             if twin is not None:
                 launches += [lc for _, lc in launches_for(p, twin)]
-        for m in [] if (a.decided or a.winners) else a.match:  # the model's best launch among the kernels whose name contains m
+        for m in a.match or ([] if (a.decided or a.winners) else [""]):  # the model's best launch among the kernels whose name contains m
             ranked = [launches_for(p, k) for k in valid if m in k.name]
             best = [ls[0] for ls in ranked if ls]
             if best:
@@ -84,6 +87,12 @@ def main(argv=None) -> int:
             runs.append((lc.name, fn))
         print(f"== {item.layer} {p.kind.value} ({p.bytes_moved / 1e6:.1f} MB compulsory)")
         for name, fn in runs:
+            if a.plain:
+                for i in range(a.iters):
+                    fn(i % len(sets))
+                torch.cuda.synchronize()
+                print(f"  {name}: {a.iters} calls")
+                continue
             for i in range(3):
                 fn(i % len(sets))
             torch.cuda.synchronize()
