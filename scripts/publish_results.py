@@ -15,6 +15,10 @@ every number comes from those files.
     python scripts/publish_results.py --merge-bench DIR...  # the same, but bench.json / bench-depthwise.json keep
                                               # the published rows of the cells (layer, kind) the new file does not
                                               # re-measure, e.g. a wgrad-only tune and bench; each row says its run
+    python scripts/publish_results.py --bench-as bench-convnext-dw.json DIR  # DIR's bench.json (a bench of another
+                                              # workload, e.g. TUNE_WORKLOAD=scripts/workloads/convnext-dw.json)
+                                              # published under a name of its own (EXTRA_BENCH), rendered as its own
+                                              # table; bench.json and the goals are left as they are
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
 A file that no given folder holds is left as it is in benchmarks/h200/. bench.json is the file the per-layer and the
@@ -37,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # cutlass_byoc.bench (torch-free at import) recomputes a merged bench's summary
 RESULTS = ROOT / "benchmarks" / "h200"
 FILES = ("bench.json", "bench-splitk.json", "bench-depthwise.json", "offload.json")
+#: benches of other workloads, published beside bench.json under their own names (--bench-as) and rendered after it
+EXTRA_BENCH = ("bench-convnext-dw.json",)
 MULTIGPU = "multigpu"  # benchmarks/h200/multigpu/: scripts/multigpu_round.sh's output (issue 15)
 TUNE_GPUS = "tune-gpus-*.json"  # copied as they are
 CONCATENATED = ("ddp.jsonl", "fleet.log")  # several calls' text, in the given order
@@ -374,7 +380,8 @@ def render(results: Path = RESULTS) -> str:
     bench = results / "bench.json"
     combined = bench.exists() and any(r.get("depthwise") for r in json.loads(bench.read_text()).get("rows", []))
     for name, fn in (("bench.json", bench_tables), ("bench-splitk.json", splitk_table),
-                     ("bench-depthwise.json", bench_tables), ("offload.json", offload_tables)):
+                     ("bench-depthwise.json", bench_tables), *((n, bench_tables) for n in EXTRA_BENCH),
+                     ("offload.json", offload_tables)):
         path = results / name
         if name == "bench-depthwise.json" and combined:
             continue  # its rows are bench.json's depthwise rows (combine_bench), rendered with them
@@ -569,6 +576,17 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
         print(f"wrote {results / MULTIGPU / f} (from {len(parts)} folder(s))")
 
 
+def publish_bench_as(folder: Path, name: str, results: Path = RESULTS) -> None:
+    """Copy `folder`'s bench.json into `results` as `name` (one of EXTRA_BENCH): a bench of another workload, kept
+    apart from the published bench.json."""
+    if name not in EXTRA_BENCH:
+        raise SystemExit(f"--bench-as: expected one of {', '.join(EXTRA_BENCH)}, got {name!r}")
+    data = json.loads((folder / "bench.json").read_text())  # only whole, valid files are published
+    results.mkdir(parents=True, exist_ok=True)
+    (results / name).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"copied {folder / 'bench.json'} into {results / name} ({len(data.get('rows', []))} rows)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="the GPU round's output folders (one per device call)")
@@ -579,8 +597,14 @@ def main(argv=None) -> int:
                     help="bench.json and bench-depthwise.json keep the published rows of the cells the folders do not "
                          "re-measure")
     ap.add_argument("--note", default="", help="--merge-bench: what the new run was (e.g. its date and call)")
+    ap.add_argument("--bench-as", default=None, metavar="NAME",
+                    help=f"publish the folder's bench.json as NAME ({', '.join(EXTRA_BENCH)}), nothing else")
     a = ap.parse_args(argv)
-    if a.dirs:
+    if a.bench_as:
+        if len(a.dirs) != 1:
+            raise SystemExit("--bench-as: expected one folder")
+        publish_bench_as(a.dirs[0], a.bench_as)
+    elif a.dirs:
         publish(a.dirs, merge_offload_rows=a.merge_offload, merge_bench_rows=a.merge_bench, note=a.note)
     text = render()
     if a.print or not a.dirs:

@@ -328,3 +328,22 @@ def test_bench_json_takes_the_depthwise_rows(pr, tmp_path):
     assert [r["layer"] for r in bench["rows"]] == ["l1", "dw1", "dw1", "dw1"] and bench["rows"][0]["ratio"] == 1.3
     text = pr.render(results)
     assert text.count("| dw1 (depthwise) | dgrad |") == 1 and "bench-depthwise.json`)" not in text
+
+
+def test_bench_of_another_workload_is_published_under_its_own_name(pr, tmp_path):
+    """--bench-as: a bench of another workload (ConvNeXt's 7x7 depthwise layers) goes into its own file and its own
+    table; bench.json, and so the goals, stay as they are."""
+    dense = [dict(bench_row("l1", "fprop", 10.0, 12.0), resnet50=True, depthwise=False)]
+    cx = [bench_row("convnext_dw_96_56", k, 10.0, 10.0 * r) for k, r in (("fprop", 1.5), ("dgrad", 2.5))]
+    dev, results = tmp_path / "dev", tmp_path / "results"
+    dev.mkdir(), results.mkdir()
+    (results / "bench.json").write_text(json.dumps(bench_file(dense, "2.x")))
+    before = (results / "bench.json").read_text()
+    (dev / "bench.json").write_text(json.dumps(bench_file(cx, "2.y")))
+    pr.publish_bench_as(dev, "bench-convnext-dw.json", results)
+    assert (results / "bench.json").read_text() == before
+    assert json.loads((results / "bench-convnext-dw.json").read_text())["rows"][1]["ratio"] == pytest.approx(2.5)
+    text = pr.render(results)
+    assert "| convnext_dw_96_56 (depthwise) | dgrad |" in text and "bench-convnext-dw.json`)" in text
+    with pytest.raises(SystemExit, match="bench-as"):
+        pr.publish_bench_as(dev, "bench-other.json", results)
