@@ -1,6 +1,8 @@
 """Compile kernel configs into the cache: render, key, skip what is cached, build the rest in parallel with ninja.
 
-Failures are stored beside their source with nvcc's log and are not retried unless asked (`retry_failed`).
+Each kernel is published into the cache the moment ninja finishes it, so a build that is interrupted (Ctrl-C, a
+killed tune, a lost machine) keeps every kernel it had compiled. Failures are stored beside their source with nvcc's
+log and are not retried unless asked (`retry_failed`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import CACHE_FORMAT, EntryState, KernelCache, KernelEntry, kernel_key, sha256_file
 from .config import KernelConfig
@@ -154,9 +156,16 @@ def build(
                 continue
             mine.append(_Job(cfg, key, source, cache.staging_dir(key)))
         if mine:
-            _run_ninja(mine, cache, jobs or default_jobs(), progress)
+            published: dict[str, BuildResult] = {}
+
+            def done(job: _Job) -> None:  # ninja finished this kernel: publish it now, whatever happens to the rest
+                published[job.key] = BuildResult(job.config, cache.publish(job.key, job.staged), True)
+
+            _run_ninja(mine, cache, jobs or default_jobs(), progress, on_done=done)
             for job in mine:
-                results[job.config] = BuildResult(job.config, cache.publish(job.key, job.staged), True)
+                if job.key not in published:
+                    done(job)
+                results[job.config] = published[job.key]
     finally:
         for lk in locks:
             lk.release()
@@ -180,7 +189,11 @@ def build(
     return {cfg: results[cfg] for cfg in configs}
 
 
-def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: bool) -> None:
+def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: bool,
+               on_done: Optional[Callable[[_Job], None]] = None) -> None:
+    """Compile `jobs_` with ninja, each job's staging dir then holding its library and meta.json (or failed.json);
+    `on_done(job)` is called as each one finishes (ninja, its output piped, reports an edge when it ends; its log has
+    the edge's times by then), and for any it did not report once ninja exits."""
     tc = toolchain(jobs_[0].config.arch)
     # absolute paths: ninja runs in build_dir (-C), where a cache given as a relative path would not resolve
     build_dir = cache.staging_dir("ninja").absolute()
@@ -190,13 +203,15 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
         "flags = " + " ".join(_ninja_escape(f) for f in tc.flags),
         "rule nvcc",
         "  command = $nvcc $flags $in -o $out > $log 2>&1",
-        "  description = $name",
+        "  description = $key $name",
         "",
     ]
+    by_key = {job.key: job for job in jobs_}
     for job in jobs_:
         (job.staged / "kernel.cu").write_text(job.source)
         src, out, logf = (_ninja_escape(str(job.staged.absolute() / f)) for f in ("kernel.cu", "kernel.so", "build.log"))
-        lines += [f"build {out}: nvcc {src}", f"  log = {logf}", f"  name = {job.config.name}", ""]
+        lines += [f"build {out}: nvcc {src}", f"  log = {logf}", f"  key = {job.key}",
+                  f"  name = {_ninja_escape(job.config.name)}", ""]
     (build_dir / "build.ninja").write_text("\n".join(lines))
 
     bar = None
@@ -204,6 +219,15 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
         from tqdm import tqdm  # noqa: PLC0415
 
         bar = tqdm(total=len(jobs_), desc=f"compiling ({jobs} jobs)", unit="kernel")
+    built_by = provenance()  # who compiled these kernels, where and when (`cutlass-byoc cache show` prints it)
+    finished: set[str] = set()
+
+    def finish(job: _Job) -> None:
+        finished.add(job.key)
+        _record(job, tc, _ninja_times(build_dir).get(str((job.staged / "kernel.so").absolute())), built_by)
+        if on_done is not None:
+            on_done(job)
+
     env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
     t0 = time.time()
     proc = subprocess.Popen(
@@ -211,38 +235,51 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     done = 0
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        m = re.match(r"\[(\d+)/(\d+)\]", line)
-        if m and bar is not None:
-            n = int(m.group(1))
-            bar.update(n - done)
-            done = n
-        log.debug("ninja: %s", line.rstrip())
-    proc.wait()
-    if bar is not None:
-        bar.update(len(jobs_) - done)
-        bar.close()
-    times = _ninja_times(build_dir)
-    built_by = provenance()  # who compiled these kernels, where and when (`cutlass-byoc cache show` prints it)
-    for job in jobs_:
-        lib, logf = job.staged / "kernel.so", job.staged / "build.log"
-        seconds = times.get(str(lib.absolute()))
-        meta = {
-            "format": CACHE_FORMAT, "key": job.key, "name": job.config.name, "config": job.config.to_dict(),
-            "nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version, "command": tc.describe(),
-            "compile_seconds": seconds, "built_at": time.time(), "built_by": built_by,
-        }
-        if lib.is_file() and lib.stat().st_size > 0 and not _log_has_error(logf):
-            meta["sha256"] = sha256_file(lib)
-            (job.staged / "meta.json").write_text(json.dumps(meta, indent=1))
-        else:
-            if lib.exists():
-                lib.unlink()
-            meta["error"] = "compile failed"
-            (job.staged / "failed.json").write_text(json.dumps(meta, indent=1))
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.debug("ninja: %s", line.rstrip())
+            m = re.match(r"\[(\d+)/(\d+)\] (\S+)", line)
+            if not m:
+                continue
+            if bar is not None:
+                n = int(m.group(1))
+                bar.update(n - done)
+                done = n
+            job = by_key.get(m.group(3))
+            if job is not None and job.key not in finished:
+                finish(job)
+        proc.wait()
+        for job in jobs_:  # any edge ninja did not report (it failed to start, say): recorded as it is
+            if job.key not in finished:
+                finish(job)
+    finally:
+        if proc.poll() is None:  # interrupted: what finished is published, the rest stays uncompiled
+            proc.terminate()
+            proc.wait()
+        if bar is not None:
+            bar.update(len(jobs_) - done)
+            bar.close()
+        shutil.rmtree(build_dir, ignore_errors=True)
     log.info("compiled %d kernels in %.1f s with %d jobs", len(jobs_), time.time() - t0, jobs)
-    shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _record(job: _Job, tc: Toolchain, seconds: Optional[float], built_by: dict) -> None:
+    """Write a finished job's meta.json (its library compiled cleanly) or failed.json into its staging dir."""
+    lib, logf = job.staged / "kernel.so", job.staged / "build.log"
+    meta = {
+        "format": CACHE_FORMAT, "key": job.key, "name": job.config.name, "config": job.config.to_dict(),
+        "nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version, "command": tc.describe(),
+        "compile_seconds": seconds, "built_at": time.time(), "built_by": built_by,
+    }
+    if lib.is_file() and lib.stat().st_size > 0 and not _log_has_error(logf):
+        meta["sha256"] = sha256_file(lib)
+        (job.staged / "meta.json").write_text(json.dumps(meta, indent=1))
+    else:
+        if lib.exists():
+            lib.unlink()
+        meta["error"] = "compile failed"
+        (job.staged / "failed.json").write_text(json.dumps(meta, indent=1))
 
 
 def _log_has_error(logf: Path) -> bool:

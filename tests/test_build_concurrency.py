@@ -28,7 +28,7 @@ def _fake_prepare(config, tc=None):
     return f"// {config.name}\n", key
 
 
-def _fake_ninja(jobs_, cache, jobs, progress):
+def _fake_ninja(jobs_, cache, jobs, progress, on_done=None):
     """Writes a library and meta.json per job after a pause, and logs which process compiled what."""
     time.sleep(1.0)
     with open(cache.root / "compiles.log", "a") as f:
@@ -73,3 +73,57 @@ def test_two_processes_compile_each_kernel_once(tmp_path):
     assert set(built.values()) == {1}  # and reported as built now by exactly one of them
     cache = KernelCache(root)
     assert all(cache.lookup(_fake_prepare(c)[1]).state is EntryState.OK for c in _configs())
+
+
+def test_each_kernel_is_published_as_ninja_finishes_it(tmp_path, monkeypatch):
+    """The real ninja driver with a fake compiler that takes 0.2 s for one kernel and 30 s for the other: the fast
+    kernel is in the cache while the slow one still compiles, and interrupting the build (as a killed tune is) keeps it
+    there and leaves the slow one uncompiled, not half-published."""
+    import threading
+
+    from cutlass_byoc.toolchain import Toolchain
+
+    fast, slow = _configs(2)
+    nvcc = tmp_path / "fake-nvcc"
+    nvcc.write_text("#!/bin/sh\n"  # $flags... kernel.cu -o kernel.so: the slow kernel's source names it SLOW
+                    "for a; do out=$a; done\n"
+                    "case \"$(cat \"$(dirname \"$out\")/kernel.cu\")\" in *SLOW*) sleep 30;; *) sleep 0.2;; esac\n"
+                    "echo library > \"$out\"\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(build_mod, "toolchain", lambda arch=90: Toolchain(str(nvcc), "13.0", "4.2", ()))
+    monkeypatch.setattr(build_mod, "prepare", lambda c, tc=None: (
+        f"// {c.name}{' SLOW' if c is slow else ''}\n", _fake_prepare(c)[1]))
+    cache = KernelCache(tmp_path / "cache")
+    seen = []
+
+    def watch():  # the fast kernel appears in the cache while the build is still running
+        for _ in range(200):
+            if cache.lookup(_fake_prepare(fast)[1]).state is EntryState.OK:
+                seen.append(time.time())
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    real = build_mod._run_ninja
+
+    def interrupted(jobs_, cache_, jobs, progress, on_done=None):
+        def stop_after_fast(job):
+            on_done(job)
+            if job.config is fast:
+                raise KeyboardInterrupt  # as Ctrl-C during a long tune
+        return real(jobs_, cache_, jobs, progress, on_done=stop_after_fast)
+
+    monkeypatch.setattr(build_mod, "_run_ninja", interrupted)
+    t0 = time.time()
+    try:
+        build_mod.build([fast, slow], cache=cache, jobs=2)
+    except KeyboardInterrupt:
+        pass
+    watcher.join()
+    assert time.time() - t0 < 20  # ninja and its slow compile were stopped, not waited for
+    assert seen and seen[0] - t0 < 10
+    assert cache.lookup(_fake_prepare(fast)[1]).state is EntryState.OK
+    assert cache.lookup(_fake_prepare(slow)[1]).state is EntryState.MISSING
+    meta = json.loads((cache.lookup(_fake_prepare(fast)[1]).path / "meta.json").read_text())
+    assert meta["name"] == fast.name and meta["compile_seconds"] is not None
