@@ -222,9 +222,19 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
     built_by = provenance()  # who compiled these kernels, where and when (`cutlass-byoc cache show` prints it)
     finished: set[str] = set()
 
+    def seconds_of(job: _Job) -> Optional[float]:
+        # ninja prints an edge's status line just before it appends the edge to its log: wait a moment for that
+        lib = str((job.staged / "kernel.so").absolute())
+        for _ in range(50):
+            seconds = _ninja_times(build_dir).get(lib)
+            if seconds is not None or proc.poll() is not None:
+                return seconds
+            time.sleep(0.002)
+        return None
+
     def finish(job: _Job) -> None:
         finished.add(job.key)
-        _record(job, tc, _ninja_times(build_dir).get(str((job.staged / "kernel.so").absolute())), built_by)
+        _record(job, tc, seconds_of(job), built_by)
         if on_done is not None:
             on_done(job)
 
