@@ -8,7 +8,9 @@
 # tune:     `cutlass-byoc tune` of the default workload from a cold cache (on a fresh machine), then a second tune
 #           that must compile and time nothing (TUNE_EXPORT=1: the tuned cache is exported to $OUT/tuned.tar.gz;
 #           TUNE_JSON=1: the first tune's report, every candidate's time, to $OUT/tune.json; TUNE_WORKLOAD=FILE:
-#           a JSON workload instead of the default one, e.g. scripts/workloads/strided-dgrad.json; TUNE_MAX=N:
+#           a JSON workload instead of the default one, e.g. scripts/workloads/strided-dgrad.json, or
+#           scripts/workloads/convnext-dw.json with the bench step and BENCH_SPLITK=0, then
+#           `publish_results.py --bench-as bench-convnext-dw.json OUT`; TUNE_MAX=N:
 #           --max-candidates N, a wider search than the default plan's; TUNE_KINDS=wgrad or fprop,dgrad: those kinds'
 #           problems only, in the tune and the bench)
 # bench:    `cutlass-byoc bench` and `bench --split-k` on the tuned cache (a carried tuned.tar.gz is imported first
