@@ -160,13 +160,20 @@ def named_workload(name: str, **kw) -> list[WorkloadItem]:
 
 def workload(name_or_path: str, **kw) -> list[WorkloadItem]:
     """What `cutlass-byoc tune NAME_OR_PATH` tunes: the named workload (`kw`: its batch, dtype, kinds, arch) unless
-    a file of that name exists, else the workload file (which carries its own)."""
+    a file of that name exists, else the workload file (which carries its own batch and types; `kinds`, if given,
+    keeps those kinds' problems of it, as `--kinds` does for a named workload)."""
     if name_or_path in NAMED_WORKLOADS and not Path(name_or_path).exists():
         return named_workload(name_or_path, **kw)
     if not Path(name_or_path).exists():
         raise WorkloadError(f"workload: expected a JSON file or one of {', '.join(NAMED_WORKLOADS)}, got "
                             f"{name_or_path!r}: no such file")
-    return load_workload(name_or_path)
+    items = load_workload(name_or_path)
+    if kw.get("kinds"):
+        kinds = {ConvKind(k) for k in kw["kinds"]}
+        items = [it for it in items if it.problem.kind in kinds]
+        if not items:
+            raise WorkloadError(f"{name_or_path}: no problems of the kinds {', '.join(sorted(k.value for k in kinds))}")
+    return items
 
 
 def _layer_problems(entry: dict, defaults: dict, where: str) -> list[WorkloadItem]:

@@ -19,6 +19,7 @@ every number comes from those files.
                                               # workload, e.g. TUNE_WORKLOAD=scripts/workloads/convnext-dw.json)
                                               # published under a name of its own (EXTRA_BENCH), rendered as its own
                                               # table; bench.json and the goals are left as they are
+                                              # (with --merge-bench: its cells not re-measured are kept)
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
 A file that no given folder holds is left as it is in benchmarks/h200/. bench.json is the file the per-layer and the
@@ -576,15 +577,19 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
         print(f"wrote {results / MULTIGPU / f} (from {len(parts)} folder(s))")
 
 
-def publish_bench_as(folder: Path, name: str, results: Path = RESULTS) -> None:
+def publish_bench_as(folder: Path, name: str, results: Path = RESULTS, merge: bool = False, note: str = "") -> None:
     """Copy `folder`'s bench.json into `results` as `name` (one of EXTRA_BENCH): a bench of another workload, kept
-    apart from the published bench.json."""
+    apart from the published bench.json. `merge`: the published file keeps the rows of the cells the new one does not
+    re-measure (merge_bench, the new run described by `note`)."""
     if name not in EXTRA_BENCH:
         raise SystemExit(f"--bench-as: expected one of {', '.join(EXTRA_BENCH)}, got {name!r}")
     data = json.loads((folder / "bench.json").read_text())  # only whole, valid files are published
     results.mkdir(parents=True, exist_ok=True)
+    if merge and (results / name).exists():
+        data = merge_bench(json.loads((results / name).read_text()), data, note)
     (results / name).write_text(json.dumps(data, indent=1) + "\n")
-    print(f"copied {folder / 'bench.json'} into {results / name} ({len(data.get('rows', []))} rows)")
+    print(f"{'merged' if merge else 'copied'} {folder / 'bench.json'} into {results / name} "
+          f"({len(data.get('rows', []))} rows)")
 
 
 def main(argv=None) -> int:
@@ -603,7 +608,7 @@ def main(argv=None) -> int:
     if a.bench_as:
         if len(a.dirs) != 1:
             raise SystemExit("--bench-as: expected one folder")
-        publish_bench_as(a.dirs[0], a.bench_as)
+        publish_bench_as(a.dirs[0], a.bench_as, merge=a.merge_bench, note=a.note)
     elif a.dirs:
         publish(a.dirs, merge_offload_rows=a.merge_offload, merge_bench_rows=a.merge_bench, note=a.note)
     text = render()

@@ -13,7 +13,7 @@ from cutlass_byoc import decisions as dec_mod
 from cutlass_byoc.decisions import DecisionStore, GpuInfo, record_decision
 from cutlass_byoc.heuristics import default_launch
 from cutlass_byoc.problem import Conv2dProblem
-from cutlass_byoc.workloads import WorkloadError, default_workload, dump_workload, load_workload
+from cutlass_byoc.workloads import WorkloadError, default_workload, dump_workload, load_workload, workload
 
 GPU = GpuInfo("NVIDIA H200", 90)
 
@@ -49,6 +49,13 @@ def test_workload_json_forms(tmp_path):
     items = load_workload(f)
     assert [(it.layer, it.kind.value) for it in items] == [("a", "fprop"), ("b", "dgrad"), ("b", "wgrad")]
     assert items[0].problem.n == 8 and items[0].problem.pad_h == 1 and items[1].problem.w == 10
+    # --kinds (the round's TUNE_KINDS) keeps those kinds' problems of a file, as of a named workload
+    assert [(it.layer, it.kind.value) for it in workload(str(f), kinds=["wgrad"])] == [("b", "wgrad")]
+    assert len(workload(str(f), kinds=["fprop", "dgrad", "wgrad"])) == 3
+    only_fprop = tmp_path / "fprop.json"
+    only_fprop.write_text(json.dumps({"kinds": ["fprop"], "layers": [{"c": 64, "k": 64, "r": 3, "hw": 8}]}))
+    with pytest.raises(WorkloadError, match="no problems of the kinds wgrad"):
+        workload(str(only_fprop), kinds=["wgrad"])
     g = tmp_path / "dump.json"
     dump_workload(items, g)
     assert [it.problem for it in load_workload(g)] == [it.problem for it in items]

@@ -334,7 +334,7 @@ def test_bench_of_another_workload_is_published_under_its_own_name(pr, tmp_path)
     """--bench-as: a bench of another workload (ConvNeXt's 7x7 depthwise layers) goes into its own file and its own
     table; bench.json, and so the goals, stay as they are."""
     dense = [dict(bench_row("l1", "fprop", 10.0, 12.0), resnet50=True, depthwise=False)]
-    cx = [bench_row("convnext_dw_96_56", k, 10.0, 10.0 * r) for k, r in (("fprop", 1.5), ("dgrad", 2.5))]
+    cx = [bench_row("convnext_dw_96_56", k, 10.0, 10.0 * r) for k, r in (("fprop", 1.5), ("dgrad", 2.5), ("wgrad", 0.8))]
     dev, results = tmp_path / "dev", tmp_path / "results"
     dev.mkdir(), results.mkdir()
     (results / "bench.json").write_text(json.dumps(bench_file(dense, "2.x")))
@@ -347,3 +347,8 @@ def test_bench_of_another_workload_is_published_under_its_own_name(pr, tmp_path)
     assert "| convnext_dw_96_56 (depthwise) | dgrad |" in text and "bench-convnext-dw.json`)" in text
     with pytest.raises(SystemExit, match="bench-as"):
         pr.publish_bench_as(dev, "bench-other.json", results)
+    # a wgrad-only rerun merged in: the fprop and dgrad rows stay, the wgrad row is the new one, each says its run
+    (dev / "bench.json").write_text(json.dumps(bench_file([bench_row("convnext_dw_96_56", "wgrad", 8.0, 10.0)], "2.z")))
+    pr.publish_bench_as(dev, "bench-convnext-dw.json", results, merge=True, note="wgrad rerun")
+    rows = json.loads((results / "bench-convnext-dw.json").read_text())["rows"]
+    assert [(r["kind"], r["run"]) for r in rows] == [("fprop", 1), ("dgrad", 1), ("wgrad", 2)]
