@@ -221,12 +221,13 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
         bar = tqdm(total=len(jobs_), desc=f"compiling ({jobs} jobs)", unit="kernel")
     built_by = provenance()  # who compiled these kernels, where and when (`cutlass-byoc cache show` prints it)
     finished: set[str] = set()
+    times = _NinjaTimes(build_dir / ".ninja_log")
 
     def seconds_of(job: _Job) -> Optional[float]:
         # ninja prints an edge's status line just before it appends the edge to its log: wait a moment for that
         lib = str((job.staged / "kernel.so").absolute())
         for _ in range(50):
-            seconds = _ninja_times(build_dir).get(lib)
+            seconds = times.get(lib)
             if seconds is not None or proc.poll() is not None:
                 return seconds
             time.sleep(0.002)
@@ -296,13 +297,22 @@ def _log_has_error(logf: Path) -> bool:
     return logf.exists() and bool(re.search(r"(^|: )(fatal )?error\b", logf.read_text(errors="replace"), re.M))
 
 
-def _ninja_times(build_dir: Path) -> dict[str, float]:
-    """Per-output compile seconds from ninja's log (start and end in ms)."""
-    out = {}
-    p = build_dir / ".ninja_log"
-    if p.exists():
-        for ln in p.read_text().splitlines()[1:]:
-            parts = ln.split("\t")
-            if len(parts) >= 4:
-                out[parts[3]] = (int(parts[1]) - int(parts[0])) / 1000.0
-    return out
+class _NinjaTimes:
+    """Per-output compile seconds from ninja's log (start and end in ms), read as ninja appends to it: each lookup
+    reads only the lines added since the last one."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.seconds = path, 0, {}
+
+    def get(self, output: str) -> Optional[float]:
+        if output not in self.seconds and self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line ninja is still writing waits for the next lookup
+            self.offset += len(complete)
+            for ln in complete.decode(errors="replace").splitlines():
+                parts = ln.split("\t")  # (the "# ninja log" header has no tabs)
+                if len(parts) >= 4:
+                    self.seconds[parts[3]] = (int(parts[1]) - int(parts[0])) / 1000.0
+        return self.seconds.get(output)

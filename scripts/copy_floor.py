@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -63,6 +62,8 @@ def main(argv=None) -> int:
 
     import torch  # noqa: PLC0415
 
+    from cutlass_byoc.bench import BenchReport  # noqa: PLC0415
+
     if not torch.cuda.is_available():
         print("copy_floor: needs a GPU (the floors are timed)", file=sys.stderr)
         return 3
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         xs = [x for x in rows if sel(x)]
         if not xs:
             continue
-        g = lambda k: math.exp(sum(math.log(x[k]) for x in xs) / len(xs))  # noqa: E731
+        g = lambda k: BenchReport.geomean([x[k] for x in xs])  # noqa: E731
         summary[label] = {"cells": len(xs), "goal_ratio": goal, "geomean_ratio": g("ratio"),
                           "geomean_max_ratio": g("max_ratio"), "cells_max_ratio_below_goal":
                           sum(x["max_ratio"] < goal for x in xs), "geomean_ours_of_floor": g("ours_of_floor"),

@@ -261,7 +261,6 @@ def depthwise_random_cases(count: int = 24, seed: int = 2026):
     return out
 
 
-
 def random_case_id(case) -> str:
     i, kind, c, h, w, r, stride, pad, dt, epi, pick, _ = case
     return f"{i}-{kind}-c{c}-{r}x{r}s{stride}p{pad}-{dt[0]}_{dt[1]}-{epi.tag}-{pick}"
@@ -289,4 +288,3 @@ def random_case_launch(case):
         splits = min(4, pixel_tiles(cfg, p)) if kind == "wgrad" else 1
     assert (cfg.element_bias is not None) == p.epilogue.bias_vector, cfg.name
     return p, cfg, splits, seed
-

@@ -127,3 +127,18 @@ def test_each_kernel_is_published_as_ninja_finishes_it(tmp_path, monkeypatch):
     assert cache.lookup(_fake_prepare(slow)[1]).state is EntryState.MISSING
     meta = json.loads((cache.lookup(_fake_prepare(fast)[1]).path / "meta.json").read_text())
     assert meta["name"] == fast.name and meta["compile_seconds"] is not None
+
+
+def test_ninja_log_times_are_read_as_ninja_appends(tmp_path):
+    """The compile seconds come from ninja's log as it grows: each lookup reads only the new lines, and a line still
+    being written is read once it is whole."""
+    log = tmp_path / ".ninja_log"
+    log.write_text("# ninja log v6\n100\t2600\t0\t/a/kernel.so\tdeadbeef\n")
+    times = build_mod._NinjaTimes(log)
+    assert times.get("/a/kernel.so") == 2.5 and times.get("/b/kernel.so") is None
+    with open(log, "a") as f:
+        f.write("200\t1200\t0\t/b/ker")  # ninja mid-line
+    assert times.get("/b/kernel.so") is None
+    with open(log, "a") as f:
+        f.write("nel.so\tcafe\n")
+    assert times.get("/b/kernel.so") == 1.0 and times.get("/a/kernel.so") == 2.5
