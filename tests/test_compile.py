@@ -41,6 +41,7 @@ def test_kernel_compiles_and_exports_the_api(built, which):
     result = built[cfg]
     loaded_kernel(result, cfg, problem)
     assert result.entry.meta["compile_seconds"] > 0
+    assert "warning" not in result.entry.log.lower(), result.entry.log  # the generated code's warnings are defects
 
 
 def test_host_api_refuses_what_the_kernel_cannot_do(built):

@@ -34,6 +34,7 @@ def test_bias_vector_kernel_builds_and_takes_bias_with_residual(built, which):
     problem, cfg = KERNELS[which]
     result = built[cfg]
     assert result.ok, result.error_report()
+    assert "warning" not in result.entry.log.lower(), result.entry.log
     lib = KernelLibrary(cfg, result.library)
     assert lib.can_implement(problem) is None
     bias_only = problem.replace(epilogue=Epilogue(problem.epilogue.activation, SourceKind.BIAS, "f32"))
