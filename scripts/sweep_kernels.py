@@ -61,34 +61,53 @@ def sourceless_twins(problem, kernels):
     return out
 
 
-def kernels_of(problem, extra=(), sourceless=False):
-    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless)
-    tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates); with
-    `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins)."""
+def deep_twin(kernel):
+    """`kernel`'s twin of more pipeline stages than the families' cap (sm90.deep_twin, gemm1x1.deep_twin), or None."""
+    from cutlass_byoc.gemm1x1 import deep_twin as gemm_twin  # noqa: PLC0415
+    from cutlass_byoc.sm90 import deep_twin as sm90_twin  # noqa: PLC0415
+
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA:
+        return sm90_twin(kernel)
+    if kernel.family is KernelFamily.SM90_GEMM_1X1:
+        return gemm_twin(kernel)
+    return None
+
+
+def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False):
+    """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless,
+    cluster) tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates); with
+    `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins); with `deep`, each kernel's twin of more
+    pipeline stages than the families' cap (deep_twin); with `with_sm90`, the 3.x conv family's kernels on the 1x1
+    cells too (their wgrad winners are mostly its split-k kernels)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
-    out = [k for k in valid if k.family is family]
+    out = [k for k in valid if k.family is family or (with_sm90 and k.family is KernelFamily.SM90_TMA_WGMMA)]
     if family is KernelFamily.SM90_GEMM_1X1:
         from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
 
-        for tile, schedule, nosrc in extra:
+        for tile, schedule, nosrc, cluster in extra:
             if nosrc and problem.epilogue.source is not SourceKind.NONE:
                 continue
             try:
-                k = gemm1x1_config(problem, tile, schedule, sourceless=nosrc)
+                k = gemm1x1_config(problem, tile, schedule, cluster, sourceless=nosrc)
             except ValueError as e:
                 print(f"{problem.name}: {tile} {schedule}: {e}")
                 continue
             if k not in out:
                 out.append(k)
-    return out + (sourceless_twins(problem, out) if sourceless else [])
+    out += sourceless_twins(problem, out) if sourceless else []
+    if deep:
+        out += [t for t in map(deep_twin, out) if t is not None and t.reject_reason(problem) is None]
+    return list(dict.fromkeys(out))
 
 
 def parse_tile(text: str):
-    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong", False); ":nosrc" asks for the kernel without an
-    epilogue source (e.g. "256x64x64:pingpong:nosrc"), for the cells whose epilogue has none."""
+    """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong", False, (1, 1, 1)); ":nosrc" asks for the kernel without
+    an epilogue source (e.g. "256x64x64:pingpong:nosrc"), for the cells whose epilogue has none; ":c1x2x1" a
+    thread-block cluster (e.g. "192x64x64:pingpong:nosrc:c2x1x1")."""
     tile, schedule, *more = text.split(":")
-    return tuple(int(x) for x in tile.split("x")), schedule, "nosrc" in more
+    cluster = next((tuple(int(x) for x in m[1:].split("x")) for m in more if m.startswith("c")), (1, 1, 1))
+    return tuple(int(x) for x in tile.split("x")), schedule, "nosrc" in more, cluster
 
 
 def kernel_times(fn, calls: int = 5) -> list:
@@ -113,7 +132,7 @@ def kernel_times(fn, calls: int = 5) -> list:
 
 def cmd_build(args) -> None:
     kernels = {k.name: k for it in cells(args.layers, args.kinds)
-               for k in kernels_of(it.problem, args.tiles, args.sourceless)}
+               for k in kernels_of(it.problem, args.tiles, args.sourceless, args.deep, args.with_sm90)}
     t0 = time.time()
     res = build(list(kernels.values()), jobs=args.jobs, cache=KernelCache(), progress=True)
     print(f"{sum(r.ok for r in res.values())} of {len(res)} kernels in the cache ({time.time() - t0:.0f} s)")
@@ -128,7 +147,7 @@ def cmd_time(args) -> None:
     cache, settings, out, t0 = KernelCache(), WorkerSettings(), [], time.time()
     for it in cells(args.layers, args.kinds):
         p = it.problem
-        kernels = kernels_of(p, args.tiles, args.sourceless)
+        kernels = kernels_of(p, args.tiles, args.sourceless, args.deep, args.with_sm90)
         if args.build:
             build(kernels, cache=cache, progress=False)
         sets, ref = make_problem_sets(p, settings)
@@ -254,7 +273,11 @@ def main() -> None:
         s.add_argument("--kinds", nargs="+", default=["fprop", "dgrad", "wgrad"], choices=["fprop", "dgrad", "wgrad"])
         s.add_argument("--sourceless", action="store_true",
                        help="also the sourceless twin of each 3.x kernel (cells without an epilogue source)")
-        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE[:nosrc]",
+        s.add_argument("--deep", action="store_true",
+                       help="also each 3.x kernel's twin of more pipeline stages than the families' cap (deep_twin)")
+        s.add_argument("--with-sm90", action="store_true",
+                       help="on the 1x1 cells, the 3.x conv family's kernels too (its split-k wgrad kernels)")
+        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1]",
                        help="GEMM 1x1 configs to add to the family's (e.g. 192x64x64:pingpong, 256x64x64:pingpong:nosrc)")
     args = ap.parse_args()
     {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)

@@ -202,7 +202,7 @@ def main() -> int:
     ap.add_argument("--sweep", nargs="+", default=None, choices=["1x1", "3x3"],
                     help="scripts/sweep_kernels.py's kernels of these cells (the round's sweep step)")
     ap.add_argument("--sweep-kinds", nargs="+", default=["fprop", "dgrad", "wgrad"])
-    ap.add_argument("--sweep-tiles", nargs="+", default=[], metavar="MxNxK:SCHEDULE")
+    ap.add_argument("--sweep-tiles", nargs="+", default=[], metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1]")
     ap.add_argument("--channel-stats", action="store_true",
                     help="the round's channel-stats step's kernels (scripts/channel_stats_bench.py on ResNet-50 at "
                          "--batch: one plain sm90 kernel per fprop problem and schedule, and its statistics twin)")
