@@ -100,8 +100,15 @@ WARPS: dict[str, Shape3] = {"cooperative": (8, 1, 1), "cooperative_streamk": (8,
 SMEM_CAPACITY = 232448
 
 #: Narrow tiles added to the generator's (see the module docstring): N = 64 for layers of 64 output channels,
-#: 64 x 128 for ping-pong on few pixels.
-EXTRA_TILES: tuple[Shape3, ...] = ((64, 64, 64), (64, 128, 64), (128, 64, 64), (256, 64, 64))
+#: 64 x 128 for ping-pong on few pixels; and WAVE_TILES.
+EXTRA_TILES: tuple[Shape3, ...] = ((64, 64, 64), (64, 128, 64), (128, 64, 64), (192, 64, 64), (256, 64, 64))
+#: Tiles of 192 rows (ping-pong only: one consumer warp group of three 64-row wgmmas), which fill the GPU's 132 SMs
+#: in whole waves where the 128- and 256-row tiles do not (layer 3's 6,272 pixels x 256 channels: 33 x 4 = 132
+#: tiles). On the H200 (2026-12-04, benchmarks/h200/sweep-cluster-session22.json and sweep-deep-session22.json) the
+#: 192 x 64 kernel was the fastest of its family on 4-6 of the 14 ResNet-50 stride-1 1x1 fprop / dgrad cells, by
+#: 0.5-7%, and 5-15% slower on others; the model cannot tell, so the planner times the best of them on a budget of
+#: its own (profiler.plan), and the im2col lowering does not take them.
+WAVE_TILES: tuple[Shape3, ...] = ((192, 64, 64),)
 
 #: The generator's cluster shapes (2x1x1 multicasts B, 1x2x1 multicasts A across the pair), and none.
 CLUSTERS: tuple[Shape3, ...] = ((1, 1, 1), (2, 1, 1), (1, 2, 1))
@@ -196,12 +203,20 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourcel
     return stages_c * em * en * element_out.nbytes + 2048
 
 
-def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str, sourceless: bool = False) -> int:
-    """What StageCountAutoCarveout would choose with the epilogue above carved out (capped at 8)."""
+#: The most pipeline stages the family's configs take (StageCountAutoCarveout would give 64 x 64 tiles 13; a
+#: wgrad's kernels also come with their deep_twin, timed beside them).
+MAX_STAGES = 8
+#: ... and the deep twins' (the deepest pipeline nvjet's GEMM kernels run on these problems, by their names).
+DEEP_MAX_STAGES = 16
+
+
+def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str, sourceless: bool = False,
+                cap: int = MAX_STAGES) -> int:
+    """What StageCountAutoCarveout would choose with the epilogue above carved out, at most `cap`."""
     m, n, k = tile
     per_stage = (m + n) * k * element_in.nbytes + 16  # + the stage's pipeline barriers
     epi = epilogue_smem_bytes(tile, element_out, schedule, sourceless)
-    return max(2, min(8, (SMEM_CAPACITY - epi) // per_stage))
+    return max(2, min(cap, (SMEM_CAPACITY - epi) // per_stage))
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -390,6 +405,24 @@ def _config(problem: Conv2dProblem, tile: Shape3, schedule: str, cluster: Shape3
     )
 
 
+def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
+    """`kernel` (not lowered) with as many pipeline stages as its shared memory holds, past MAX_STAGES (None where the
+    cap does not bind: tiles of 64 x 64, 128 x 64 and 64 x 128). On the H200 (2026-12-04, scripts/sweep_kernels.py
+    --deep) the 64 x 64 ping-pong wgrad kernel ran 9-14% faster with 13 stages than with 8 on every ResNet-50 1x1
+    wgrad cell; fprop and dgrad (a reduction of C or K channels) gained nothing as a rule. The planner times a wgrad
+    kernel's deep twin beside it (profiler.plan)."""
+    if kernel.lowering is not None:
+        return None
+    stages = stage_count(kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule,
+                         bool(kernel.sourceless), cap=DEEP_MAX_STAGES)
+    if stages <= kernel.stages:
+        return None
+    try:
+        return dataclasses.replace(kernel, stages=stages)
+    except ValueError:
+        return None
+
+
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",
                    cluster: Shape3 = (1, 1, 1), swizzle: int = 1, sourceless: bool = False) -> KernelConfig:
     """The config of `problem` with this tile, schedule and cluster (16-byte alignments; raises ValueError if
@@ -430,7 +463,7 @@ def im2col_candidates(problem: Conv2dProblem, clusters: tuple[Shape3, ...] = ((1
     schedule) pairs, unclustered by default (the GEMMs are memory-bound: the im2col or T matrix streams once)."""
     if im2col_reject_reason(problem) is not None:
         return
-    yield from _candidates(problem, im2col_config, clusters)
+    yield from _candidates(problem, im2col_config, clusters, lambda tile: tile not in WAVE_TILES)
 
 
 def gemm1x1_candidates(

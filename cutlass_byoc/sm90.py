@@ -118,11 +118,33 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType) -> int:
     return (4 + 2) * epi * element_out.nbytes + 1024
 
 
-def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: DType) -> int:
-    """What StageCountAutoCarveout would choose, with the epilogue bound above carved out, at most 8."""
+#: The most pipeline stages the family's configs take (StageCountAutoCarveout would give 64 x 64 tiles 11-12; a
+#: wgrad's kernels also come with their deep_twin, timed beside them).
+MAX_STAGES = 8
+#: ... and the deep twins' (the deepest pipeline nvjet's GEMM kernels run on these problems, by their names).
+DEEP_MAX_STAGES = 16
+
+
+def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: DType, cap: int = MAX_STAGES) -> int:
+    """What StageCountAutoCarveout would choose, with the epilogue bound above carved out, at most `cap`."""
     m, n, k = tile
     per_stage = m * k * element_a.nbytes + n * k * element_b.nbytes + 16  # + the stage's pipeline barriers
-    return max(2, min(8, (SMEM_CAPACITY - epilogue_smem_bytes(tile, element_out)) // per_stage))
+    return max(2, min(cap, (SMEM_CAPACITY - epilogue_smem_bytes(tile, element_out)) // per_stage))
+
+
+def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
+    """`kernel` with as many pipeline stages as its shared memory holds, past MAX_STAGES (None where the cap does not
+    bind: tiles of 64 x 64 and narrower). On the H200 (2026-12-04, scripts/sweep_kernels.py --deep,
+    benchmarks/h200/sweep-deep-session22.json) the 64 x 64 split-k wgrad kernel ran 3-11% faster with 11 stages than
+    with 8 on the ResNet-50 1x1 and 3x3 wgrad cells and 1-5% slower on a few, so the planner times a wgrad kernel's
+    deep twin beside it (profiler.plan) instead of changing the family's stage count."""
+    stages = stage_count(kernel.tile, kernel.element_a, kernel.element_b, kernel.element_kernel_out, cap=DEEP_MAX_STAGES)
+    if stages <= kernel.stages:
+        return None
+    try:
+        return dataclasses.replace(kernel, stages=stages)
+    except ValueError:
+        return None
 
 
 def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1),

@@ -62,6 +62,12 @@ COLS_BUDGET = 8
 CLUSTER_SPLIT_BUDGET = 4
 #: The shared-memory im2col kernels (few input channels), timed on a budget of their own on top of the others.
 SMEM_IM2COL_BUDGET = 8
+#: The GEMM 1x1 family's whole-wave tiles (gemm1x1.WAVE_TILES: 192 rows), this many of the model's best on top of the
+#: others: they won some stride-1 1x1 cells by up to 7% and lost others by up to 15%, which the model cannot tell.
+GEMM_WAVE_BUDGET = 1
+#: Below this budget per problem (a quick tune, e.g. --max-candidates 1 or 2) the plan takes neither the whole-wave
+#: tiles nor a wgrad's deep-pipeline twins (_deep_twins) on top.
+SMALL_BUDGET = 4
 #: The 3.x conv family's persistent ping-pong kernels (the project's own, sm90.PINGPONG), up to this many of the
 #: model's best (one per tile shape first) on top of the others: the model does not see the overlap of one tile's
 #: epilogue with the next one's mainloop, so it cannot rank them against CUTLASS's one-tile-per-CTA conv kernels, and
@@ -239,7 +245,10 @@ def plan_problem(
         group_budget = max_candidates if blk == 1 else max(2, max_candidates // 2)
         for i, (pad_c, pad_k, by_family, side) in enumerate(options):
             budget = max(1, group_budget // len(options) + (1 if i < group_budget % len(options) else 0))
-            for _, kc, launches in _take_budget(by_family, budget) + side:
+            chosen = _take_budget(by_family, budget) + side
+            if max_candidates >= SMALL_BUDGET:
+                chosen += _deep_twins(kp, chosen, sms)
+            for _, kc, launches in chosen:
                 # a "cols" wgrad kernel: every split count (its model cannot tell the CTAs an SM holds, which decide
                 # whether the last wave is nearly empty or nearly full); a cluster split: each of its few counts
                 for us, l in launches[:len(launches) if is_cols(kc) or is_cluster_split(kc) else slices_per_kernel]:
@@ -313,9 +322,10 @@ _COLS = "depthwise cols"
 _COLS_AHEAD = "depthwise cols, prefetch twins"
 _COLS_CAPPED = "depthwise cols fprop/dgrad, register-capped twins"
 _CLUSTER = "depthwise wgrad, cluster split"
+_GEMM_WAVE = "GEMM 1x1, whole-wave tiles"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
                  KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET,
-                 _CLUSTER: CLUSTER_SPLIT_BUDGET}
+                 _CLUSTER: CLUSTER_SPLIT_BUDGET, _GEMM_WAVE: GEMM_WAVE_BUDGET}
 #: Side budgets whose kernels are taken one per tile shape first (_spread_over_tiles), as the families' are.
 _SPREAD_SIDES = (_PINGPONG, _COLS)
 
@@ -325,7 +335,9 @@ def _side_budgets(max_candidates: int, problem: Conv2dProblem) -> dict:
     pingpong = min(PINGPONG_BUDGET, max(1, max_candidates // 4)) if max_candidates > 1 else 0
     if pingpong and problem.is_strided_dgrad:
         pingpong += SUBPIXEL_PINGPONG_EXTRA
-    return {**_SIDE_BUDGETS, _PINGPONG: pingpong}
+    # measured on fprop and dgrad only; none on small budgets (--max-candidates 1-3: a quick tune)
+    wave = GEMM_WAVE_BUDGET if problem.kind is not ConvKind.WGRAD and max_candidates >= SMALL_BUDGET else 0
+    return {**_SIDE_BUDGETS, _PINGPONG: pingpong, _GEMM_WAVE: wave}
 
 
 def _twins_of(side: list, twins: list, field: str) -> list:
@@ -342,6 +354,8 @@ def _family_key(kernel: KernelConfig):
     """The list _rank_families puts `kernel` in: its family, or a side budget's key."""
     if kernel.is_conv_pingpong:
         return _PINGPONG
+    if kernel.family is KernelFamily.SM90_GEMM_1X1 and kernel.lowering is None and kernel.tile in _wave_tiles():
+        return _GEMM_WAVE
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
         if is_cluster_split(kernel):
             return _CLUSTER
@@ -354,6 +368,41 @@ def _family_key(kernel: KernelConfig):
         if is_wide_strip(kernel):
             return _WIDE
     return kernel.family
+
+
+def _deep_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
+    """For a wgrad, the deep twin of each GEMM 1x1 kernel and 3.x split-k kernel in `chosen` (gemm1x1.deep_twin,
+    sm90.deep_twin: more pipeline stages than the families' cap, which the model does not see) with its launches,
+    timed beside it: its reduction runs over every output pixel, and on the H200 the 64 x 64 kernels' twins ran 3-14%
+    faster on most ResNet-50 wgrad cells and slower on a few. None for other kinds (they gained nothing as a rule)."""
+    if problem.kind is not ConvKind.WGRAD:
+        return []
+    from ..gemm1x1 import deep_twin as gemm_twin  # noqa: PLC0415
+    from ..sm90 import deep_twin as sm90_twin  # noqa: PLC0415
+
+    twin_of = {KernelFamily.SM90_TMA_WGMMA: sm90_twin, KernelFamily.SM90_GEMM_1X1: gemm_twin}
+    taken = {t[1] for t in chosen}
+    out = []
+    for _, kc, _ in chosen:
+        if kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is not SplitKMode.PARALLEL:
+            continue  # measured on the split-k kernels only (the unsplit and ping-pong ones were not timed deep)
+        twin = twin_of[kc.family](kc) if kc.family in twin_of else None
+        if twin is None or twin in taken or twin.reject_reason(problem) is not None:
+            continue
+        launches = launches_for(problem, twin, sms)
+        if launches:
+            taken.add(twin)
+            out.append((launches[0][0], twin, launches))
+    return out
+
+
+def _wave_tiles() -> tuple:
+    """gemm1x1.WAVE_TILES, or none where the optional GEMM family is absent."""
+    try:
+        from ..gemm1x1 import WAVE_TILES  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - the GEMM family is optional, like sm90
+        return ()
+    return WAVE_TILES
 
 
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:

@@ -8,12 +8,22 @@ import dataclasses
 import pytest
 
 from cutlass_byoc.config import KernelConfig, LaunchConfig
+from cutlass_byoc.gemm1x1 import WAVE_TILES
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.profiler import plan as plan_mod
 from cutlass_byoc.profiler.plan import (PINGPONG_BUDGET, SMEM_IM2COL_BUDGET, SUBPIXEL_PINGPONG_EXTRA, enumerate_kernels,
                                        plan_problem, plan_workload)
 from cutlass_byoc.types import ConvKind, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
 from cutlass_byoc.workloads import default_workload
+
+
+def is_deep(k: KernelConfig) -> bool:
+    """A deep-pipeline twin (sm90.deep_twin, gemm1x1.deep_twin): a 3.x kernel past the families' cap of 8 stages."""
+    return k.family in (KernelFamily.SM90_TMA_WGMMA, KernelFamily.SM90_GEMM_1X1) and k.stages > 8
+
+
+def same_but_stages(a: KernelConfig, b: KernelConfig) -> bool:
+    return {**a.to_dict(), "stages": 0} == {**b.to_dict(), "stages": 0}
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +40,19 @@ def test_default_workload_plan_fits_budget(workload_plan):
         # SMEM_IM2COL_BUDGET
         # and the 3.x conv ping-pong kernels one of PINGPONG_BUDGET (+ SUBPIXEL_PINGPONG_EXTRA for a strided dgrad)
         # for the problem as it is and for each of its channel-padded or folded twins
-        lowered = [k for k in pp.kernels if k.lowering]
-        pingpong = {k for k in pp.kernels if k.is_conv_pingpong}
-        folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1} - pingpong
+        # and, on top: a wgrad's deep-pipeline twins of its 3.x kernels (each beside its capped twin), and the GEMM
+        # 1x1 family's whole-wave tiles (GEMM_WAVE_BUDGET, fprop and dgrad only)
+        deep = {k for k in pp.kernels if is_deep(k)}
+        assert not deep or pp.problem.kind is ConvKind.WGRAD
+        assert all(any(k != d and same_but_stages(k, d) for k in pp.kernels) for d in deep)
+        wave = {k for k in pp.kernels if k.family is KernelFamily.SM90_GEMM_1X1 and k.tile in WAVE_TILES}
+        assert not (wave and pp.problem.kind is ConvKind.WGRAD) and not any(k.lowering for k in wave)
+        lowered = [k for k in pp.kernels if k.lowering and k not in deep]
+        pingpong = {k for k in pp.kernels if k.is_conv_pingpong and k not in deep}
+        folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1} - pingpong - deep - wave
         gathered = [k for k in pp.kernels if k.family is KernelFamily.SMEM_IM2COL]
-        assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) - len(pingpong) <= 8 \
-            and len(lowered) <= 4 and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
+        assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) - len(pingpong) - len(deep) \
+            - len(wave) <= 8 and len(lowered) <= 4 and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
         ways = {(c.launch.s2d, c.launch.pad_c, c.launch.pad_k) for c in pp.candidates}
         budget = PINGPONG_BUDGET + SUBPIXEL_PINGPONG_EXTRA * pp.problem.is_strided_dgrad
         assert len(pingpong) <= budget * len(ways)
@@ -188,7 +205,7 @@ def test_hopeless_other_family_candidates_give_their_share_back():
     project's own) and the 1x1-as-GEMM family's stream-K kernels compete, both splitting the reduction."""
     p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
     pp = plan_problem(p, 8)
-    assert len(pp.kernels) == 8
+    assert len([k for k in pp.kernels if not is_deep(k)]) == 8  # and the deep twins of some on top
     for c in pp.candidates:
         k = c.launch.kernel
         if k.family is KernelFamily.SM90_TMA_WGMMA:
@@ -207,7 +224,8 @@ def test_three_families_share_the_budget_equally_the_rest_to_3x():
     an equal split going to the 3.x families (on the H200 2.x won none of ResNet-50's 18 such cells, cold tune of
     2026-12-01); with two families (a 3x3 conv: 2.x and 3.x conv) the split stays 4 + 4."""
     one = Conv2dProblem.make("wgrad", 32, 256, 14, 14, 1024, 1)
-    counts = collections.Counter(k.family for k in plan_problem(one, 8).kernels if not k.is_conv_pingpong)
+    counts = collections.Counter(k.family for k in plan_problem(one, 8).kernels
+                                 if not k.is_conv_pingpong and not is_deep(k))  # not the deep twins on top
     assert counts == {KernelFamily.SM80_IMPLICIT_GEMM: 2, KernelFamily.SM90_TMA_WGMMA: 3,
                       KernelFamily.SM90_GEMM_1X1: 3}, counts
     three = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
@@ -299,3 +317,51 @@ def test_split_k_study_times_the_tuned_decision_on_its_side():
     assert _with_decision(split, unsplit, split[0]) == (split, unsplit)  # the model's pick already
     assert _with_decision(split, unsplit, None) == (split, unsplit)
     assert _with_decision(split, unsplit, dataclasses.replace(won_unsplit, pad_c=8)) == (split, unsplit)
+
+
+def test_wgrad_times_deep_pipeline_twins_beside_its_3x_kernels():
+    """A wgrad's 3.x kernels whose stage count the families' cap of 8 binds (64 x 64 tiles and narrower) are timed
+    beside their deep twins (sm90.deep_twin, gemm1x1.deep_twin; on the H200 3-14% faster on most ResNet-50 wgrad
+    cells, slower on a few), with the same slice counts; the families' shares stay as they were; fprop and dgrad get
+    none."""
+    from cutlass_byoc import gemm1x1, sm90  # noqa: PLC0415
+
+    p = Conv2dProblem.make("wgrad", 32, 512, 28, 28, 128, 1)
+    pp = plan_problem(p, 8)
+    deep = [k for k in pp.kernels if is_deep(k)]
+    assert deep and not [k for k in plan_problem(p, 2).kernels if is_deep(k)]  # not on small budgets
+    for d in deep:
+        twin = (sm90.deep_twin if d.family is KernelFamily.SM90_TMA_WGMMA else gemm1x1.deep_twin)
+        base = next(k for k in pp.kernels if k.family is d.family and not is_deep(k) and twin(k) == d)
+        slices = lambda k: sorted(c.launch.split_k_slices for c in pp.candidates if c.launch.kernel == k)  # noqa: E731
+        assert slices(d) == slices(base)
+        assert d.stages <= max(sm90.DEEP_MAX_STAGES, gemm1x1.DEEP_MAX_STAGES)
+    assert sm90.deep_twin(sm90.sm90_config(p, (128, 128, 64))) is None  # the cap does not bind
+    import unittest.mock as mock  # noqa: PLC0415
+
+    with mock.patch.object(plan_mod, "_deep_twins", lambda *a: []):
+        assert [k for k in pp.kernels if not is_deep(k)] == list(plan_problem(p, 8).kernels)
+    for kind in ("fprop", "dgrad"):
+        assert not [k for k in plan_problem(p.replace(kind=ConvKind(kind)), 8).kernels if is_deep(k)]
+
+
+def test_gemm_1x1_whole_wave_tiles_have_a_budget_on_top():
+    """The GEMM 1x1 family's 192-row tiles (gemm1x1.WAVE_TILES; 33 x 4 = 132 tiles on layer 3's 6,272 x 256): one
+    per fprop / dgrad problem on top of the families' shares (budgets of 4 kernels and more), none for wgrad, and
+    never in the im2col lowering."""
+    from cutlass_byoc.gemm1x1 import im2col_candidates  # noqa: PLC0415
+
+    for kind in ("fprop", "dgrad"):
+        p = Conv2dProblem.make(kind, 32, 1024, 14, 14, 256, 1)
+        kernels = plan_problem(p, 8).kernels
+        wave = [k for k in kernels if k.family is KernelFamily.SM90_GEMM_1X1 and k.tile in WAVE_TILES]
+        assert len(wave) == plan_mod.GEMM_WAVE_BUDGET and wave[0].schedule == "pingpong"
+        import unittest.mock as mock  # noqa: PLC0415
+
+        with mock.patch.dict(plan_mod._SIDE_BUDGETS, {plan_mod._GEMM_WAVE: 0}), \
+                mock.patch.object(plan_mod, "GEMM_WAVE_BUDGET", 0):
+            assert plan_problem(p, 8).kernels == tuple(k for k in kernels if k not in wave)
+    wgrad = Conv2dProblem.make("wgrad", 32, 1024, 14, 14, 256, 1)
+    assert not [k for k in plan_problem(wgrad, 8).kernels if k.tile in WAVE_TILES]
+    stem = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
+    assert not [k for k in im2col_candidates(stem) if k.tile in WAVE_TILES]
