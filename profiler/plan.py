@@ -222,7 +222,7 @@ def plan_problem(
     pruned: list[Pruned] = []
     n_valid = 0
     cands: list[Candidate] = []
-    groups: dict[int, list] = {}  # s2d block -> [(pad_c, pad_k, families ranked, side budgets)]
+    groups: dict[int, list] = {}  # s2d block -> [(pad_c, pad_k, families ranked, side budgets, kernel problem)]
     for blk, pad_c, pad_k, kp, why in rewrite_options(problem):
         # the conv as it is, then its space-to-depth fold (a budget of its own on top, like the im2col lowering)
         options = groups.setdefault(blk, [])
@@ -240,10 +240,10 @@ def plan_problem(
         pruned += [Pruned(pr.name + tag, pr.reason) for pr in opt_pruned]
         n_valid += valid
         if by_family:
-            options.append((pad_c, pad_k, by_family, side))
+            options.append((pad_c, pad_k, by_family, side, kp))
     for blk, options in groups.items():
         group_budget = max_candidates if blk == 1 else max(2, max_candidates // 2)
-        for i, (pad_c, pad_k, by_family, side) in enumerate(options):
+        for i, (pad_c, pad_k, by_family, side, kp) in enumerate(options):
             budget = max(1, group_budget // len(options) + (1 if i < group_budget % len(options) else 0))
             chosen = _take_budget(by_family, budget) + side
             if max_candidates >= SMALL_BUDGET:

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
 
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
-from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: E402
+from cutlass_byoc.gemm1x1 import deep_twin, gemm1x1_config  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
@@ -39,9 +39,10 @@ def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1), sourceless=Fal
     return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster, sourceless=sourceless)
 
 
-#: The 14 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
+#: The 16 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
 #: remaining activation, spread over the schedules, tiles, clusters and output types, two wgrad kernels with the
-#: nondeterministic stream-K reduction and four sourceless kernels (one per kind, the fprop ones on two schedules).
+#: nondeterministic stream-K reduction, four sourceless kernels (one per kind, the fprop ones on two schedules), a
+#: deep-pipeline wgrad twin and a 192-row fprop tile.
 KERNELS = {
     "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
     "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
@@ -59,6 +60,9 @@ KERNELS = {
     "nosrc_relu": cfg("fprop", "bf16", "f32", Activation.RELU, (128, 128, 64), "cooperative", (2, 1, 1), sourceless=True),
     "nosrc_dgrad": cfg("dgrad", "f16", "f16", Activation.IDENTITY, (128, 64, 64), "pingpong", sourceless=True),
     "nosrc_wgrad": cfg("wgrad", "f16", "f32", Activation.IDENTITY, (128, 64, 64), "cooperative_streamk", sourceless=True),
+    # what the planner adds on top: a wgrad kernel's deep-pipeline twin (13 stages) and the 192-row whole-wave tile
+    "deep_wgrad": deep_twin(cfg("wgrad", "f16", "f16", Activation.IDENTITY, (64, 64, 64), "pingpong", sourceless=True)),
+    "wave_fprop": cfg("fprop", "f16", "f16", Activation.IDENTITY, (192, 64, 64), "pingpong", sourceless=True),
 }
 
 
@@ -97,7 +101,7 @@ def test_dgrad_wgrad(name, source):
     check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
 
 
-@pytest.mark.parametrize("name", ["nosrc_fprop", "nosrc_relu", "nosrc_dgrad", "nosrc_wgrad"])
+@pytest.mark.parametrize("name", ["nosrc_fprop", "nosrc_relu", "nosrc_dgrad", "nosrc_wgrad", "deep_wgrad", "wave_fprop"])
 def test_sourceless(name):
     """The sourceless kernels on their problems (no bias, no residual), at the module's odd shape and at layer
     shapes; the stream-K one at split-k slice counts too. A problem with a source is refused, never launched."""

@@ -3,8 +3,9 @@ slices of the N*P*Q reduction's k tiles, fp32 partials, one reduction kernel) ag
 1..64 slices (batch 64 for 64) and 256, uneven slice sizes, fp16 and fp32 outputs, a cluster of two, accumulate-into,
 and the reduction's programmatic dependent launch captured in a CUDA graph.
 
-Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 3 sm90 kernels (~60-90 s
-each): split wgrad 64x128x64 fp16 out, the same with fp32 out, and 64x128x64 with a 2x1x1 cluster, fp16 out.
+Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 4 sm90 kernels (~60-90 s
+each): split wgrad 64x128x64 fp16 out, the same with fp32 out, 64x128x64 with a 2x1x1 cluster, fp16 out, and the
+64x64x64 kernel's deep-pipeline twin (11 stages), fp16 out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ torch = pytest.importorskip("torch")
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
-from cutlass_byoc.sm90 import sm90_config  # noqa: E402
+from cutlass_byoc.sm90 import deep_twin, sm90_config  # noqa: E402
 from cutlass_byoc.types import DType, SourceKind, SplitKMode  # noqa: E402
 
 from gpu_util import (  # noqa: E402
@@ -43,10 +44,15 @@ def split_config(p: Conv2dProblem, cluster=(1, 1, 1)):
     return sm90_config(p, TILE, cluster, SplitKMode.PARALLEL)
 
 
+def deep_config(p: Conv2dProblem):
+    """The 64x64 split kernel's deep-pipeline twin (sm90.deep_twin: 11 stages), which the planner times beside it."""
+    return deep_twin(sm90_config(p, (64, 64, 64), split_k_mode=SplitKMode.PARALLEL))
+
+
 def used_configs():
     """The module's kernels: a config never depends on the shape, only on the output type and the cluster."""
     p16, p32 = problem(LAYERS[0], 32, "f16"), problem(LAYERS[0], 32, "f32")
-    return [split_config(p16), split_config(p32), split_config(p16, (2, 1, 1))]
+    return [split_config(p16), split_config(p32), split_config(p16, (2, 1, 1)), deep_config(p16)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,6 +105,23 @@ def test_sm90_split_k_matches_the_unsplit_kernel_and_cluster():
     ref = reference(p, x, w, dy)
     for launch in (LaunchConfig(split_config(p, (2, 1, 1)), 16), LaunchConfig(split_config(p, (2, 1, 1)), 3),
                    LaunchConfig(split_config(p), 16)):
+        err = rel_err(run(p, launch, a, b), ref)
+        assert err < TOLERANCE[DType.F16], f"{launch.name}: {err:.3e}"
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda l: f"{l[0]}to{l[1]}_{l[2]}x{l[2]}_s{l[3]}_{l[4]}")
+def test_sm90_split_k_deep_pipeline_twin(layer):
+    """The deep twin (11 stages, past the family's cap of 8) on every layer, unsplit and split into uneven slices."""
+    p = problem(layer, 32, "f16")
+    cfg = deep_config(p)
+    assert cfg.stages == 11
+    x, w, dy = operands(p, seed=layer[0] + 3 * layer[1])
+    a, b = kernel_operands(p, x, w, dy)
+    ref = reference(p, x, w, dy)
+    for slices in (1, 3, 16):
+        launch = LaunchConfig(cfg, slices)
+        if launch.reject_reason(p):
+            continue
         err = rel_err(run(p, launch, a, b), ref)
         assert err < TOLERANCE[DType.F16], f"{launch.name}: {err:.3e}"
 
