@@ -370,6 +370,16 @@ class KernelConfig:
             return static_error(self)
         return None
 
+    def with_more_stages(self, stages: int) -> Optional["KernelConfig"]:
+        """This kernel with `stages` pipeline stages where that is more than it has and a valid config, else None
+        (the families' deep twins: sm90.deep_twin, gemm1x1.deep_twin)."""
+        if stages <= self.stages:
+            return None
+        try:
+            return dataclasses.replace(self, stages=stages)
+        except ValueError:  # static_error: no such kernel
+            return None
+
     def with_channel_stats(self) -> Optional["KernelConfig"]:
         """This kernel with the channel-statistics epilogue (the same schedule, cluster and tile K; a tile of more
         than 128 x 64 outputs narrowed to 128 x 64, the widest whose epilogue keeps its sums in registers), or None

@@ -413,14 +413,8 @@ def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
     kernel's deep twin beside it (profiler.plan)."""
     if kernel.lowering is not None:
         return None
-    stages = stage_count(kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule,
-                         bool(kernel.sourceless), cap=DEEP_MAX_STAGES)
-    if stages <= kernel.stages:
-        return None
-    try:
-        return dataclasses.replace(kernel, stages=stages)
-    except ValueError:
-        return None
+    return kernel.with_more_stages(stage_count(kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule,
+                                               bool(kernel.sourceless), cap=DEEP_MAX_STAGES))
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",

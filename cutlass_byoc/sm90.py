@@ -138,13 +138,8 @@ def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
     benchmarks/h200/sweep-deep-session22.json) the 64 x 64 split-k wgrad kernel ran 3-11% faster with 11 stages than
     with 8 on the ResNet-50 1x1 and 3x3 wgrad cells and 1-5% slower on a few, so the planner times a wgrad kernel's
     deep twin beside it (profiler.plan) instead of changing the family's stage count."""
-    stages = stage_count(kernel.tile, kernel.element_a, kernel.element_b, kernel.element_kernel_out, cap=DEEP_MAX_STAGES)
-    if stages <= kernel.stages:
-        return None
-    try:
-        return dataclasses.replace(kernel, stages=stages)
-    except ValueError:
-        return None
+    return kernel.with_more_stages(stage_count(kernel.tile, kernel.element_a, kernel.element_b,
+                                               kernel.element_kernel_out, cap=DEEP_MAX_STAGES))
 
 
 def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1),
