@@ -14,7 +14,7 @@ import pytest
 
 from cutlass_byoc.render import ABI_VERSION, environment, render
 from cutlass_byoc.problem import Conv2dProblem
-from cutlass_byoc.types import ConvKind, SplitKMode
+from cutlass_byoc.types import ConvKind, KernelFamily, SplitKMode
 
 HARNESS = r"""
 #include <cstdarg>
@@ -105,8 +105,18 @@ def _memo_source() -> str:
     env = environment()
     api = env.get_template("conv2d_api.h.j2").render(abi_version=ABI_VERSION,
                                                      c=SimpleNamespace(element_bias=None, channel_stats=None))
-    memo = env.get_template("launch_memo.h.j2").render()
+    # the sm90 conv template's rendering: the only one with the launch list (CbLaunchList) its phases use
+    memo = env.get_template("launch_memo.h.j2").render(c=SimpleNamespace(family=KernelFamily.SM90_TMA_WGMMA))
     return HARNESS.replace("API", api, 1).replace("MEMO", memo, 1)
+
+
+def test_only_the_sm90_conv_template_renders_the_launch_list():
+    """The other families include the memo without CbLaunchList (nvcc warned its run() unreferenced there)."""
+    tmpl = environment().get_template("launch_memo.h.j2")
+    assert "struct CbLaunchList" in tmpl.render(c=SimpleNamespace(family=KernelFamily.SM90_TMA_WGMMA))
+    for family in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SM90_GEMM_1X1):
+        text = tmpl.render(c=SimpleNamespace(family=family))
+        assert "CbLaunchList" not in text and "class CbLaunchMemo" in text
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++)")
