@@ -36,6 +36,12 @@ _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "ele
 #: The widest tile a channel-statistics kernel takes (KernelConfig.channel_stats): 128 x 64 outputs. At 128 x 128 the
 #: consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers: ptxas put 688
 #: bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel.
+#: The most pipeline stages the 3.x families' configs take (sm90, gemm1x1; StageCountAutoCarveout would give their
+#: 64 x 64 tiles 11-13); a wgrad's kernels also come with their deep twin (sm90.deep_twin, gemm1x1.deep_twin), timed
+#: beside them with up to DEEP_MAX_STAGES (the deepest pipeline nvjet's GEMM kernels run on these problems, by their
+#: names).
+MAX_STAGES = 8
+DEEP_MAX_STAGES = 16
 _CHANNEL_STATS_TILE_MN = (128, 64)
 _CHANNEL_STATS_MAX_OUTPUTS = _CHANNEL_STATS_TILE_MN[0] * _CHANNEL_STATS_TILE_MN[1]
 
@@ -122,6 +128,11 @@ class KernelConfig:
         """The 3.x conv family's persistent ping-pong kernel (sm90.PINGPONG), the project's own; the GEMM 1x1 family's
         "pingpong" schedule is CUTLASS's GEMM kernel."""
         return self.family is KernelFamily.SM90_TMA_WGMMA and self.schedule == "pingpong"
+
+    @property
+    def is_deep_twin(self) -> bool:
+        """A 3.x kernel with more pipeline stages than its family's cap (MAX_STAGES): a deep twin."""
+        return self.family in (KernelFamily.SM90_TMA_WGMMA, KernelFamily.SM90_GEMM_1X1) and self.stages > MAX_STAGES
 
     @property
     def is_strided_dgrad(self) -> bool:

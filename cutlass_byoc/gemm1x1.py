@@ -70,7 +70,7 @@ import dataclasses
 import functools
 from typing import Callable, Iterator, Optional
 
-from .config import KernelConfig, Shape3
+from .config import DEEP_MAX_STAGES, MAX_STAGES, KernelConfig, Shape3
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem
 from .types import Activation, ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
@@ -201,13 +201,6 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourcel
         return min(epi_tiles, 2) * em * en * element_out.nbytes + 2048
     stages_c = max(min(epi_tiles, 4), min(epi_tiles, 2) + 1)
     return stages_c * em * en * element_out.nbytes + 2048
-
-
-#: The most pipeline stages the family's configs take (StageCountAutoCarveout would give 64 x 64 tiles 13; a
-#: wgrad's kernels also come with their deep_twin, timed beside them).
-MAX_STAGES = 8
-#: ... and the deep twins' (the deepest pipeline nvjet's GEMM kernels run on these problems, by their names).
-DEEP_MAX_STAGES = 16
 
 
 def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str, sourceless: bool = False,

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 from typing import Callable, Iterator, Optional
 
-from .config import KernelConfig, Shape3
+from .config import DEEP_MAX_STAGES, MAX_STAGES, KernelConfig, Shape3
 from .generators import Collector, generator_module
 from .problem import Conv2dProblem
 from .types import ConvKind, DType, KernelFamily, SourceKind, SplitKMode, StrideSupport
@@ -116,13 +116,6 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType) -> int:
     (sm90_get_tma_dispatch_policy), plus barriers."""
     epi = min(64, tile[0]) * min(32, tile[1])
     return (4 + 2) * epi * element_out.nbytes + 1024
-
-
-#: The most pipeline stages the family's configs take (StageCountAutoCarveout would give 64 x 64 tiles 11-12; a
-#: wgrad's kernels also come with their deep_twin, timed beside them).
-MAX_STAGES = 8
-#: ... and the deep twins' (the deepest pipeline nvjet's GEMM kernels run on these problems, by their names).
-DEEP_MAX_STAGES = 16
 
 
 def stage_count(tile: Shape3, element_a: DType, element_b: DType, element_out: DType, cap: int = MAX_STAGES) -> int:

@@ -354,7 +354,7 @@ def _family_key(kernel: KernelConfig):
     """The list _rank_families puts `kernel` in: its family, or a side budget's key."""
     if kernel.is_conv_pingpong:
         return _PINGPONG
-    if kernel.family is KernelFamily.SM90_GEMM_1X1 and kernel.lowering is None and kernel.tile in _wave_tiles():
+    if is_wave_tile(kernel):
         return _GEMM_WAVE
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
         if is_cluster_split(kernel):
@@ -377,16 +377,12 @@ def _deep_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
     faster on most ResNet-50 wgrad cells and slower on a few. None for other kinds (they gained nothing as a rule)."""
     if problem.kind is not ConvKind.WGRAD:
         return []
-    from ..gemm1x1 import deep_twin as gemm_twin  # noqa: PLC0415
-    from ..sm90 import deep_twin as sm90_twin  # noqa: PLC0415
-
-    twin_of = {KernelFamily.SM90_TMA_WGMMA: sm90_twin, KernelFamily.SM90_GEMM_1X1: gemm_twin}
     taken = {t[1] for t in chosen}
     out = []
     for _, kc, _ in chosen:
         if kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is not SplitKMode.PARALLEL:
             continue  # measured on the split-k kernels only (the unsplit and ping-pong ones were not timed deep)
-        twin = twin_of[kc.family](kc) if kc.family in twin_of else None
+        twin = deep_twin(kc)
         if twin is None or twin in taken or twin.reject_reason(problem) is not None:
             continue
         launches = launches_for(problem, twin, sms)
@@ -396,13 +392,31 @@ def _deep_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
     return out
 
 
-def _wave_tiles() -> tuple:
-    """gemm1x1.WAVE_TILES, or none where the optional GEMM family is absent."""
+def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
+    """`kernel`'s deep-pipeline twin (sm90.deep_twin, gemm1x1.deep_twin), or None: not a 3.x kernel, the cap does not
+    bind, or the optional family is absent from this build."""
+    try:
+        if kernel.family is KernelFamily.SM90_TMA_WGMMA:
+            from ..sm90 import deep_twin as twin  # noqa: PLC0415
+        elif kernel.family is KernelFamily.SM90_GEMM_1X1:
+            from ..gemm1x1 import deep_twin as twin  # noqa: PLC0415
+        else:
+            return None
+    except ImportError:  # pragma: no cover - the 3.x families are optional
+        return None
+    return twin(kernel)
+
+
+def is_wave_tile(kernel: KernelConfig) -> bool:
+    """A GEMM 1x1 kernel (not lowered) of a whole-wave tile (gemm1x1.WAVE_TILES; none where that optional family is
+    absent): timed on a budget of its own (GEMM_WAVE_BUDGET)."""
+    if kernel.family is not KernelFamily.SM90_GEMM_1X1 or kernel.lowering is not None:
+        return False
     try:
         from ..gemm1x1 import WAVE_TILES  # noqa: PLC0415
     except ImportError:  # pragma: no cover - the GEMM family is optional, like sm90
-        return ()
-    return WAVE_TILES
+        return False
+    return kernel.tile in WAVE_TILES
 
 
 def _rank_families(problem: Conv2dProblem, arch: int, sms: int) -> tuple[dict, int, list[Pruned]]:

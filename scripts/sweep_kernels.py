@@ -61,23 +61,11 @@ def sourceless_twins(problem, kernels):
     return out
 
 
-def deep_twin(kernel):
-    """`kernel`'s twin of more pipeline stages than the families' cap (sm90.deep_twin, gemm1x1.deep_twin), or None."""
-    from cutlass_byoc.gemm1x1 import deep_twin as gemm_twin  # noqa: PLC0415
-    from cutlass_byoc.sm90 import deep_twin as sm90_twin  # noqa: PLC0415
-
-    if kernel.family is KernelFamily.SM90_TMA_WGMMA:
-        return sm90_twin(kernel)
-    if kernel.family is KernelFamily.SM90_GEMM_1X1:
-        return gemm_twin(kernel)
-    return None
-
-
 def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False):
     """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless,
     cluster) tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates); with
     `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins); with `deep`, each kernel's twin of more
-    pipeline stages than the families' cap (deep_twin); with `with_sm90`, the 3.x conv family's kernels on the 1x1
+    pipeline stages than the families' cap (plan.deep_twin); with `with_sm90`, the 3.x conv family's kernels on the 1x1
     cells too (their wgrad winners are mostly its split-k kernels)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
@@ -97,7 +85,7 @@ def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False)
                 out.append(k)
     out += sourceless_twins(problem, out) if sourceless else []
     if deep:
-        out += [t for t in map(deep_twin, out) if t is not None and t.reject_reason(problem) is None]
+        out += [t for t in map(plan.deep_twin, out) if t is not None and t.reject_reason(problem) is None]
     return list(dict.fromkeys(out))
 
 
@@ -274,7 +262,7 @@ def main() -> None:
         s.add_argument("--sourceless", action="store_true",
                        help="also the sourceless twin of each 3.x kernel (cells without an epilogue source)")
         s.add_argument("--deep", action="store_true",
-                       help="also each 3.x kernel's twin of more pipeline stages than the families' cap (deep_twin)")
+                       help="also each 3.x kernel's twin of more pipeline stages than the families' cap (plan.deep_twin)")
         s.add_argument("--with-sm90", action="store_true",
                        help="on the 1x1 cells, the 3.x conv family's kernels too (its split-k wgrad kernels)")
         s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1]",

@@ -3,7 +3,7 @@ round's tune.json, TUNE_JSON=1) whose winner is a deep-pipeline twin (sm90.deep_
 whole-wave tile (gemm1x1.WAVE_TILES), its time against the best launch of the plan without those extras, both
 from the same tune. A CPU-side reading of a GPU run.
 
-    python scripts/tune_twins.py TUNE.json [--workload default]
+    python scripts/tune_twins.py TUNE.json [--workload default] [--max-candidates 8]
 """
 
 from __future__ import annotations
@@ -11,48 +11,52 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from pathlib import Path
 
 from cutlass_byoc import workloads
-from cutlass_byoc.gemm1x1 import WAVE_TILES
-
-_STAGES = re.compile(r"_s(\d+)_")
-_WAVE = tuple(f"_{m}x{n}x{k}_" for m, n, k in WAVE_TILES)
+from cutlass_byoc.config import LaunchConfig
+from cutlass_byoc.profiler import plan
 
 
-def extra_kind(launch: str) -> str | None:
-    """'deep' (a 3.x kernel past the families' cap of 8 stages), 'wave' (a GEMM 1x1 whole-wave tile), or None."""
-    if launch.startswith(("cb_sm90_", "cb_gemm1x1_")):
-        m = _STAGES.search(launch)
-        if m and int(m.group(1)) > 8:
-            return "deep"
-    if launch.startswith("cb_gemm1x1_") and any(t in launch for t in _WAVE):
-        return "wave"
-    return None
+def extra_kind(launch: LaunchConfig) -> str | None:
+    """'deep' (KernelConfig.is_deep_twin), 'wave' (plan.is_wave_tile), or None: a launch of the families' shares."""
+    if launch.kernel.is_deep_twin:
+        return "deep"
+    return "wave" if plan.is_wave_tile(launch.kernel) else None
 
 
-def rows(report: dict, layers: dict) -> list[dict]:
+def rows(report: dict, planned: dict) -> list[dict]:
+    """The report's problems won by an extra. `planned`: problem name -> (layer, {launch name: LaunchConfig}) of the
+    plan the tune timed; the launches are the planner's configs, never parsed back from their names."""
     out = []
     for o in report["outcomes"]:
-        kind = extra_kind(o.get("launch") or "")
+        if not o.get("launch") or o["problem"] not in planned:
+            continue
+        layer, launches = planned[o["problem"]]
+        missing = [n for n in [o["launch"]] + [r["launch"] for r in o["results"]] if n not in launches]
+        if missing:
+            raise SystemExit(f"{o['problem']}: {missing[0]} is not in the plan of --workload / --max-candidates")
+        kind = extra_kind(launches[o["launch"]])
         if not kind:
             continue
-        ok = [r for r in o["results"] if r["status"] == "ok" and r.get("median_us")]
-        rest = [r["median_us"] for r in ok if extra_kind(r["launch"]) is None]
-        out.append({"layer": layers.get(o["problem"], o["problem"]), "extra": kind, "launch": o["launch"],
-                    "us": o["time_us"], "best_without_us": min(rest) if rest else None})
+        rest = [r["median_us"] for r in o["results"] if r["status"] == "ok" and r.get("median_us")
+                and extra_kind(launches[r["launch"]]) is None]
+        out.append({"layer": layer, "extra": kind, "launch": o["launch"], "us": o["time_us"],
+                    "best_without_us": min(rest) if rest else None})
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report")
-    ap.add_argument("--workload", default="default")
+    ap.add_argument("--workload", default="default", help="the workload the tune ran (its plan is recomputed)")
+    ap.add_argument("--max-candidates", type=int, default=plan.DEFAULT_MAX_CANDIDATES, help="the tune's budget")
     a = ap.parse_args()
-    layers = {it.problem.name: f"{it.layer} {it.problem.kind.value}" for it in workloads.workload(a.workload)}
+    planned = {it.problem.name: (f"{it.layer} {it.problem.kind.value}",
+                                 {c.name: c.launch for c in plan.plan_problem(it.problem, a.max_candidates).candidates})
+               for it in workloads.workload(a.workload)}
     logs = []
-    for r in rows(json.loads(Path(a.report).read_text()), layers):
+    for r in rows(json.loads(Path(a.report).read_text()), planned):
         gain = r["best_without_us"] / r["us"] if r["best_without_us"] else float("nan")
         if math.isfinite(gain):
             logs.append(math.log(gain))

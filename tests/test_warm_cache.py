@@ -108,9 +108,9 @@ def test_sweep_replay_finds_what_the_plan_times():
 
 
 def test_sweep_deep_twins_go_past_the_stage_cap():
-    """sweep_kernels.deep_twin: a 64 x 64 tile's twin takes the stages its shared memory holds past the families' cap
-    of 8 (13 for a GEMM 1x1 ping-pong kernel, 11 for a 3.x split-k wgrad kernel storing fp32 partials); a tile
-    the cap does not bind has none."""
+    """plan.deep_twin (which sweep_kernels.py --deep adds): a 64 x 64 tile's twin takes the stages its shared memory
+    holds past the families' cap of 8 (13 for a GEMM 1x1 ping-pong kernel, 11 for a 3.x split-k wgrad kernel storing
+    fp32 partials); a tile the cap does not bind has none."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import sweep_kernels  # noqa: PLC0415
@@ -118,16 +118,18 @@ def test_sweep_deep_twins_go_past_the_stage_cap():
         sys.path.pop(0)
     from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
     from cutlass_byoc.problem import Conv2dProblem  # noqa: PLC0415
+    from cutlass_byoc.profiler.plan import deep_twin  # noqa: PLC0415
     from cutlass_byoc.sm90 import sm90_config  # noqa: PLC0415
     from cutlass_byoc.types import SplitKMode  # noqa: PLC0415
 
     fprop = Conv2dProblem.make("fprop", 32, 256, 56, 56, 64, 1)
     small = gemm1x1_config(fprop, (64, 64, 64), "pingpong", sourceless=True)
-    assert small.stages == 8 and sweep_kernels.deep_twin(small).stages == 13
-    assert sweep_kernels.deep_twin(gemm1x1_config(fprop, (128, 128, 64), "pingpong")) is None
+    assert small.stages == 8 and deep_twin(small).stages == 13
+    assert deep_twin(gemm1x1_config(fprop, (128, 128, 64), "pingpong")) is None
     wgrad = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
     split = sm90_config(wgrad, (64, 64, 64), split_k_mode=SplitKMode.PARALLEL)
-    deep = sweep_kernels.deep_twin(split)
+    deep = deep_twin(split)
     assert (split.stages, deep.stages) == (8, 11) and deep.reject_reason(wgrad) is None
+    assert deep.is_deep_twin and not split.is_deep_twin
     swept = sweep_kernels.kernels_of(wgrad, deep=True, with_sm90=True)
     assert deep in swept and any(k.family is split.family for k in swept)
