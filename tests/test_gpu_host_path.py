@@ -67,6 +67,38 @@ def test_training_under_cuda_graphs_matches_without(how):
         assert torch.allclose(p, r, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("cudagraphs", [False, True], ids=["eager-launch", "cudagraphs"])
+def test_overlapped_wgrads_train_as_in_line_ones(cudagraphs):
+    """overlap_wgrad 1 and 2 (the wgrads on a side stream, joined back later in the backward): five training steps
+    give the losses and weights of the in-line graph, with and without CUDA graphs (then the side stream is a branch
+    of the captured graph), and nothing is left pending on the side stream after a step."""
+    from cutlass_byoc.offload import library, make_backend
+
+    torch.manual_seed(0)
+    base = Chain(True).cuda().to(memory_format=CL).train()
+    xs = [torch.randn(8, 3, 32, 32, device="cuda").contiguous(memory_format=CL) for _ in range(5)]
+    runs = {}
+    for overlap in (0, 1, 2):
+        torch._dynamo.reset()
+        library.RUNTIME.clear()
+        backend = make_backend({"select": "heuristic", "strict": True, "cudagraphs": cudagraphs,
+                                "overlap_wgrad": overlap})
+        runs[overlap] = _train_steps(torch.compile(copy.deepcopy(base), backend=backend), xs, cudagraphs)
+        torch.cuda.synchronize()
+        assert library.overlap_pending(torch.device("cuda")) == 0
+        assert backend.report().overlapped_wgrads == (3 if overlap else 0), backend.report().summary()
+        assert not library.RUNTIME.fallbacks and sum(library.RUNTIME.kernel_calls.values()) > 0
+    ref_losses, ref_params = runs[0]
+    for overlap in (1, 2):
+        losses, params = runs[overlap]
+        worst = max(((p - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for p, r in zip(params, ref_params))
+        print(f"\noverlap_wgrad={overlap} (cudagraphs={cudagraphs}): losses {losses.tolist()} vs in line "
+              f"{ref_losses.tolist()}; worst weight difference {worst:.2e} of the weight's largest")
+        assert torch.allclose(losses, ref_losses, rtol=1e-3, atol=1e-5), (losses, ref_losses)
+        for p, r in zip(params, ref_params):
+            assert torch.allclose(p, r, rtol=1e-3, atol=1e-4)
+
+
 def test_inference_under_cuda_graphs_matches_without():
     from cutlass_byoc.offload import make_backend
 

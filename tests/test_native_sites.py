@@ -183,6 +183,22 @@ def _child() -> None:
     assert len(rec4.calls) == 1 and gw.dtype == torch.float32 and gw.shape == (32, 16, 3, 3)
     assert gw.is_contiguous(memory_format=CL) and rec4.calls[0]["d"] == gw.data_ptr()
 
+    # wgrad_site_async (overlap_wgrad): the same checks and launch (on the CPU build in line, there is no stream);
+    # `after` only orders the call; an operand it cannot take goes to its twin, which joins (nothing on the CPU) and
+    # runs the general path
+    wasync = torch.ops.cutlass_byoc.wgrad_site_async.default
+    gyb, xb = gy.bfloat16(), x.bfloat16()
+    for overlap in (2, 1, 0):
+        gw2 = wasync(gyb, xb, i4, overlap, [gw, gyb] if overlap != 2 else [])
+        assert len(rec4.calls) == 1 + (3 - overlap) and rec4.calls[-1]["d"] == gw2.data_ptr()
+        assert gw2.dtype == torch.float32 and gw2.shape == (32, 16, 3, 3) and gw2.is_contiguous(memory_format=CL)
+    ref_w = torch.ops.aten.convolution_backward(gyb.float(), xb.float(), gw.float(), None, [1, 1], [1, 1], [1, 1],
+                                                False, [0, 0], 1, [False, True, False])[1]
+    torch.testing.assert_close(wasync(gyb.contiguous(), xb, i4, 1, [gw]).float(), ref_w, rtol=2e-2, atol=5e-2)
+    assert len(rec4.calls) == 4 and nat.overlap_pending(torch.device("cuda", 0)) == 0
+    nat.overlap_join(torch.device("cuda", 0))  # nothing pending: a no-op
+    rec4.calls = rec4.calls[:1]
+
     # the host-overhead benchmark's split: the fast path and cb_run alone in C++ loops, on operands of the spec
     # (20 warm-up calls, then the timed ones)
     n2 = len(rec2.calls)

@@ -17,6 +17,17 @@
 // from the spec; the native path switched off) is redispatched to the op's Python twin (cutlass_byoc::*_site_py),
 // which binds the site, or runs the general path that checks everything: nothing unchecked reaches a kernel.
 //
+// wgrad on a side stream (cutlass_byoc::wgrad_site_async, OffloadOptions.overlap_wgrad): a weight gradient is off
+// the backward pass's critical path (nothing in the step reads it before the optimizer), so a chain of these calls
+// launches each one on a side stream forked from the current one, where it runs beside the next layers' data
+// gradients and batch-norm backward, and joins it back at a later call of the chain (the current stream waits on
+// its event). Memory stays safe because the partitioner hands each call the operands and output of the calls it
+// joins (`after`): the compiled graph keeps those tensors alive, unread and unreused, until that call, and the call
+// itself holds them (and the workspace) until its join; outputs and workspaces are allocated on the current stream
+// before the fork, so the side stream writes only memory whose earlier users it has waited for. The chain's last call
+// (overlap 0) joins everything and runs on the current stream: a graph returns, or ends its CUDA graph capture, with
+// nothing in flight. A call the fast path cannot take joins everything before its Python twin runs.
+//
 // Only libc10 / libtorch_cpu symbols are used (the current CUDA stream is read through c10's device-guard
 // interface), so the same source builds against CPU and CUDA builds of torch. Built with CB_SITES_TEST_CPU (the CPU
 // tests only), the kernels are registered for CPU tensors instead, and launch with a null stream.
@@ -37,6 +48,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -132,9 +144,50 @@ std::array<uint8_t, kMaxArgsBytes> args_for(const Site& site, const void* a, con
   return args;
 }
 
-// The launch of one call, or nullopt when the operands do not match the site's spec.
+// ------------------------------------------------------------------------------ the side stream (overlap_wgrad)
+struct Pending {
+  void* event = nullptr;         // recorded on the side stream after the launch
+  std::vector<at::Tensor> held;  // the launch's operands, output and workspace, kept until it is joined
+};
+
+struct SideStream {
+  std::mutex m;
+  std::optional<c10::Stream> side;  // one stream of the pool per device, taken at the first async call
+  std::deque<Pending> pending;      // launched on the side stream and not joined yet, oldest first
+  std::vector<void*> free_events;   // the events of joined launches, reused
+  void* fork_event = nullptr;       // recorded on the current stream before each side launch
+};
+constexpr int kMaxDevices = 64;
+SideStream g_side[kMaxDevices];
+
+const c10::impl::DeviceGuardImplInterface* cuda_impl() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+// The current stream waits for all but the newest `keep` pending launches (their held tensors are released).
+void join_locked(SideStream& st, const c10::Stream& current, size_t keep) {
+  while (st.pending.size() > keep) {
+    Pending& p = st.pending.front();
+    cuda_impl()->block(p.event, current);
+    st.free_events.push_back(p.event);
+    st.pending.pop_front();
+  }
+}
+
+// Join every pending launch of `dev` into its current stream (a no-op when none is pending).
+void join_all(const at::Device& dev) {
+  if (kCpu || !dev.is_cuda() || dev.index() < 0 || dev.index() >= kMaxDevices) return;
+  SideStream& st = g_side[dev.index()];
+  std::lock_guard<std::mutex> lock(st.m);
+  if (!st.pending.empty()) join_locked(st, cuda_impl()->getStream(dev), 0);
+}
+
+// The launch of one call, or nullopt when the operands do not match the site's spec. `overlap` < 0: on the current
+// stream; 0: the same, after joining every pending side launch (the chain's last call); n > 0: on the side stream,
+// with at most n launches of the chain in flight there (the older ones joined first).
 std::optional<at::Tensor> launch(Site& site, const at::Tensor& a, const at::Tensor& b,
-                                 const std::optional<at::Tensor>& source, const std::optional<at::Tensor>& bias) {
+                                 const std::optional<at::Tensor>& source, const std::optional<at::Tensor>& bias,
+                                 int64_t overlap = -1) {
   const SiteSpec& sp = site.spec;
   const at::Device dev = a.device();
   if (dev.is_cuda() == kCpu) return std::nullopt;
@@ -178,11 +231,39 @@ std::optional<at::Tensor> launch(Site& site, const at::Tensor& a, const at::Tens
   }
   std::optional<c10::DeviceGuard> guard;
   void* stream = nullptr;
+  char msg[256] = {0};
   if (!kCpu) {
     guard.emplace(dev);  // sets the device only when it is not the current one
-    stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev).native_handle();
+    const c10::Stream current = cuda_impl()->getStream(dev);
+    stream = current.native_handle();
+    if (overlap >= 0 && dev.index() >= 0 && dev.index() < kMaxDevices) {
+      SideStream& st = g_side[dev.index()];
+      std::lock_guard<std::mutex> lock(st.m);
+      if (overlap > 0 && !st.side) st.side = cuda_impl()->getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
+      if (overlap > 0 && *st.side != current) {
+        join_locked(st, current, static_cast<size_t>(overlap - 1));
+        // fork: the side stream waits for everything issued so far on the current one (the operands' producers,
+        // the earlier users of the output's and workspace's memory)
+        cuda_impl()->record(&st.fork_event, current, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
+        cuda_impl()->block(st.fork_event, *st.side);
+        const int rc = reinterpret_cast<RunFn>(sp.run)(args.data(), ws, sp.workspace_bytes,
+                                                        st.side->native_handle(), msg, sizeof(msg));
+        TORCH_CHECK(rc == 0, site.name, ": ", msg);
+        Pending p;
+        if (!st.free_events.empty()) {
+          p.event = st.free_events.back();
+          st.free_events.pop_back();
+        }
+        cuda_impl()->record(&p.event, *st.side, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
+        p.held = {a, b, out};
+        if (workspace.defined()) p.held.push_back(workspace);
+        st.pending.push_back(std::move(p));
+        site.calls.fetch_add(1, std::memory_order_relaxed);
+        return out;
+      }
+      join_locked(st, current, 0);  // the chain's last call (or a side stream that is the current one)
+    }
   }
-  char msg[256] = {0};
   const int rc = reinterpret_cast<RunFn>(sp.run)(args.data(), ws, sp.workspace_bytes, stream, msg, sizeof(msg));
   TORCH_CHECK(rc == 0, site.name, ": ", msg);
   site.calls.fetch_add(1, std::memory_order_relaxed);
@@ -228,6 +309,22 @@ at::Tensor two_operand_site(const at::Tensor& a, const at::Tensor& b, int64_t in
 constexpr char kDgradTwin[] = "cutlass_byoc::dgrad_site_py";
 constexpr char kWgradTwin[] = "cutlass_byoc::wgrad_site_py";
 
+// wgrad of a chain of overlapped calls (see the header): `overlap` n > 0 launches on the side stream with at most n
+// in flight; 0 joins them all and runs on the current stream. `after` only orders the call (the partitioner's).
+at::Tensor wgrad_site_async(const at::Tensor& a, const at::Tensor& b, int64_t index, int64_t overlap,
+                            at::TensorList after) {
+  if (g_enabled.load(std::memory_order_relaxed)) {
+    if (auto site = find_site(index)) {
+      for (Site* s = site.get(); s; s = s->next.get())
+        if (auto y = launch(*s, a, b, std::nullopt, std::nullopt, std::max<int64_t>(overlap, 0))) return *y;
+    }
+  }
+  join_all(a.device());  // the twin runs on the current stream, after everything pending
+  static const auto twin = python_twin("cutlass_byoc::wgrad_site_async_py")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, at::TensorList)>();
+  return twin.call(a, b, index, overlap, after);
+}
+
 }  // namespace
 
 #ifdef CB_SITES_TEST_CPU
@@ -238,6 +335,7 @@ TORCH_LIBRARY_IMPL(cutlass_byoc, CUDA, m) {
   m.impl("fprop_site", &fprop_site);
   m.impl("dgrad_site", &two_operand_site<kDgradTwin>);
   m.impl("wgrad_site", &two_operand_site<kWgradTwin>);
+  m.impl("wgrad_site_async", &wgrad_site_async);
 }
 
 // ------------------------------------------------------------------------------------------ the C API (ctypes)
@@ -346,6 +444,19 @@ void cb_sites_reset_calls() {
 
 // 0: every call takes the Python twin (debugging, A/B checks); 1: the fast path runs.
 void cb_sites_enable(int on) { g_enabled.store(on != 0); }
+
+// The current stream of CUDA device `device_index` waits for every pending side launch (wgrad_site_async).
+void cb_overlap_join(int64_t device_index) {
+  if (!kCpu && device_index >= 0) join_all(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
+}
+
+// Side launches of device `device_index` not joined yet (tests: 0 after every compiled graph's run).
+int64_t cb_overlap_pending(int64_t device_index) {
+  if (device_index < 0 || device_index >= kMaxDevices) return 0;
+  SideStream& st = g_side[device_index];
+  std::lock_guard<std::mutex> lock(st.m);
+  return static_cast<int64_t>(st.pending.size());
+}
 
 // Host microseconds per call of a bound site's fast path, without the dispatcher and Python in front of it (the
 // host-overhead benchmark's split of a call): what = 0 times launch() (the checks, the output and workspace

@@ -44,7 +44,9 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-bnstats, cutlass_byoc-bnstats-cudagraphs: with fuse_bn_stats (each batch norm's statistics from its
 #:   conv's channel-statistics epilogue where the conv's launch has a twin, not from a second pass over the output);
 #: - cutlass_byoc-untuned, cutlass_byoc-untuned-cudagraphs: select="heuristic", every conv on the model's launch
-#:   (heuristics.default_launch) whatever the decision cache holds: the untuned plan beside the tuned one.
+#:   (heuristics.default_launch) whatever the decision cache holds: the untuned plan beside the tuned one;
+#: - cutlass_byoc-overlap, cutlass_byoc-overlap-cudagraphs, cutlass_byoc-overlap2-cudagraphs: overlap_wgrad 1 (2):
+#:   the offloaded wgrads on a side stream beside the rest of the backward, at most one (two) in flight.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -55,6 +57,9 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-bnstats-cudagraphs": {"fuse_bn_stats": True},
     "cutlass_byoc-untuned": {"select": "heuristic"},
     "cutlass_byoc-untuned-cudagraphs": {"select": "heuristic"},
+    "cutlass_byoc-overlap": {"overlap_wgrad": 1},
+    "cutlass_byoc-overlap-cudagraphs": {"overlap_wgrad": 1},
+    "cutlass_byoc-overlap2-cudagraphs": {"overlap_wgrad": 2},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch
@@ -224,6 +229,7 @@ DEFAULT_CASES = (Case("resnet50", 32), Case("resnet50", 64), Case("mobilenet_v2"
 
 #: Ops whose GPU and CPU time the profile splits out: the offloaded conv passes and PyTorch's own convolutions (cuDNN)
 OFFLOADED_OPS = ("cutlass_byoc::fprop_site", "cutlass_byoc::dgrad_site", "cutlass_byoc::wgrad_site",  # graphs' ops
+                 "cutlass_byoc::wgrad_site_async",
                  "cutlass_byoc::conv2d_fprop", "cutlass_byoc::conv2d_dgrad", "cutlass_byoc::conv2d_wgrad")
 ATEN_CONV_OPS = ("aten::convolution", "aten::convolution_backward")
 #: CUDA API calls the profile counts per step: CUDA graph replays (one per captured graph or graph partition) and

@@ -577,6 +577,11 @@ _SITE_SCHEMAS = {
     "fprop_site": "(Tensor input, Tensor weight, Tensor? bias, Tensor? residual, int site) -> Tensor",
     "dgrad_site": "(Tensor grad_output, Tensor weight, int site) -> Tensor",
     "wgrad_site": "(Tensor grad_output, Tensor input, int site) -> Tensor",
+    # wgrad of a chain of overlapped calls (OffloadOptions.overlap_wgrad; csrc/call_sites.cpp's header has the
+    # protocol): overlap n > 0 launches on a side stream with at most n of the chain in flight, 0 (the chain's last
+    # call) joins them all and runs on the current stream; `after` holds the tensors of the calls this one joins and
+    # the previous call's output, which orders it after them and keeps those tensors alive until then.
+    "wgrad_site_async": "(Tensor grad_output, Tensor input, int site, int overlap, Tensor[] after) -> Tensor",
 }
 for _name, _schema in _SITE_SCHEMAS.items():
     _LIB.define(_name + _schema, tags=_TAGS)
@@ -768,6 +773,32 @@ def _wgrad_site_fake(grad_output, input, site):
     return _SITES[site].empty_output(grad_output)
 
 
+@_impl("wgrad_site_async")
+def _wgrad_site_async(grad_output: torch.Tensor, input: torch.Tensor, site: int, overlap: int,
+                      after: Sequence[torch.Tensor]) -> torch.Tensor:
+    # the Python path runs on the current stream, after every side launch the C++ fast path has pending
+    overlap_join(grad_output.device)
+    return _wgrad_site(grad_output, input, site)
+
+
+@_fake("wgrad_site_async")
+def _wgrad_site_async_fake(grad_output, input, site, overlap, after):
+    return _SITES[site].empty_output(grad_output)
+
+
+def overlap_join(device: torch.device) -> None:
+    """The current stream of `device` waits for every wgrad launched on the side stream and not joined yet."""
+    nat = native.loaded()
+    if nat is not None and device.type == "cuda":
+        nat.overlap_join(device)
+
+
+def overlap_pending(device: torch.device) -> int:
+    """wgrad launches on `device`'s side stream not joined yet (0 after every run of a compiled graph)."""
+    nat = native.loaded()
+    return nat.overlap_pending(device) if nat is not None and device.type == "cuda" else 0
+
+
 # ---------------------------------------------------------------------------------------------- fprop + statistics
 class StatsSite:
     """A conv a training batch norm follows, offloaded with its statistics (OffloadOptions.fuse_bn_stats): the launch
@@ -876,10 +907,12 @@ FPROP_STATS = torch.ops.cutlass_byoc.fprop_stats_site.default
 FPROP = torch.ops.cutlass_byoc.fprop_site.default
 DGRAD = torch.ops.cutlass_byoc.dgrad_site.default
 WGRAD = torch.ops.cutlass_byoc.wgrad_site.default
+WGRAD_ASYNC = torch.ops.cutlass_byoc.wgrad_site_async.default
 #: their Python implementations (the C++ kernels' twins; the host-overhead benchmark times them too)
 FPROP_PY = torch.ops.cutlass_byoc.fprop_site_py.default
 DGRAD_PY = torch.ops.cutlass_byoc.dgrad_site_py.default
 WGRAD_PY = torch.ops.cutlass_byoc.wgrad_site_py.default
+WGRAD_ASYNC_PY = torch.ops.cutlass_byoc.wgrad_site_async_py.default
 #: the general ops (every parameter an argument): for direct use, tests and torch.library.opcheck
 conv2d_fprop = torch.ops.cutlass_byoc.conv2d_fprop.default
 conv2d_dgrad = torch.ops.cutlass_byoc.conv2d_dgrad.default

@@ -125,6 +125,9 @@ class Native:
         lib.cb_site_time.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p,
                                      ctypes.c_int]
         lib.cb_site_time.restype = ctypes.c_double
+        lib.cb_overlap_join.argtypes = [ctypes.c_int64]
+        lib.cb_overlap_pending.argtypes = [ctypes.c_int64]
+        lib.cb_overlap_pending.restype = ctypes.c_int64
         self.path = path
         self._lib = lib
 
@@ -150,6 +153,17 @@ class Native:
 
     def enable(self, on: bool) -> None:
         self._lib.cb_sites_enable(1 if on else 0)
+
+    @staticmethod
+    def _index(device: torch.device) -> int:
+        return device.index if device.index is not None else torch.cuda.current_device()
+
+    def overlap_join(self, device: torch.device) -> None:
+        """The current stream of CUDA `device` waits for every pending side-stream wgrad (wgrad_site_async)."""
+        self._lib.cb_overlap_join(self._index(device))
+
+    def overlap_pending(self, device: torch.device) -> int:
+        return int(self._lib.cb_overlap_pending(self._index(device)))
 
     #: what time_site times
     LAUNCH, RUN = 0, 1

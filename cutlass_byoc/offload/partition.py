@@ -67,14 +67,15 @@ log = logging.getLogger("cutlass_byoc.offload")
 aten = torch.ops.aten
 prims = torch.ops.prims
 CL = torch.channels_last
-NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD, library.FPROP_STATS)
+NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD, library.FPROP_STATS, library.WGRAD_ASYNC)
 #: ops whose result depends on their input's strides, not only its values: never given a changed layout
 STRIDE_SENSITIVE = {aten.as_strided.default, aten.as_strided_scatter.default, aten._reshape_alias.default,
                     aten.as_strided_copy.default, prims.as_strided.default}
 #: node.meta key marking the layout nodes the partitioner inserts ("channels_last" or "restride")
 META_KEY = "cutlass_byoc_layout"
 #: the tensor arguments of each new op that must be channels_last (positions in its args)
-CL_ARGS = {library.FPROP: (0, 1, 3), library.DGRAD: (0, 1), library.WGRAD: (0, 1), library.FPROP_STATS: (0, 1)}
+CL_ARGS = {library.FPROP: (0, 1, 3), library.DGRAD: (0, 1), library.WGRAD: (0, 1), library.FPROP_STATS: (0, 1),
+           library.WGRAD_ASYNC: (0, 1)}
 #: node.meta key of an inserted fprop op: the aten.convolution node it replaced (its report entry's node)
 CONV_KEY = "cutlass_byoc_conv"
 
@@ -567,6 +568,36 @@ class _Rewriter:
         elif not cb.users:
             self.graph.erase_node(cb)
 
+    # ------------------------------------------------------------------ wgrad on a side stream
+    def overlap_wgrad(self) -> None:
+        """Turn the offloaded wgrads whose result only leaves the graph into one chain of wgrad_site_async calls
+        (OffloadOptions.overlap_wgrad = n): call i launches on the side stream and joins call i - n; the last call
+        joins the rest and runs in line. Each call's `after` holds what it joins (that call's grad_output, input and
+        output) and the previous call's output: the graph then orders the calls, and keeps the joined calls'
+        tensors alive and unreused, until the join. Runs after fix_layouts: the operands are final."""
+        n = self.options.overlap_wgrad
+        chain = [v for v in self.graph.nodes
+                 if v.target is library.WGRAD and v.users and all(u.op == "output" for u in v.users)]
+        if n <= 0 or len(chain) < 2:
+            return
+        made: list[fx.Node] = []
+        for i, old in enumerate(chain):
+            last = i == len(chain) - 1
+            joined = range(max(0, i - n), i) if last else ([i - n] if i >= n else [])
+            after: list[fx.Node] = []
+            for j in joined:
+                after += [made[j].args[0], made[j].args[1], made[j]]
+            if made and made[-1] not in after:
+                after.append(made[-1])
+            go, inp, site = old.args
+            with self.graph.inserting_before(old):
+                new = self.call(library.WGRAD_ASYNC, (go, inp, site, 0 if last else n, after))
+            old.replace_all_uses_with(new)
+            self.graph.erase_node(old)
+            self.new_nodes[self.new_nodes.index(old)] = new
+            made.append(new)
+        self.report.overlapped_wgrads += len(chain) - 1
+
     # ------------------------------------------------------------------ layout
     def fix_layouts(self) -> None:
         """Re-derive metadata downstream of the new ops, then make their operands channels_last and restore the
@@ -742,6 +773,7 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
         changed = bool(rw.new_nodes)
         if changed:
             rw.fix_layouts()
+            rw.overlap_wgrad()
             g.lint()
     except Exception as e:  # noqa: BLE001 - any failure of ours must leave the user's graph as it was
         if options.strict:

@@ -108,9 +108,19 @@ class OffloadOptions:
     # Static batch sizes, plain fprop epilogues, sm90 conv launches; not under torch.use_deterministic_algorithms (the
     # sums are atomic adds); off by default (its call path is the general one, so it pays off under CUDA graphs)
     fuse_bn_stats: bool = False
+    # offloaded wgrads launched on a side stream, each running beside the data gradients and batch-norm backward of
+    # the next layers (cuDNN under Inductor runs them in line): n > 0 lets up to n of them be in flight there, each
+    # joined back into the current stream at the n-th offloaded wgrad after it (the last one of a graph joins them
+    # all). Only wgrads whose result nothing in the graph reads (a gradient returned to autograd) take part; under
+    # CUDA graphs the side stream becomes a parallel branch of the captured graph. 0: every wgrad in line.
+    overlap_wgrad: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))
+        ov = self.overlap_wgrad
+        if isinstance(ov, bool) or not isinstance(ov, int) or ov < 0:
+            raise ValueError(f"cutlass_byoc options: overlap_wgrad must be an int >= 0 (wgrads in flight on the side "
+                             f"stream; 0: none), got {ov!r}")
         credit = self.host_credit_us
         if credit is not None and (isinstance(credit, bool) or not isinstance(credit, (int, float)) or not
                                    math.isfinite(credit) or credit < 0):

@@ -83,6 +83,8 @@ class OffloadReport:
     failure: Optional[str] = None
     #: training batch norms whose statistics an offloaded conv's epilogue computes (OffloadOptions.fuse_bn_stats)
     bn_stats: int = 0
+    #: offloaded wgrads launched on a side stream beside the rest of the backward (OffloadOptions.overlap_wgrad)
+    overlapped_wgrads: int = 0
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -92,6 +94,7 @@ class OffloadReport:
         self.launches.clear()
         self.problems.clear()
         self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
+        self.overlapped_wgrads = 0
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
@@ -133,7 +136,8 @@ class OffloadReport:
         lines = [f"cutlass_byoc offload report for {self.graph}: {head} offloaded{kept}; "
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
                  f"{self.layout_restores} layout restores"
-                 + (f"; {self.bn_stats} batch-norm statistics in the convs' epilogues" if self.bn_stats else "")]
+                 + (f"; {self.bn_stats} batch-norm statistics in the convs' epilogues" if self.bn_stats else "")
+                 + (f"; {self.overlapped_wgrads} wgrads on a side stream" if self.overlapped_wgrads else "")]
         lines += ["  " + e.line() for e in self.entries]
         return "\n".join(lines)
 
@@ -144,7 +148,7 @@ class OffloadReport:
                              self.layout_restores + other.layout_restores, self.launches + other.launches,
                              self.problems + other.problems,
                              "; ".join(f for f in (self.failure, other.failure) if f) or None,
-                             self.bn_stats + other.bn_stats)
+                             self.bn_stats + other.bn_stats, self.overlapped_wgrads + other.overlapped_wgrads)
 
     def __str__(self) -> str:
         return self.summary()
