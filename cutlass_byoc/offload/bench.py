@@ -46,7 +46,8 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-untuned, cutlass_byoc-untuned-cudagraphs: select="heuristic", every conv on the model's launch
 #:   (heuristics.default_launch) whatever the decision cache holds: the untuned plan beside the tuned one;
 #: - cutlass_byoc-overlap, cutlass_byoc-overlap-cudagraphs, cutlass_byoc-overlap2-cudagraphs: overlap_wgrad 1 (2):
-#:   the offloaded wgrads on a side stream beside the rest of the backward, at most one (two) in flight.
+#:   the offloaded wgrads on a side stream beside the rest of the backward, at most one (two) in flight;
+#:   cutlass_byoc-inline, cutlass_byoc-inline-cudagraphs: overlap_wgrad 0, every wgrad in line, whatever the default.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -60,6 +61,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-overlap": {"overlap_wgrad": 1},
     "cutlass_byoc-overlap-cudagraphs": {"overlap_wgrad": 1},
     "cutlass_byoc-overlap2-cudagraphs": {"overlap_wgrad": 2},
+    "cutlass_byoc-inline": {"overlap_wgrad": 0},
+    "cutlass_byoc-inline-cudagraphs": {"overlap_wgrad": 0},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch
