@@ -112,7 +112,9 @@ class OffloadOptions:
     # the next layers (cuDNN under Inductor runs them in line): n > 0 lets up to n of them be in flight there, each
     # joined back into the current stream at the n-th offloaded wgrad after it (the last one of a graph joins them
     # all). Only wgrads whose result nothing in the graph reads (a gradient returned to autograd) take part; under
-    # CUDA graphs the side stream becomes a parallel branch of the captured graph. 0: every wgrad in line.
+    # CUDA graphs the side stream becomes a parallel branch of the captured graph. 0: every wgrad in line (the
+    # default: on ResNet-50 training under CUDA graphs, H200, it took 0.06-0.09 ms off a step's 6.4-10.9 ms of GPU
+    # busy time, the kernels beside the wgrads slowing down by almost as much; README, runs 33-34)
     overlap_wgrad: int = 0
 
     def __post_init__(self) -> None:
