@@ -142,3 +142,23 @@ def test_ninja_log_times_are_read_as_ninja_appends(tmp_path):
     with open(log, "a") as f:
         f.write("nel.so\tcafe\n")
     assert times.get("/b/kernel.so") == 1.0 and times.get("/a/kernel.so") == 2.5
+
+
+def test_the_longest_kernels_are_handed_to_ninja_first(tmp_path, monkeypatch):
+    """The build lists the kernels by their family's typical compile time, longest first (3.x before 2.x; a family's
+    own kernels in the given order), so ninja ends on short compiles instead of one long kernel compiling alone."""
+    from cutlass_byoc.sm90 import sm90_candidates
+
+    sm80 = _configs(3)
+    sm90 = list(sm90_candidates(PROBLEM))[:2]
+    seen = []
+
+    def record(jobs_, cache, jobs, progress, on_done=None):
+        seen.extend(job.config for job in jobs_)
+        _fake_ninja(jobs_, cache, jobs, progress, on_done)
+
+    monkeypatch.setattr(build_mod, "prepare", _fake_prepare)
+    monkeypatch.setattr(build_mod, "_run_ninja", record)
+    res = build_mod.build([sm80[0], sm90[0], sm80[1], sm90[1], sm80[2]], cache=KernelCache(tmp_path / "c"), jobs=2)
+    assert seen == [sm90[0], sm90[1], *sm80] and len(res) == 5
+    assert build_mod.compile_weight(sm90[0]) > build_mod.compile_weight(sm80[0])
