@@ -33,15 +33,15 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
 _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
                       "channel_stats", "sourceless")
-#: The widest tile a channel-statistics kernel takes (KernelConfig.channel_stats): 128 x 64 outputs. At 128 x 128 the
-#: consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers: ptxas put 688
-#: bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel.
 #: The most pipeline stages the 3.x families' configs take (sm90, gemm1x1; StageCountAutoCarveout would give their
 #: 64 x 64 tiles 11-13); a wgrad's kernels also come with their deep twin (sm90.deep_twin, gemm1x1.deep_twin), timed
 #: beside them with up to DEEP_MAX_STAGES (the deepest pipeline nvjet's GEMM kernels run on these problems, by their
 #: names).
 MAX_STAGES = 8
 DEEP_MAX_STAGES = 16
+#: The widest tile a channel-statistics kernel takes (KernelConfig.channel_stats): 128 x 64 outputs. At 128 x 128 the
+#: consumer warp group's 128 accumulators per thread and the two row reductions exceed its registers: ptxas put 688
+#: bytes on the stack, and on the H200 the epilogue cost up to 3x the plain kernel.
 _CHANNEL_STATS_TILE_MN = (128, 64)
 _CHANNEL_STATS_MAX_OUTPUTS = _CHANNEL_STATS_TILE_MN[0] * _CHANNEL_STATS_TILE_MN[1]
 
