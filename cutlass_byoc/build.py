@@ -23,6 +23,7 @@ from .config import KernelConfig
 from .render import render
 from .toolchain import Toolchain, toolchain
 from .trust import provenance
+from .types import KernelFamily
 
 log = logging.getLogger("cutlass_byoc.build")
 
@@ -109,12 +110,13 @@ class _Job:
 #: shared-memory im2col 5; depthwise ~2.5). Only their order matters: the build lists the longest first, so ninja
 #: (which starts edges in that order when it has no history of them) ends on short kernels instead of leaving one
 #: minute-long kernel compiling alone at the end (longest-processing-time-first scheduling).
-COMPILE_WEIGHT = {"sm90_tma_wgmma": 60.0, "sm90_gemm_1x1": 57.0, "sm80_implicit_gemm": 14.0, "smem_im2col": 5.0,
-                  "depthwise_direct": 2.5}
+COMPILE_WEIGHT = {KernelFamily.SM90_TMA_WGMMA: 60.0, KernelFamily.SM90_GEMM_1X1: 57.0,
+                  KernelFamily.SM80_IMPLICIT_GEMM: 14.0, KernelFamily.SMEM_IM2COL: 5.0,
+                  KernelFamily.DEPTHWISE_DIRECT: 2.5}
 
 
 def compile_weight(config: KernelConfig) -> float:
-    return COMPILE_WEIGHT.get(getattr(config.family, "value", ""), 30.0)
+    return COMPILE_WEIGHT.get(config.family, 30.0)  # a family without a measurement: between the two groups
 
 
 def prepare(config: KernelConfig, tc: Optional[Toolchain] = None) -> tuple[str, str]:

@@ -173,8 +173,7 @@ class Native:
         dispatcher, no Python): what=LAUNCH the checks, allocations and cb_run of a call, what=RUN cb_run alone.
         device None: the CPU (the CPU test build)."""
         msg = ctypes.create_string_buffer(256)
-        index_ = -1 if device is None else (device.index if device.index is not None else torch.cuda.current_device())
-        us = float(self._lib.cb_site_time(index, index_, iters, what, msg, 256))
+        us = float(self._lib.cb_site_time(index, -1 if device is None else self._index(device), iters, what, msg, 256))
         if us < 0:
             raise RuntimeError(f"call site {index}: {msg.value.decode()}")
         return us
