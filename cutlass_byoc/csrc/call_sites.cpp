@@ -174,12 +174,17 @@ void join_locked(SideStream& st, const c10::Stream& current, size_t keep) {
   }
 }
 
+// The side-stream state of a CUDA device (nullptr on the CPU build, or for a device index out of range).
+SideStream* side_state(const at::Device& dev) {
+  return !kCpu && dev.is_cuda() && dev.index() >= 0 && dev.index() < kMaxDevices ? &g_side[dev.index()] : nullptr;
+}
+
 // Join every pending launch of `dev` into its current stream (a no-op when none is pending).
 void join_all(const at::Device& dev) {
-  if (kCpu || !dev.is_cuda() || dev.index() < 0 || dev.index() >= kMaxDevices) return;
-  SideStream& st = g_side[dev.index()];
-  std::lock_guard<std::mutex> lock(st.m);
-  if (!st.pending.empty()) join_locked(st, cuda_impl()->getStream(dev), 0);
+  SideStream* st = side_state(dev);
+  if (!st) return;
+  std::lock_guard<std::mutex> lock(st->m);
+  if (!st->pending.empty()) join_locked(*st, cuda_impl()->getStream(dev), 0);
 }
 
 // The launch of one call, or nullopt when the operands do not match the site's spec. `overlap` < 0: on the current
@@ -231,41 +236,44 @@ std::optional<at::Tensor> launch(Site& site, const at::Tensor& a, const at::Tens
   }
   std::optional<c10::DeviceGuard> guard;
   void* stream = nullptr;
-  char msg[256] = {0};
+  SideStream* st = overlap >= 0 ? side_state(dev) : nullptr;  // a call of an overlapped chain
+  std::unique_lock<std::mutex> lock;
+  bool to_side = false;
   if (!kCpu) {
     guard.emplace(dev);  // sets the device only when it is not the current one
     const c10::Stream current = cuda_impl()->getStream(dev);
     stream = current.native_handle();
-    if (overlap >= 0 && dev.index() >= 0 && dev.index() < kMaxDevices) {
-      SideStream& st = g_side[dev.index()];
-      std::lock_guard<std::mutex> lock(st.m);
-      if (overlap > 0 && !st.side) st.side = cuda_impl()->getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
-      if (overlap > 0 && *st.side != current) {
-        join_locked(st, current, static_cast<size_t>(overlap - 1));
+    if (st) {
+      lock = std::unique_lock<std::mutex>(st->m);
+      if (overlap > 0 && !st->side) st->side = cuda_impl()->getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
+      // on the side stream unless this is the chain's last call (or the pool's stream is the current one)
+      to_side = overlap > 0 && *st->side != current;
+      join_locked(*st, current, to_side ? static_cast<size_t>(overlap - 1) : 0);
+      if (to_side) {
         // fork: the side stream waits for everything issued so far on the current one (the operands' producers,
         // the earlier users of the output's and workspace's memory)
-        cuda_impl()->record(&st.fork_event, current, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
-        cuda_impl()->block(st.fork_event, *st.side);
-        const int rc = reinterpret_cast<RunFn>(sp.run)(args.data(), ws, sp.workspace_bytes,
-                                                        st.side->native_handle(), msg, sizeof(msg));
-        TORCH_CHECK(rc == 0, site.name, ": ", msg);
-        Pending p;
-        if (!st.free_events.empty()) {
-          p.event = st.free_events.back();
-          st.free_events.pop_back();
-        }
-        cuda_impl()->record(&p.event, *st.side, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
-        p.held = {a, b, out};
-        if (workspace.defined()) p.held.push_back(workspace);
-        st.pending.push_back(std::move(p));
-        site.calls.fetch_add(1, std::memory_order_relaxed);
-        return out;
+        cuda_impl()->record(&st->fork_event, current, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
+        cuda_impl()->block(st->fork_event, *st->side);
+        stream = st->side->native_handle();
+      } else {
+        lock.unlock();  // in line: nothing of the state is touched again
       }
-      join_locked(st, current, 0);  // the chain's last call (or a side stream that is the current one)
     }
   }
+  char msg[256] = {0};
   const int rc = reinterpret_cast<RunFn>(sp.run)(args.data(), ws, sp.workspace_bytes, stream, msg, sizeof(msg));
   TORCH_CHECK(rc == 0, site.name, ": ", msg);
+  if (to_side) {  // pending until a later call of the chain joins it
+    Pending p;
+    if (!st->free_events.empty()) {
+      p.event = st->free_events.back();
+      st->free_events.pop_back();
+    }
+    cuda_impl()->record(&p.event, *st->side, dev.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    p.held = {a, b, out};
+    if (workspace.defined()) p.held.push_back(workspace);
+    st->pending.push_back(std::move(p));
+  }
   site.calls.fetch_add(1, std::memory_order_relaxed);
   return out;
 }
@@ -447,15 +455,17 @@ void cb_sites_enable(int on) { g_enabled.store(on != 0); }
 
 // The current stream of CUDA device `device_index` waits for every pending side launch (wgrad_site_async).
 void cb_overlap_join(int64_t device_index) {
-  if (!kCpu && device_index >= 0) join_all(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
+  if (!kCpu && device_index >= 0 && device_index < kMaxDevices)
+    join_all(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
 }
 
 // Side launches of device `device_index` not joined yet (tests: 0 after every compiled graph's run).
 int64_t cb_overlap_pending(int64_t device_index) {
-  if (device_index < 0 || device_index >= kMaxDevices) return 0;
-  SideStream& st = g_side[device_index];
-  std::lock_guard<std::mutex> lock(st.m);
-  return static_cast<int64_t>(st.pending.size());
+  SideStream* st = device_index < 0 || device_index >= kMaxDevices
+                        ? nullptr : side_state(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index)));
+  if (!st) return 0;
+  std::lock_guard<std::mutex> lock(st->m);
+  return static_cast<int64_t>(st->pending.size());
 }
 
 // Host microseconds per call of a bound site's fast path, without the dispatcher and Python in front of it (the

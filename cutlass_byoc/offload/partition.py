@@ -576,9 +576,11 @@ class _Rewriter:
         output) and the previous call's output: the graph then orders the calls, and keeps the joined calls'
         tensors alive and unreused, until the join. Runs after fix_layouts: the operands are final."""
         n = self.options.overlap_wgrad
+        if n <= 0:
+            return
         chain = [v for v in self.graph.nodes
                  if v.target is library.WGRAD and v.users and all(u.op == "output" for u in v.users)]
-        if n <= 0 or len(chain) < 2:
+        if len(chain) < 2:
             return
         made: list[fx.Node] = []
         for i, old in enumerate(chain):
