@@ -134,21 +134,34 @@ def build(
     progress: bool = False,
     retry_failed: bool = False,
     raise_on_error: bool = False,
+    on_result: Optional[Callable[[KernelConfig, BuildResult], None]] = None,
+    nice: int = 0,
 ) -> dict[KernelConfig, BuildResult]:
     """Make sure every config has a cache entry (compiled or failed) and return them.
 
     Safe with several processes building at once: each key is built under its lock by one of them; the others wait
     for that lock and then find the published entry.
+
+    `on_result(config, result)` is called once per config, in this thread, as soon as its result is known: at once for
+    a cached one, as ninja finishes a compiled one (the tuner starts timing a problem whose kernels are all there).
+    `nice` > 0 runs the compilers at that lower CPU priority (`nice -n`), so a process timing kernels beside the
+    build keeps its core.
     """
     cache = cache or KernelCache()
     configs = list(dict.fromkeys(configs))
     results: dict[KernelConfig, BuildResult] = {}
+
+    def settle(result: BuildResult) -> None:
+        results[result.config] = result
+        if on_result is not None:
+            on_result(result.config, result)
+
     pending: list[tuple[KernelConfig, str, str]] = []
     for cfg in configs:
         source, key = prepare(cfg)
         entry = cache.lookup(key)
         if entry.state is EntryState.OK or (entry.state is EntryState.FAILED and not retry_failed):
-            results[cfg] = BuildResult(cfg, entry, False)
+            settle(BuildResult(cfg, entry, False))
         else:
             pending.append((cfg, key, source))
 
@@ -167,7 +180,7 @@ def build(
             locks.append(lk)
             entry = cache.lookup(key)  # re-check under the lock
             if entry.state is EntryState.OK or (entry.state is EntryState.FAILED and not retry_failed):
-                results[cfg] = BuildResult(cfg, entry, False)
+                settle(BuildResult(cfg, entry, False))
                 continue
             mine.append(_Job(cfg, key, source, cache.staging_dir(key)))
         if mine:
@@ -175,13 +188,13 @@ def build(
 
             def done(job: _Job) -> None:  # ninja finished this kernel: publish it now, whatever happens to the rest
                 published[job.key] = BuildResult(job.config, cache.publish(job.key, job.staged), True)
+                settle(published[job.key])
 
             mine.sort(key=lambda j: -compile_weight(j.config))  # longest first (stable: the given order in a family)
-            _run_ninja(mine, cache, jobs or default_jobs(), progress, on_done=done)
+            _run_ninja(mine, cache, jobs or default_jobs(), progress, on_done=done, nice=nice)
             for job in mine:
                 if job.key not in published:
                     done(job)
-                results[job.config] = published[job.key]
     finally:
         for lk in locks:
             lk.release()
@@ -189,9 +202,10 @@ def build(
         with cache.lock(key):
             entry = cache.lookup(key)
         if entry.state is EntryState.MISSING:  # the other process died mid-build: build it ourselves
-            results.update(build([cfg], jobs=jobs, cache=cache, progress=False, retry_failed=retry_failed))
+            results.update(build([cfg], jobs=jobs, cache=cache, progress=False, retry_failed=retry_failed,
+                                 on_result=on_result, nice=nice))
         else:
-            results[cfg] = BuildResult(cfg, entry, False)
+            settle(BuildResult(cfg, entry, False))
 
     for r in results.values():
         if r.built_now and r.ok and r.entry.log.strip():
@@ -206,10 +220,11 @@ def build(
 
 
 def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: bool,
-               on_done: Optional[Callable[[_Job], None]] = None) -> None:
+               on_done: Optional[Callable[[_Job], None]] = None, nice: int = 0) -> None:
     """Compile `jobs_` with ninja, each job's staging dir then holding its library and meta.json (or failed.json);
     `on_done(job)` is called as each one finishes (ninja, its output piped, reports an edge when it ends; its log has
-    the edge's times by then), and for any it did not report once ninja exits."""
+    the edge's times by then), and for any it did not report once ninja exits. `nice` > 0: ninja and the compilers
+    it starts run under `nice -n nice` (where a `nice` program exists)."""
     tc = toolchain(jobs_[0].config.arch)
     # absolute paths: ninja runs in build_dir (-C), where a cache given as a relative path would not resolve
     build_dir = cache.staging_dir("ninja").absolute()
@@ -257,8 +272,9 @@ def _run_ninja(jobs_: Sequence[_Job], cache: KernelCache, jobs: int, progress: b
 
     env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
     t0 = time.time()
+    lower = [nice_exe, "-n", str(nice)] if nice > 0 and (nice_exe := shutil.which("nice")) else []
     proc = subprocess.Popen(
-        [_ninja(), "-C", str(build_dir), "-j", str(jobs), "-k", "0"],
+        [*lower, _ninja(), "-C", str(build_dir), "-j", str(jobs), "-k", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     done = 0

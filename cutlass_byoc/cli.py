@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     _problem_args(t)
     t.add_argument("--force", action="store_true", help="re-time problems that already have a decision")
     t.add_argument("--compile-only", action="store_true", help="stop after compiling, even with a GPU")
+    t.add_argument("--time-after-build", action="store_true",
+                   help="time only once every kernel is compiled (default: each problem as soon as its kernels are, "
+                        "while the rest compile at lower CPU priority)")
     t.add_argument("--gpus", default=None, metavar="all|0,1",
                    help="time on these GPUs of this host, one worker each (all the same GPU model); the compile "
                         "step is shared. Default: the current device")
@@ -286,7 +289,8 @@ def cmd_tune(args) -> int:
     names = {it.problem: it.layer for it in items}
     report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
                            progress=not args.no_progress, arch=args.arch, force=args.force,
-                           compile_only=args.compile_only, devices=devices)
+                           compile_only=args.compile_only, devices=devices,
+                           overlap_timing=not args.time_after_build)
     rows = [("layer", "kind", "status", "time us", "cuDNN us", "ok/planned", "launch")]
     for o in report.outcomes:
         ok = sum(1 for r in o.results if r.ok)
@@ -318,6 +322,8 @@ def cmd_tune(args) -> int:
           f"{report.kernels_failed} failed to compile; compile {report.compile_s:.1f} s, "
           f"timing {report.timing_s:.1f} s ({report.launches_timed} launches timed, "
           f"{report.worker_restarts} worker restarts); total {report.total_s:.1f} s")
+    if report.overlapped:
+        print(f"timing ran beside the build: {report.timing_after_build_s:.1f} s of it after the build ended")
     if report.gpu:
         on = f" x {len(report.devices)} (GPUs {','.join(map(str, report.devices))})" if report.devices else ""
         print(f"GPU: {report.gpu.tag}{on}")

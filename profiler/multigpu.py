@@ -4,7 +4,7 @@ The compile step stays one parallel build for the whole workload (tune.py); only
 `CandidateRunner` (one crash-isolated worker process that sees only its GPU: CUDA_VISIBLE_DEVICES, so it runs
 exactly as in a one-GPU run) is started per GPU, the
 runners are started concurrently (each pays CUDA's start-up), and one parent thread per runner pulls the next
-problem from a shared queue (the runners block on their pipes, not on the GIL), so a GPU that draws slow problems
+problem from a shared feed (feed.py: the build fills it as kernels compile; the runners block on their pipes, not on the GIL), so a GPU that draws slow problems
 simply takes fewer of them. Results are handed to the caller one problem at a time under a lock, so recording
 decisions and writing the log need no locking of their own.
 
@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Callable, Optional, Sequence
 
 from ..decisions import GpuInfo
+from .feed import ProblemFeed
 from .worker import WorkerError
 
 log = logging.getLogger("cutlass_byoc.profiler.multigpu")
@@ -148,14 +148,16 @@ class GpuTiming:
 def time_on_gpus(
     devices: Sequence[int],
     settings,
-    problems: Sequence,
+    problems: "Sequence | ProblemFeed",
     evaluate: Callable[[object, object], list],
     finish: Callable[[object, list], None],
     runner_factory: Callable,
 ) -> list[GpuTiming]:
     """Run `evaluate(runner, problem)` for every problem on one runner per device, then `finish(problem, results)`
-    (serialised). Raises GpuSelectionError on a mix of GPU models (before timing anything) and re-raises the first
-    error of a runner (after stopping the others)."""
+    (serialised). `problems`: a list, timed in its order, or a `ProblemFeed` that the build is still filling (each
+    runner takes the next ready problem until the feed ends). Raises GpuSelectionError on a mix of GPU models (before
+    timing anything) and re-raises the first error of a runner (after stopping the others and aborting the feed)."""
+    feed = problems if isinstance(problems, ProblemFeed) else ProblemFeed.of(problems)
     stats = [GpuTiming(d) for d in devices]
     runners: list = [None] * len(devices)
     errors: list[tuple[int, BaseException]] = []
@@ -191,18 +193,14 @@ def time_on_gpus(
             if msg:
                 raise GpuSelectionError(msg)
 
-        work: "queue.Queue" = queue.Queue()
-        for p in problems:
-            work.put(p)
         lock = threading.Lock()
         stop = threading.Event()
 
         def loop(i: int) -> None:
             r = runners[i]
             while not stop.is_set():
-                try:
-                    p = work.get_nowait()
-                except queue.Empty:
+                p = feed.get()
+                if p is None:
                     return
                 try:
                     t0 = time.perf_counter()
@@ -214,6 +212,7 @@ def time_on_gpus(
                 except BaseException as e:  # noqa: BLE001
                     errors.append((devices[i], e))
                     stop.set()
+                    feed.abort()  # wakes the runners waiting for a problem
                     return
 
         threads = [threading.Thread(target=loop, args=(i,), name=f"cutlass-byoc-gpu{devices[i]}", daemon=True)
@@ -226,7 +225,7 @@ def time_on_gpus(
             raise errors[0][1]
         for i, r in enumerate(runners):
             stats[i].restarts = getattr(r, "restarts", 0)
-        log.info("timed %d problems on %d GPUs: %s", len(problems), len(devices),
+        log.info("timed %d problems on %d GPUs: %s", sum(s.problems for s in stats), len(devices),
                  ", ".join(f"GPU {s.device}: {s.problems} problems, {s.busy_s:.1f} s" for s in stats))
         return stats
     finally:

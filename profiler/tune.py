@@ -1,5 +1,10 @@
-"""Tune a workload: skip what is decided, plan, compile every missing kernel in one parallel build, then check and
-time the candidates in a worker process and record each problem's winner in the decision cache.
+"""Tune a workload: skip what is decided, plan, compile every missing kernel in one parallel build, check and time
+the candidates in a worker process and record each problem's winner in the decision cache.
+
+Timing overlaps the build: a problem is timed as soon as every kernel of its candidates has a build result, while
+the build compiles the rest (feed.py). A cold tune then takes about as long as its build (the timing of ~1 s per
+problem hides behind the compiles), where timing after the build added its whole duration. The compilers run at
+lower CPU priority meanwhile (BUILD_NICE), so the timing worker is never starved while it enqueues timed runs.
 
 A second run of the same workload finds every decision and returns before planning: it compiles nothing and
 times nothing. Without a GPU, planning and compiling still happen (the kernel cache is then warm for a GPU
@@ -12,17 +17,19 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..build import build
 from ..cache import KernelCache
-from ..config import LaunchConfig
+from ..config import KernelConfig, LaunchConfig
 from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
 from ..problem import Conv2dProblem
 from ..trust import make_private_dir
 from ..types import KernelFamily
+from .feed import ProblemFeed
 from .multigpu import (
     GpuSelectionError, GpuTiming, mixed_gpu_message, probe_gpus, time_on_gpus, visible_device,
 )
@@ -38,6 +45,11 @@ NO_WINNER = "no_winner"  # every candidate failed (compile, crash, wrong result)
 NO_CANDIDATES = "no_candidates"  # no kernel of this build can compute the problem
 COMPILED = "compiled"  # no GPU: planned and compiled, not timed
 
+#: CPU priority of the compilers while kernels are timed beside the build (`nice -n`). The timing worker then keeps its
+#: core: kernel times are GPU events, but a worker starved of CPU could fall behind the GPU while it enqueues the
+#: timed runs, and a short kernel's runs would then include launch gaps.
+BUILD_NICE = 10
+
 NO_GPU_MESSAGE = (
     "timing needs a GPU: no CUDA device was found, so the candidates were planned and compiled into the kernel "
     "cache but not timed, and no decision was recorded. Run `cutlass-byoc tune` again on the GPU machine (with "
@@ -47,6 +59,31 @@ NO_GPU_MESSAGE = (
 
 class TuneError(RuntimeError):
     """Tuning cannot proceed; the message says what to change."""
+
+
+class _Background:
+    """`fn()` on a thread of its own; `join()` returns its result or raises its exception here."""
+
+    def __init__(self, fn) -> None:
+        self._fn, self._result, self._error = fn, None, None
+        self._thread = threading.Thread(target=self._run, name="cutlass-byoc-timing", daemon=True)
+        self.started = False
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by join()
+            self._error = e
+
+    def start(self) -> None:
+        self.started = True
+        self._thread.start()
+
+    def join(self, reraise: bool = True):
+        self._thread.join()
+        if self._error is not None and reraise:
+            raise self._error
+        return self._result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +123,10 @@ class TuneReport:
     message: str = ""
     devices: tuple[int, ...] = ()  # the GPUs that timed (--gpus); () for the one current device
     per_gpu: tuple[GpuTiming, ...] = ()  # with several devices: each one's problems and busy seconds
+    #: timing ran beside the build (each problem timed once its kernels were built); timing_s then runs from the
+    #: build's start, and timing_after_build_s is the part the build did not hide
+    overlapped: bool = False
+    timing_after_build_s: float = 0.0
 
     @property
     def all_decided(self) -> bool:
@@ -145,10 +186,13 @@ def tune_workload(
     settings: WorkerSettings = WorkerSettings(),
     gpu: Optional[GpuInfo] = None,
     devices: Optional[Sequence[int]] = None,
+    overlap_timing: bool = True,
 ) -> TuneReport:
     """Decide a launch for every problem (see the module docstring). `force` re-times decided problems;
     `compile_only` stops after the build even with a GPU. `devices`: time on these GPUs, one worker each (see
-    multigpu.py; they must all be the same GPU model); default: one worker on `settings.device`."""
+    multigpu.py; they must all be the same GPU model); default: one worker on `settings.device`.
+    `overlap_timing`: time each problem as soon as its kernels are built, while the build goes on (the compilers
+    then run at lower CPU priority, BUILD_NICE); False times after the whole build, on an idle CPU."""
     t_start = time.perf_counter()
     cache = cache or KernelCache()
     store = store or DecisionStore(cache.root)
@@ -192,31 +236,149 @@ def tune_workload(
     plan_of = {pp.problem: pp for pp in plan.plans}
     kernels = plan.kernels
     log.info("planned %d launches of %d distinct kernels for %d problems", plan.launches, len(kernels), len(todo))
-    t0 = time.perf_counter()
-    # Slowest first (3.x kernels take ~5x a 2.x one to compile), so the long compiles do not finish last alone.
-    order = sorted(kernels, key=lambda k: k.family is KernelFamily.SM80_IMPLICIT_GEMM)
-    builds = build(order, jobs=jobs, cache=cache, progress=progress)
-    compile_s = time.perf_counter() - t0
-    compiled_now = sum(1 for r in builds.values() if r.built_now and r.ok)
-    failed = sum(1 for r in builds.values() if not r.ok)
+    timed = gpu is not None and not compile_only
+    overlap = timed and overlap_timing
 
     log_path = _log_file(cache)
-    timed = gpu is not None and not compile_only
+    log_lock = threading.Lock()
     timing_s, launches_timed, restarts = 0.0, 0, 0
     per_gpu: list[GpuTiming] = []
+    builds: dict[KernelConfig, object] = {}
     with open(log_path, "a") as logf:
-        def emit(rec: dict) -> None:
-            logf.write(json.dumps(rec, sort_keys=True) + "\n")
-            logf.flush()
+        def emit(rec: dict) -> None:  # from the build (this thread) and the timing thread(s)
+            with log_lock:
+                logf.write(json.dumps(rec, sort_keys=True) + "\n")
+                logf.flush()
 
         emit({"event": "plan", "problems": len(todo), "kernels": len(kernels), "launches": plan.launches,
-              "compiled_now": compiled_now, "compile_failed": failed, "compile_s": compile_s,
-              "gpu": gpu.tag if gpu else None})
-        for kc, r in builds.items():
+              "gpu": gpu.tag if gpu else None, "overlap_timing": overlap})
+
+        # A problem is ready to time once each of its kernels has a build result (compiled, cached or failed).
+        # Costliest first (candidates x flops): with several GPUs, no GPU is left with a big problem at the end.
+        feed: ProblemFeed[Conv2dProblem] = ProblemFeed(cost=lambda p: len(plan_of[p].candidates) * p.flops)
+        missing = {p: set(plan_of[p].kernels) for p in todo}
+        users: dict[KernelConfig, list[Conv2dProblem]] = {}
+        for p in todo:
+            for k in missing[p]:
+                users.setdefault(k, []).append(p)
+
+        def on_result(kc: KernelConfig, r) -> None:
+            builds[kc] = r
             if not r.ok:
                 emit({"event": "compile_failed", "kernel": kc.name, "entry": str(r.entry.path)})
+            for p in users.get(kc, ()):
+                missing[p].discard(kc)
+                if not missing[p]:
+                    feed.put(p)
+
+        for p in todo:
+            if not missing[p]:  # no candidates: nothing to wait for
+                feed.put(p)
+
+        bar = None
+        cudnn_us: dict[Conv2dProblem, Optional[float]] = {}
+
+        def evaluate(runner, p: Conv2dProblem) -> list[CandidateResult]:
+            pp = plan_of[p]
+            runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
+            results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
+                       for c in pp.candidates if not builds[c.launch.kernel].ok]
+            if runnable:  # cuDNN timed first, on the same operands: the bar the winner must clear
+                results += runner.evaluate(p, runnable, baseline=True)
+                cudnn_us[p] = runner.baseline_us
+            return results
+
+        def finish(p: Conv2dProblem, results: list[CandidateResult]) -> None:  # one problem at a time
+            nonlocal launches_timed
+            pp = plan_of[p]
+            launches_timed += sum(1 for r in results if r.median_us is not None)
+            for r in results:
+                emit({"event": "candidate", "problem": p.name, **r.to_dict()})
+            win = pick_winner(results)
+            if not pp.candidates:
+                outcomes[p] = ProblemOutcome(p, NO_CANDIDATES, message="no kernel family computes it")
+            elif win is None:
+                counts: dict[str, int] = {}
+                for r in results:
+                    counts[r.status] = counts.get(r.status, 0) + 1
+                outcomes[p] = ProblemOutcome(p, NO_WINNER, results=tuple(results), planned=len(pp.candidates),
+                                             message="no candidate passed: " + ", ".join(
+                                                 f"{n} {s}" for s, n in sorted(counts.items())))
+            else:
+                others = sorted((r for r in results if r.ok and r is not win), key=lambda r: r.median_us)
+                record_decision(
+                    p, win.launch, win.median_us, gpu=gpu, store=store,
+                    candidates_timed=sum(1 for r in results if r.ok),
+                    runner_up=others[0].launch.name if others else None,
+                    runner_up_us=others[0].median_us if others else None, max_error=win.max_error,
+                    cudnn_us=cudnn_us.get(p),
+                )
+                outcomes[p] = ProblemOutcome(p, TUNED, win.launch, win.median_us, tuple(results),
+                                             len(pp.candidates), cudnn_us=cudnn_us.get(p))
+            emit({"event": "decision", **{k: v for k, v in outcomes[p].to_dict().items() if k != "results"}})
+            if bar is not None:
+                bar.update(1)
+
+        def time_all() -> object:
+            worker_settings = dataclasses.replace(settings, cache_root=str(cache.root))
+            if len(devices) > 1:
+                try:
+                    return time_on_gpus(devices, worker_settings, feed, evaluate, finish, CandidateRunner)
+                except GpuSelectionError as e:
+                    raise TuneError(str(e)) from None
+            with CandidateRunner(worker_settings) as runner:
+                while (p := feed.get()) is not None:
+                    finish(p, evaluate(runner, p))
+                return runner.restarts
+
+        timing = _Background(time_all) if timed else None
+
+        def start_timing() -> None:
+            nonlocal bar
+            if progress:
+                from tqdm import tqdm  # noqa: PLC0415
+
+                bar = tqdm(total=len(todo), desc="timing", unit="problem", position=1 if overlap else 0)
+            timing.start()
+
+        t0 = time.perf_counter()
+        try:
+            if overlap:  # time each problem as soon as its kernels are built, beside the rest of the build
+                start_timing()
+            # Slowest first (3.x kernels take ~5x a 2.x one to compile), so the long compiles do not finish last
+            # alone; within a family the plan's problem order, so problems become ready for timing one by one.
+            order = sorted(kernels, key=lambda k: k.family is KernelFamily.SM80_IMPLICIT_GEMM)
+            built = build(order, jobs=jobs, cache=cache, progress=progress, on_result=on_result,
+                          nice=BUILD_NICE if overlap else 0)
+            compile_s = time.perf_counter() - t0
+            compiled_now = sum(1 for r in built.values() if r.built_now and r.ok)
+            failed = sum(1 for r in built.values() if not r.ok)
+            emit({"event": "build", "compiled_now": compiled_now, "compile_failed": failed, "compile_s": compile_s})
+            feed.close()
+            if timed:
+                if not overlap:
+                    start_timing()
+                t_build = time.perf_counter()
+                got = timing.join()
+                timing_after_build_s = time.perf_counter() - t_build
+                timing_s = time.perf_counter() - (t0 if overlap else t_build)
+                if isinstance(got, list):
+                    per_gpu = got
+                    restarts = sum(g.restarts for g in per_gpu)
+                    emit({"event": "gpus", "per_gpu": [g.to_dict() for g in per_gpu]})
+                else:
+                    restarts = int(got)
+        except BaseException:
+            feed.abort()  # an interrupted build or a failed timing thread: stop timing after the current problem
+            if timing is not None and timing.started:
+                timing.join(reraise=False)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
 
         if not timed:
+            timing_after_build_s = 0.0
             for p in todo:
                 pp = plan_of[p]
                 n_ok = sum(1 for c in pp.candidates if builds[c.launch.kernel].ok)
@@ -225,79 +387,11 @@ def tune_workload(
                     p, status, planned=len(pp.candidates),
                     message=f"{n_ok} of {len(pp.candidates)} launches compiled; not timed",
                 )
-        else:
-            t1 = time.perf_counter()
-            bar = None
-            if progress:
-                from tqdm import tqdm  # noqa: PLC0415
-
-                bar = tqdm(total=len(todo), desc="timing", unit="problem")
-            cudnn_us: dict[Conv2dProblem, Optional[float]] = {}
-
-            def evaluate(runner, p: Conv2dProblem) -> list[CandidateResult]:
-                pp = plan_of[p]
-                runnable = [c.launch for c in pp.candidates if builds[c.launch.kernel].ok]
-                results = [CandidateResult(c.launch, COMPILE_FAILED, message=f"see {builds[c.launch.kernel].entry.path}")
-                           for c in pp.candidates if not builds[c.launch.kernel].ok]
-                if runnable:  # cuDNN timed first, on the same operands: the bar the winner must clear
-                    results += runner.evaluate(p, runnable, baseline=True)
-                    cudnn_us[p] = runner.baseline_us
-                return results
-
-            def finish(p: Conv2dProblem, results: list[CandidateResult]) -> None:
-                nonlocal launches_timed
-                pp = plan_of[p]
-                launches_timed += sum(1 for r in results if r.median_us is not None)
-                for r in results:
-                    emit({"event": "candidate", "problem": p.name, **r.to_dict()})
-                win = pick_winner(results)
-                if not pp.candidates:
-                    outcomes[p] = ProblemOutcome(p, NO_CANDIDATES, message="no kernel family computes it")
-                elif win is None:
-                    counts: dict[str, int] = {}
-                    for r in results:
-                        counts[r.status] = counts.get(r.status, 0) + 1
-                    outcomes[p] = ProblemOutcome(p, NO_WINNER, results=tuple(results), planned=len(pp.candidates),
-                                                 message="no candidate passed: " + ", ".join(
-                                                     f"{n} {s}" for s, n in sorted(counts.items())))
-                else:
-                    others = sorted((r for r in results if r.ok and r is not win), key=lambda r: r.median_us)
-                    record_decision(
-                        p, win.launch, win.median_us, gpu=gpu, store=store,
-                        candidates_timed=sum(1 for r in results if r.ok),
-                        runner_up=others[0].launch.name if others else None,
-                        runner_up_us=others[0].median_us if others else None, max_error=win.max_error,
-                        cudnn_us=cudnn_us.get(p),
-                    )
-                    outcomes[p] = ProblemOutcome(p, TUNED, win.launch, win.median_us, tuple(results),
-                                                 len(pp.candidates), cudnn_us=cudnn_us.get(p))
-                emit({"event": "decision", **{k: v for k, v in outcomes[p].to_dict().items() if k != "results"}})
-                if bar is not None:
-                    bar.update(1)
-
-            worker_settings = dataclasses.replace(settings, cache_root=str(cache.root))
-            if len(devices) > 1:
-                try:
-                    # longest first (candidates x flops), so no GPU is left with a big problem at the end
-                    by_cost = sorted(todo, key=lambda p: -len(plan_of[p].candidates) * p.flops)
-                    per_gpu = time_on_gpus(devices, worker_settings, by_cost, evaluate, finish, CandidateRunner)
-                except GpuSelectionError as e:
-                    raise TuneError(str(e)) from None
-                restarts = sum(g.restarts for g in per_gpu)
-                emit({"event": "gpus", "per_gpu": [g.to_dict() for g in per_gpu]})
-            else:
-                with CandidateRunner(worker_settings) as runner:
-                    for p in todo:
-                        finish(p, evaluate(runner, p))
-                    restarts = runner.restarts
-            if bar is not None:
-                bar.close()
-            timing_s = time.perf_counter() - t1
 
     return TuneReport(
         tuple(outcomes[p] for p in problems), gpu, timed, len(kernels), compiled_now, failed, launches_timed,
         compile_s, timing_s, time.perf_counter() - t_start, restarts, log_path,
-        "" if timed else NO_GPU_MESSAGE, tuple(devices), tuple(per_gpu),
+        "" if timed else NO_GPU_MESSAGE, tuple(devices), tuple(per_gpu), overlap, timing_after_build_s,
     )
 
 

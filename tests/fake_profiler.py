@@ -54,15 +54,25 @@ class FakeRunner:
         raise NotImplementedError
 
 
-def fake_build(builds: list, entry: Path, fail_last: bool = False):
-    """A stand-in for build.build in tune_workload: records each call's configs in `builds` and compiles nothing;
-    with `fail_last`, the last kernel of each call fails to compile."""
+def fake_build(builds: list, entry: Path, fail_last: bool = False, on_each: Optional[Callable] = None):
+    """A stand-in for build.build in tune_workload: records each call's configs (and its `nice`) in `builds` and
+    compiles nothing; with `fail_last`, the last kernel of each call fails to compile. Results are handed to
+    `on_result` one config at a time, in order, as the real build does as ninja finishes them; `on_each(config)`, if
+    given, runs just before each (a test can wait there for the timing thread)."""
 
-    def build(configs, *, jobs=None, cache=None, progress=False):
+    def build(configs, *, jobs=None, cache=None, progress=False, on_result=None, nice=0):
         configs = list(configs)
         builds.append(configs)
+        build.nice.append(nice)
         bad = configs[-1] if fail_last and configs else None
-        return {c: types.SimpleNamespace(ok=c is not bad, built_now=True, entry=types.SimpleNamespace(path=entry))
-                for c in configs}
+        out = {}
+        for c in configs:
+            if on_each is not None:
+                on_each(c)
+            out[c] = types.SimpleNamespace(ok=c is not bad, built_now=True, entry=types.SimpleNamespace(path=entry))
+            if on_result is not None:
+                on_result(c, out[c])
+        return out
 
+    build.nice = []
     return build

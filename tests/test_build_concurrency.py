@@ -28,7 +28,7 @@ def _fake_prepare(config, tc=None):
     return f"// {config.name}\n", key
 
 
-def _fake_ninja(jobs_, cache, jobs, progress, on_done=None):
+def _fake_ninja(jobs_, cache, jobs, progress, on_done=None, nice=0):
     """Writes a library and meta.json per job after a pause, and logs which process compiled what."""
     time.sleep(1.0)
     with open(cache.root / "compiles.log", "a") as f:
@@ -107,7 +107,7 @@ def test_each_kernel_is_published_as_ninja_finishes_it(tmp_path, monkeypatch):
     watcher.start()
     real = build_mod._run_ninja
 
-    def interrupted(jobs_, cache_, jobs, progress, on_done=None):
+    def interrupted(jobs_, cache_, jobs, progress, on_done=None, nice=0):
         def stop_after_fast(job):
             on_done(job)
             if job.config is fast:
@@ -153,7 +153,7 @@ def test_the_longest_kernels_are_handed_to_ninja_first(tmp_path, monkeypatch):
     sm90 = list(sm90_candidates(PROBLEM))[:2]
     seen = []
 
-    def record(jobs_, cache, jobs, progress, on_done=None):
+    def record(jobs_, cache, jobs, progress, on_done=None, nice=0):
         seen.extend(job.config for job in jobs_)
         _fake_ninja(jobs_, cache, jobs, progress, on_done)
 
@@ -162,3 +162,35 @@ def test_the_longest_kernels_are_handed_to_ninja_first(tmp_path, monkeypatch):
     res = build_mod.build([sm80[0], sm90[0], sm80[1], sm90[1], sm80[2]], cache=KernelCache(tmp_path / "c"), jobs=2)
     assert seen == [sm90[0], sm90[1], *sm80] and len(res) == 5
     assert build_mod.compile_weight(sm90[0]) > build_mod.compile_weight(sm80[0])
+
+
+def test_results_are_handed_over_as_they_come_and_compilers_can_run_niced(tmp_path, monkeypatch):
+    """`on_result` gets each config once: a cached kernel at once, a compiled one as ninja finishes it (the tuner
+    times a problem as soon as its kernels are there); with `nice`, ninja's compilers run at that lower priority."""
+    from cutlass_byoc.toolchain import Toolchain
+
+    a, b, c = _configs(3)
+    nvcc = tmp_path / "fake-nvcc"
+    nvcc.write_text("#!/bin/sh\n"
+                    "for a; do out=$a; done\n"
+                    "nice > \"$(dirname \"$out\")/niceness\"\n"  # coreutils `nice` alone prints the niceness
+                    "echo library > \"$out\"\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(build_mod, "toolchain", lambda arch=90: Toolchain(str(nvcc), "13.0", "4.2", ()))
+    monkeypatch.setattr(build_mod, "prepare", _fake_prepare)
+    cache = KernelCache(tmp_path / "cache")
+    base = os.nice(0)
+
+    first = build_mod.build([a], cache=cache, jobs=1)
+    assert first[a].built_now and first[a].ok
+    assert int((first[a].entry.path / "niceness").read_text()) == base  # no nice asked: unchanged
+
+    got = []
+    res = build_mod.build([b, a, c], cache=cache, jobs=1, nice=5,
+                          on_result=lambda cfg, r: got.append((cfg, r.built_now, r.ok)))
+    assert got[0] == (a, False, True)  # the cached kernel first, before ninja runs
+    assert sorted(got[1:], key=lambda x: x[0].name) == sorted([(b, True, True), (c, True, True)],
+                                                             key=lambda x: x[0].name)
+    assert len(got) == 3 and all(res[cfg].ok for cfg in (a, b, c))
+    for cfg in (b, c):
+        assert int((res[cfg].entry.path / "niceness").read_text()) == min(19, base + 5)

@@ -115,3 +115,97 @@ def test_no_gpu_compiles_but_does_not_time(fakes, monkeypatch):
     assert not rep.timed and "timing needs a GPU" in rep.message
     assert len(builds) == 1 and not FakeRunner.calls
     assert {o.status for o in rep.outcomes} == {T.COMPILED}
+
+
+def _pipelined(tmp_cache, monkeypatch, on_each, runner=FakeRunner):
+    builds: list = []
+    FakeRunner.calls = []
+    fake = fake_profiler.fake_build(builds, tmp_cache.root / "x", on_each=on_each)
+    monkeypatch.setattr(T, "build", fake)
+    monkeypatch.setattr(T, "CandidateRunner", runner)
+    monkeypatch.setattr(T, "current_gpu", lambda: GPU)
+    return fake
+
+
+def _wait_for(cond, seconds=10.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_problems_are_timed_while_the_build_goes_on(tmp_cache, monkeypatch):
+    """A problem is timed as soon as each of its kernels has a build result, beside the rest of the build (whose
+    compilers then run niced), and never before: every launch handed to the runner is of a kernel already built."""
+    built: set = set()
+    timed_during_build: list = []
+    plan = T.plan_workload(PROBLEMS, 8)
+    # the build's order: 3.x families first, the plan's problem order within a family
+    order = sorted(plan.kernels, key=lambda k: k.family is T.KernelFamily.SM80_IMPLICIT_GEMM)
+
+    def on_each(kc):
+        if kc == order[-1]:  # the build's last kernel: some problem must have been timed by now
+            timed_during_build.append(_wait_for(lambda: len(FakeRunner.calls) > 0))
+        built.add(kc)
+
+    class Checked(FakeRunner):
+        def results(self, problem, launches):
+            assert all(l.kernel in built for l in launches), "a problem was timed before its kernels were built"
+            return super().results(problem, launches)
+
+    fake = _pipelined(tmp_cache, monkeypatch, on_each, Checked)
+    rep = T.tune_workload(PROBLEMS, max_candidates=8, cache=tmp_cache, store=DecisionStore(tmp_cache.root))
+    assert timed_during_build == [True]
+    assert rep.overlapped and fake.nice == [T.BUILD_NICE]
+    assert [o.status for o in rep.outcomes] == [T.TUNED] * 3
+    assert {p for p, _ in FakeRunner.calls} == set(PROBLEMS)  # each problem timed once
+    assert len(FakeRunner.calls) == 3
+    assert rep.timing_s >= rep.timing_after_build_s >= 0.0
+    events = [json.loads(l)["event"] for l in rep.log_path.read_text().splitlines()]
+    assert events[0] == "plan" and events.count("build") == 1 and events.count("decision") == 3
+
+
+def test_timing_after_the_build_when_asked(tmp_cache, monkeypatch):
+    """overlap_timing=False: nothing is timed until the whole build has ended, and the compilers are not niced."""
+    def on_each(kc):
+        assert not FakeRunner.calls
+
+    fake = _pipelined(tmp_cache, monkeypatch, on_each)
+    rep = T.tune_workload(PROBLEMS, max_candidates=4, cache=tmp_cache, store=DecisionStore(tmp_cache.root),
+                          overlap_timing=False)
+    assert not rep.overlapped and fake.nice == [0]
+    assert [o.status for o in rep.outcomes] == [T.TUNED] * 3
+
+
+def test_a_failed_timing_worker_lets_the_build_finish_then_raises(tmp_cache, monkeypatch):
+    """The worker cannot start (no usable GPU): the build still compiles every kernel (they stay cached), then the
+    worker's error reaches the caller."""
+    seen: list = []
+
+    class NoWorker(FakeRunner):
+        def __enter__(self):
+            raise W.WorkerError("the tuning worker died while starting")
+
+    fake = _pipelined(tmp_cache, monkeypatch, seen.append, NoWorker)
+    with pytest.raises(W.WorkerError, match="died while starting"):
+        T.tune_workload(PROBLEMS, max_candidates=4, cache=tmp_cache, store=DecisionStore(tmp_cache.root))
+    assert len(fake.nice) == 1 and seen and len(seen) == len(set(seen))
+
+
+def test_an_interrupted_build_stops_the_timing(tmp_cache, monkeypatch):
+    """Ctrl-C during the build: the timing thread stops after its current problem and the interrupt propagates."""
+    import threading
+
+    count = [0]
+
+    def on_each(kc):
+        count[0] += 1
+        if count[0] == 4:
+            raise KeyboardInterrupt
+
+    _pipelined(tmp_cache, monkeypatch, on_each)
+    with pytest.raises(KeyboardInterrupt):
+        T.tune_workload(PROBLEMS, max_candidates=8, cache=tmp_cache, store=DecisionStore(tmp_cache.root))
+    assert not any(t.name == "cutlass-byoc-timing" and t.is_alive() for t in threading.enumerate())
