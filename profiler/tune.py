@@ -139,7 +139,8 @@ class TuneReport:
         number of GPUs) and the wall time outside the longest busy time (worker start-up, kernel loading,
         coordination). It is no speed-up over one GPU: a run on one GPU pays its own, smaller start-up cost (on
         2 x H200 the summed busy time over the wall read well below the measured speed-up; benchmarks/h200/multigpu
-        has both); time again with `--gpus 0` for that. None unless several GPUs timed."""
+        has both); time again with `--gpus 0` for that. With timing beside a build that compiled kernels, the wall
+        time also holds the waits for them: read the scaling of a run on a warm cache. None unless several GPUs timed."""
         if len(self.per_gpu) < 2 or self.timing_s <= 0:
             return None
         busy = [g.busy_s for g in self.per_gpu]

@@ -63,7 +63,7 @@ MODULE_KERNELS = {
     "padding": lambda m: m.used_configs(),
     "epilogues": lambda m: m.all_configs(), "gemm1x1": lambda m: list(m.KERNELS.values()),
     "im2col": lambda m: list(m.KERNELS.values()),
-    "tune": lambda m: list(_plan_kernels(m.PROBLEMS, 2)), "depthwise": lambda m: m.all_kernels(),
+    "tune": lambda m: [*_plan_kernels(m.PROBLEMS, 2), *m.backend_kernels()], "depthwise": lambda m: m.all_kernels(),
     "s2d": lambda m: m.used_configs(), "smem_im2col": lambda m: m.used_configs(),
     "launch_memo": lambda m: m.used_configs(), "channel_stats": lambda m: m.used_configs(),
 }

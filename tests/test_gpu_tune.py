@@ -23,6 +23,27 @@ PROBLEMS = [
     Conv2dProblem.make("wgrad", 8, 64, 28, 28, 64, 3, padding=1),
 ]
 
+#: the training step compiled with select="tune" (test_backend_tunes_a_graphs_problems_as_it_compiles)
+BACKEND_BATCH, BACKEND_CHANNELS, BACKEND_IMAGE = 8, 16, 32
+
+
+def backend_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(BACKEND_CHANNELS, 48, 3, padding=1, bias=False), torch.nn.ReLU())
+
+
+def backend_kernels():
+    """What select="tune" plans for backend_model's training step (its problems traced on fake tensors, as the
+    backend partitions them; the default budget): scripts/warm_cache.py compiles them ahead of the GPU round."""
+    from cutlass_byoc.offload.trace import model_problems
+    from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES, plan_workload
+
+    problems, _ = model_problems(backend_model(), BACKEND_BATCH, training=True, image=BACKEND_IMAGE,
+                                 in_channels=BACKEND_CHANNELS)
+    return list(plan_workload(problems, DEFAULT_MAX_CANDIDATES).kernels)
+
 
 @pytest.fixture
 def env(shared_cache, tmp_path, monkeypatch):
@@ -101,3 +122,54 @@ def test_bench_row_against_cudnn(env):
     assert "geometric mean" in rep.table()
     assert json.loads(rep.to_json())["rows"][0]["layer"] == "l"
     assert rep.to_csv().splitlines()[0].startswith("layer,")
+
+
+def test_backend_tunes_a_graphs_problems_as_it_compiles(shared_cache, tmp_path, monkeypatch):
+    """select="tune": compiling a training step tunes every conv problem of its graphs at compile time (one batch per
+    graph, each problem timed as its kernels are ready), records the decisions, names them in the report, and the
+    step computes what eager autocast does. The decisions start from an empty cache; the kernels are copied from
+    the shared cache where they were compiled ahead (those missing compile here)."""
+    import copy
+    import shutil
+
+    import torch
+
+    from cutlass_byoc.build import prepare
+    from cutlass_byoc.cache import EntryState, KernelCache
+    from cutlass_byoc.decisions import lookup
+    from cutlass_byoc.offload import library, make_backend
+    from cutlass_byoc.offload.bench import relative_errors
+    from gpu_util import STEP_ABS, STEP_SLACK, fp32_truth, training_step
+
+    root = tmp_path / "cache"
+    KernelCache(root)
+    for k in backend_kernels():
+        entry = shared_cache.lookup(prepare(k)[1])
+        if entry.state is EntryState.OK:
+            shutil.copytree(entry.path, root / entry.path.relative_to(shared_cache.root))
+    monkeypatch.setenv("CUTLASS_BYOC_CACHE_DIR", str(root))
+
+    cl = torch.channels_last
+    base = backend_model().cuda().to(memory_format=cl).train()
+    x = torch.randn(BACKEND_BATCH, BACKEND_CHANNELS, BACKEND_IMAGE, BACKEND_IMAGE, device="cuda").contiguous(
+        memory_format=cl)
+    truth = fp32_truth(copy.deepcopy(base), x)
+    eager = training_step(copy.deepcopy(base), x, autocast=True)
+    torch._dynamo.reset()
+    library.RUNTIME.clear()
+    backend = make_backend({"select": "tune", "strict": True}, inductor=False)
+    ours = training_step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
+    torch.cuda.synchronize()
+    rep = backend.report()
+    print(f"\n{rep.summary()}")
+    assert rep.failure is None and len(rep.offloaded) >= 2  # the fprop (ReLU fused) and the wgrad
+    assert not library.RUNTIME.fallbacks, library.RUNTIME.fallbacks
+    for p in dict.fromkeys(rep.problems):
+        dec = lookup(p)
+        assert dec is not None and dec.time_us > 0, p.name  # decided on this GPU, in the fresh cache
+    for e in rep.offloaded:
+        assert "(tuned," in (e.kernel or ""), (e.problem, e.kernel, e.notes)
+    e_eager, e_ours = relative_errors(*eager, *truth), relative_errors(*ours, *truth)
+    print(f"relative errors vs fp32 (loss, grad, worst param): eager {e_eager}, backend {e_ours}")
+    assert e_ours[0] <= STEP_SLACK * e_eager[0] + STEP_ABS, (e_ours, e_eager)
+    assert e_ours[1] <= STEP_SLACK * e_eager[1] + STEP_ABS, (e_ours, e_eager)

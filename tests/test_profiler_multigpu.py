@@ -161,6 +161,34 @@ def test_two_gpus_share_one_build_and_split_the_problems(fakes):
     assert {o.status for o in again.outcomes} == {T.CACHED} and len(builds) == 1
 
 
+def test_two_gpus_time_beside_the_build(tmp_cache, monkeypatch):
+    """With several GPUs too, problems are timed as their kernels are built: by the build's last kernel some problem
+    has been timed already; every problem is still timed once, and the workers stop when the build has ended."""
+    FakeGpuRunner.gpus = {0: H200, 1: H200}
+    FakeGpuRunner.calls = []
+    plan = T.plan_workload(PROBLEMS, 3)
+    last = sorted(plan.kernels, key=lambda k: k.family is T.KernelFamily.SM80_IMPLICIT_GEMM)[-1]
+    seen_early = []
+
+    def on_each(kc):
+        if kc == last:
+            end = time.monotonic() + 10
+            while not FakeGpuRunner.calls and time.monotonic() < end:
+                time.sleep(0.01)
+            seen_early.append(bool(FakeGpuRunner.calls))
+
+    builds: list = []
+    monkeypatch.setattr(T, "build", fake_build(builds, tmp_cache.root, on_each=on_each))
+    monkeypatch.setattr(T, "CandidateRunner", FakeGpuRunner)
+    monkeypatch.setattr(T, "probe_gpus", lambda devices: [FakeGpuRunner.gpus[d] for d in devices])
+    rep = T.tune_workload(PROBLEMS, max_candidates=3, cache=tmp_cache, store=DecisionStore(tmp_cache.root),
+                          devices=[0, 1])
+    assert seen_early == [True] and rep.overlapped
+    assert sorted(p.name for _, p in FakeGpuRunner.calls) == sorted(p.name for p in PROBLEMS)
+    assert [o.status for o in rep.outcomes] == [T.TUNED] * len(PROBLEMS)
+    assert sum(g.problems for g in rep.per_gpu) == len(PROBLEMS)
+
+
 def test_one_device_runs_one_worker_on_it(fakes):
     _, cache = fakes
     rep = T.tune_workload(PROBLEMS[:2], max_candidates=2, cache=cache, devices=[1])
