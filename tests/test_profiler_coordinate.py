@@ -304,3 +304,14 @@ def test_tune_report_names_decisions_tuned_here_and_elsewhere(tmp_cache, monkeyp
     e0, e1, e2 = rep.offloaded
     assert e0.kernel.endswith("(cached, 7.0 us)") and e1.kernel.endswith("(tuned, 3.0 us)")
     assert e2.kernel == "heuristic" and "not tuned: waited 5 s for rank 0" in e2.notes[0]
+
+    # the same graph's problems again in this process (with prefer_cudnn the backend tunes a probe of the graph, then
+    # names the real partition's launches): what this process tuned stays "tuned", older decisions "cached"
+    again = OffloadReport("g again")
+    for i, p in enumerate(PROBLEMS[:2]):
+        again.add(OffloadEntry(node=f"n{i}", kind=Pass.FPROP, offloaded=True, problem=p.name, kernel="heuristic"))
+        again.problems.append(p)
+    tune_report(again)
+    assert calls == [[PROBLEMS[1]]]  # nothing tuned twice
+    a0, a1 = again.offloaded
+    assert a0.kernel.endswith("(cached, 7.0 us)") and a1.kernel.endswith("(tuned, 3.0 us)")
