@@ -259,3 +259,24 @@ def test_tune_refuses_a_gpu_of_another_arch(tmp_cache):
 
     with pytest.raises(tune_mod.TuneError, match="sm_90a"):
         tune_mod.tune_workload([Conv2dProblem.make("fprop", 1, 8, 8, 8, 8, 1)], gpu=GpuInfo("NVIDIA A100", 80))
+
+
+def test_tune_times_beside_the_build_unless_asked_not_to(tmp_cache, monkeypatch, capsys):
+    """`tune` passes overlap_timing (off with --time-after-build) and says how much timing was left after the build."""
+    from cutlass_byoc.profiler import tune as tune_mod
+
+    seen = []
+
+    def fake_tune(problems, **kw):
+        seen.append(kw["overlap_timing"])
+        outcomes = tuple(tune_mod.ProblemOutcome(p, tune_mod.TUNED, None, 1.0) for p in problems)
+        return tune_mod.TuneReport(outcomes, GPU, True, compile_s=30.0, timing_s=31.0, total_s=32.0,
+                                   overlapped=kw["overlap_timing"], timing_after_build_s=1.5)
+
+    monkeypatch.setattr(tune_mod, "tune_workload", fake_tune)
+    argv = ["tune", "--no-progress", "--kind", "fprop", "--c", "64", "--h", "8", "--k", "64", "--r", "1"]
+    assert cli.main(argv) == cli.EXIT_OK
+    assert "timing ran beside the build: 1.5 s of it after the build ended" in capsys.readouterr().out
+    assert cli.main(argv + ["--time-after-build"]) == cli.EXIT_OK
+    assert "beside the build" not in capsys.readouterr().out
+    assert seen == [True, False]
