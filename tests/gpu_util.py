@@ -231,6 +231,24 @@ def fp32_truth(model, x):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
+def backend_step_vs_eager(base, x, options: dict):
+    """One fp16-autocast training step of a copy of `base` on `x` compiled with the backend (`options`; the
+    partitioned graphs run eagerly, ``make_backend(inductor=False)``), beside eager autocast's and the fp32 truth:
+    (truth, eager, ours, backend), each step's (loss, gradients)."""
+    import copy  # noqa: PLC0415
+
+    from cutlass_byoc.offload import library, make_backend  # noqa: PLC0415
+
+    truth = fp32_truth(copy.deepcopy(base), x)
+    eager = training_step(copy.deepcopy(base), x, autocast=True)
+    torch._dynamo.reset()
+    library.RUNTIME.clear()
+    backend = make_backend(options, inductor=False)
+    ours = training_step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
+    torch.cuda.synchronize()
+    return truth, eager, ours, backend
+
+
 def depthwise_random_cases(count: int = 24, seed: int = 2026):
     """Seeded random depthwise problems (kind, C, H, W, filter, stride, padding, types, epilogue, which launch):
     the combinations the hand-picked cases of the depthwise tests do not name (tests/test_depthwise_emulated.py on the

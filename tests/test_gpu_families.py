@@ -8,12 +8,10 @@ device time and is covered by the CPU tests and the offload benchmark; the kerne
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from gpu_util import STEP_ABS as ABS, STEP_SLACK as SLACK, fp32_truth, training_step
+from gpu_util import STEP_ABS as ABS, STEP_SLACK as SLACK, backend_step_vs_eager
 from models import FAMILIES, input_channels
 
 pytestmark = [
@@ -26,20 +24,14 @@ CL = torch.channels_last
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_training_step_vs_fp32(family):
-    from cutlass_byoc.offload import library, make_backend
+    from cutlass_byoc.offload import library
     from cutlass_byoc.offload.bench import relative_errors
 
     torch.manual_seed(0)
     base = FAMILIES[family]().cuda().to(memory_format=CL).train()
     c = input_channels(base)
     x = torch.randn(8, c, 64, 64, device="cuda").contiguous(memory_format=CL)
-    truth = fp32_truth(copy.deepcopy(base), x)
-    eager = training_step(copy.deepcopy(base), x, autocast=True)
-    torch._dynamo.reset()
-    library.RUNTIME.clear()
-    backend = make_backend({"select": "heuristic", "strict": True}, inductor=False)
-    ours = training_step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
-    torch.cuda.synchronize()
+    truth, eager, ours, backend = backend_step_vs_eager(base, x, {"select": "heuristic", "strict": True})
     e_eager = relative_errors(*eager, *truth)
     e_ours = relative_errors(*ours, *truth)
     rep = backend.report()

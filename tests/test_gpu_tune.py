@@ -129,7 +129,6 @@ def test_backend_tunes_a_graphs_problems_as_it_compiles(shared_cache, tmp_path, 
     graph, each problem timed as its kernels are ready), records the decisions, names them in the report, and the
     step computes what eager autocast does. The decisions start from an empty cache; the kernels are copied from
     the shared cache where they were compiled ahead (those missing compile here)."""
-    import copy
     import shutil
 
     import torch
@@ -137,9 +136,9 @@ def test_backend_tunes_a_graphs_problems_as_it_compiles(shared_cache, tmp_path, 
     from cutlass_byoc.build import prepare
     from cutlass_byoc.cache import EntryState, KernelCache
     from cutlass_byoc.decisions import lookup
-    from cutlass_byoc.offload import library, make_backend
+    from cutlass_byoc.offload import library
     from cutlass_byoc.offload.bench import relative_errors
-    from gpu_util import STEP_ABS, STEP_SLACK, fp32_truth, training_step
+    from gpu_util import STEP_ABS, STEP_SLACK, backend_step_vs_eager
 
     root = tmp_path / "cache"
     KernelCache(root)
@@ -153,13 +152,7 @@ def test_backend_tunes_a_graphs_problems_as_it_compiles(shared_cache, tmp_path, 
     base = backend_model().cuda().to(memory_format=cl).train()
     x = torch.randn(BACKEND_BATCH, BACKEND_CHANNELS, BACKEND_IMAGE, BACKEND_IMAGE, device="cuda").contiguous(
         memory_format=cl)
-    truth = fp32_truth(copy.deepcopy(base), x)
-    eager = training_step(copy.deepcopy(base), x, autocast=True)
-    torch._dynamo.reset()
-    library.RUNTIME.clear()
-    backend = make_backend({"select": "tune", "strict": True}, inductor=False)
-    ours = training_step(torch.compile(copy.deepcopy(base), backend=backend), x, autocast=True)
-    torch.cuda.synchronize()
+    truth, eager, ours, backend = backend_step_vs_eager(base, x, {"select": "tune", "strict": True})
     rep = backend.report()
     print(f"\n{rep.summary()}")
     assert rep.failure is None and len(rep.offloaded) >= 2  # the fprop (ReLU fused) and the wgrad
