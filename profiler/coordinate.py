@@ -142,6 +142,8 @@ class Coordination:
 STATS = {"tuned": 0, "waited": 0, "decided_before": 0, "fell_back": 0, "wait_s": 0.0, "timeouts": 0}
 
 _settled: dict[tuple[str, str, Conv2dProblem], str] = {}
+#: how this process got a problem's decision: "tuned" here or "tuned by another process" it waited for (same key)
+_decided_here: dict[tuple[str, str, Conv2dProblem], str] = {}
 
 
 def settled(problem: Conv2dProblem, gpu: Optional[GpuInfo] = None, store: Optional[DecisionStore] = None) -> Optional[str]:
@@ -154,9 +156,21 @@ def settled(problem: Conv2dProblem, gpu: Optional[GpuInfo] = None, store: Option
     return _settled.get((root, gpu.tag, problem))
 
 
+def decided_here(problem: Conv2dProblem, gpu: Optional[GpuInfo] = None,
+                 store: Optional[DecisionStore] = None) -> Optional[str]:
+    """How this process got `problem`'s decision: "tuned" (here) or "tuned by another process" (waited for); None
+    for a decision older than the process, or none at all (see `settled`)."""
+    gpu = gpu or current_gpu()
+    if gpu is None:
+        return None
+    root = str((store or default_store()).root)
+    return _decided_here.get((root, gpu.tag, problem))
+
+
 def reset() -> None:
-    """Forget what ended without a decision in this process (tests; `cache clear`)."""
+    """Forget what ended, with or without a decision, in this process (tests; `cache clear`)."""
     _settled.clear()
+    _decided_here.clear()
     for k in STATS:
         STATS[k] = 0.0 if k == "wait_s" else 0
 
@@ -340,6 +354,8 @@ def coordinated_tune(
     for kp in pending:  # still claimed away after MAX_ROUNDS rounds
         give_up(kp, f"could not get a decision after {MAX_ROUNDS} rounds of claims")
 
+    _decided_here.update({key(p): "tuned" for p in co.tuned})
+    _decided_here.update({key(p): "tuned by another process" for p in co.waited})
     STATS["tuned"] += len(co.tuned)
     STATS["waited"] += len(co.waited)
     STATS["decided_before"] += len(co.decided_before)

@@ -879,18 +879,14 @@ def prebuild(report: OffloadReport, options: OffloadOptions) -> None:
         log.warning("cutlass_byoc: could not prebuild the kernels of %s: %s", report.graph, e)
 
 
-#: (cache root, problem name) -> how this process got the problem's decision ("tuned", "tuned by another process")
-_TUNED_HERE: dict[tuple[str, str], str] = {}
-
-
 def tune_report(report: OffloadReport) -> None:
     """Tune the report's problems that have no decision yet, all at once, and name the winners in its entries.
 
     Several processes compiling the same graphs (the ranks of a DDP job) tune each problem once: the first to claim
     a problem tunes it on its own GPU and the others wait for its decision (profiler/coordinate.py: per-problem file
     locks in the cache, a deadline, and the model's launch for what ends without a decision)."""
-    from ..decisions import default_store, lookup  # noqa: PLC0415
-    from ..profiler.coordinate import coordinated_tune, worker_settings  # noqa: PLC0415
+    from ..decisions import lookup  # noqa: PLC0415
+    from ..profiler.coordinate import coordinated_tune, decided_here, worker_settings  # noqa: PLC0415
     from ..profiler.tune import tune_workload  # noqa: PLC0415
 
     problems = list(dict.fromkeys(report.problems))
@@ -903,10 +899,7 @@ def tune_report(report: OffloadReport) -> None:
     log.info("cutlass_byoc: %s: %d problems: %s", report.graph, len(problems), co.summary())
     # A problem tuned by an earlier call of this process (with prefer_cudnn, _tune_first tunes a probe of the graph
     # just before this call) keeps its label: "cached" is for decisions older than the process.
-    root = str(default_store().root)
-    _TUNED_HERE.update({(root, p.name): "tuned" for p in co.tuned})
-    _TUNED_HERE.update({(root, p.name): "tuned by another process" for p in co.waited})
-    how = {p.name: _TUNED_HERE.get((root, p.name), "cached") for p in [*co.decided_before, *co.tuned, *co.waited]}
+    how = {p.name: decided_here(p) or "cached" for p in [*co.decided_before, *co.tuned, *co.waited]}
     by_name = {p.name: p for p in problems}
     for e in report.offloaded:
         p = by_name.get(e.problem)
