@@ -2,10 +2,10 @@
 
 The compile step stays one parallel build for the whole workload (tune.py); only timing is spread. One
 `CandidateRunner` (one crash-isolated worker process that sees only its GPU: CUDA_VISIBLE_DEVICES, so it runs
-exactly as in a one-GPU run) is started per GPU, the
-runners are started concurrently (each pays CUDA's start-up), and one parent thread per runner pulls the next
-problem from a shared feed (feed.py: the build fills it as kernels compile; the runners block on their pipes, not on the GIL), so a GPU that draws slow problems
-simply takes fewer of them. Results are handed to the caller one problem at a time under a lock, so recording
+exactly as in a one-GPU run) is started per GPU, the runners are started concurrently (each pays CUDA's start-up),
+and one parent thread per runner pulls the next problem from a shared feed (feed.py: the build fills it as kernels
+compile; the runners block on their pipes, not on the GIL), so a GPU that draws slow problems simply takes fewer of
+them. Results are handed to the caller one problem at a time under a lock, so recording
 decisions and writing the log need no locking of their own.
 
 A decision is keyed by the GPU's name and compute capability, so every GPU of one run must be the same model:

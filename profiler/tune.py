@@ -19,16 +19,16 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..build import build
+from ..build import BuildResult, build
 from ..cache import KernelCache
 from ..config import KernelConfig, LaunchConfig
 from ..decisions import DecisionStore, GpuInfo, current_gpu, lookup, record_decision
 from ..problem import Conv2dProblem
 from ..trust import make_private_dir
-from ..types import KernelFamily
 from .feed import ProblemFeed
 from .multigpu import (
     GpuSelectionError, GpuTiming, mixed_gpu_message, probe_gpus, time_on_gpus, visible_device,
@@ -59,31 +59,6 @@ NO_GPU_MESSAGE = (
 
 class TuneError(RuntimeError):
     """Tuning cannot proceed; the message says what to change."""
-
-
-class _Background:
-    """`fn()` on a thread of its own; `join()` returns its result or raises its exception here."""
-
-    def __init__(self, fn) -> None:
-        self._fn, self._result, self._error = fn, None, None
-        self._thread = threading.Thread(target=self._run, name="cutlass-byoc-timing", daemon=True)
-        self.started = False
-
-    def _run(self) -> None:
-        try:
-            self._result = self._fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised by join()
-            self._error = e
-
-    def start(self) -> None:
-        self.started = True
-        self._thread.start()
-
-    def join(self, reraise: bool = True):
-        self._thread.join()
-        if self._error is not None and reraise:
-            raise self._error
-        return self._result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +115,8 @@ class TuneReport:
         coordination). It is no speed-up over one GPU: a run on one GPU pays its own, smaller start-up cost (on
         2 x H200 the summed busy time over the wall read well below the measured speed-up; benchmarks/h200/multigpu
         has both); time again with `--gpus 0` for that. With timing beside a build that compiled kernels, the wall
-        time also holds the waits for them: read the scaling of a run on a warm cache. None unless several GPUs timed."""
+        time also holds the waits for them: read the scaling of a run on a warm cache. None unless several GPUs
+        timed."""
         if len(self.per_gpu) < 2 or self.timing_s <= 0:
             return None
         busy = [g.busy_s for g in self.per_gpu]
@@ -242,9 +218,9 @@ def tune_workload(
 
     log_path = _log_file(cache)
     log_lock = threading.Lock()
-    timing_s, launches_timed, restarts = 0.0, 0, 0
+    timing_s, timing_after_build_s, launches_timed, restarts = 0.0, 0.0, 0, 0
     per_gpu: list[GpuTiming] = []
-    builds: dict[KernelConfig, object] = {}
+    builds: dict[KernelConfig, BuildResult] = {}  # filled as the build settles each kernel (on_result)
     with open(log_path, "a") as logf:
         def emit(rec: dict) -> None:  # from the build (this thread) and the timing thread(s)
             with log_lock:
@@ -263,7 +239,7 @@ def tune_workload(
             for k in missing[p]:
                 users.setdefault(k, []).append(p)
 
-        def on_result(kc: KernelConfig, r) -> None:
+        def on_result(kc: KernelConfig, r: BuildResult) -> None:
             builds[kc] = r
             if not r.ok:
                 emit({"event": "compile_failed", "kernel": kc.name, "entry": str(r.entry.path)})
@@ -332,35 +308,35 @@ def tune_workload(
                     finish(p, evaluate(runner, p))
                 return runner.restarts
 
-        timing = _Background(time_all) if timed else None
+        pool = ThreadPoolExecutor(1, thread_name_prefix="cutlass-byoc-timing") if timed else None
+        timing: Optional[Future] = None
 
         def start_timing() -> None:
-            nonlocal bar
+            nonlocal bar, timing
             if progress:
                 from tqdm import tqdm  # noqa: PLC0415
 
                 bar = tqdm(total=len(todo), desc="timing", unit="problem", position=1 if overlap else 0)
-            timing.start()
+            timing = pool.submit(time_all)
 
         t0 = time.perf_counter()
         try:
             if overlap:  # time each problem as soon as its kernels are built, beside the rest of the build
                 start_timing()
-            # Slowest first (3.x kernels take ~5x a 2.x one to compile), so the long compiles do not finish last
-            # alone; within a family the plan's problem order, so problems become ready for timing one by one.
-            order = sorted(kernels, key=lambda k: k.family is KernelFamily.SM80_IMPLICIT_GEMM)
-            built = build(order, jobs=jobs, cache=cache, progress=progress, on_result=on_result,
-                          nice=BUILD_NICE if overlap else 0)
+            # In the plan's problem order: the build hands ninja the longest-compiling families first and keeps this
+            # order within a family (build.COMPILE_WEIGHT), so problems become ready for timing one by one.
+            build(kernels, jobs=jobs, cache=cache, progress=progress, on_result=on_result,
+                  nice=BUILD_NICE if overlap else 0)
             compile_s = time.perf_counter() - t0
-            compiled_now = sum(1 for r in built.values() if r.built_now and r.ok)
-            failed = sum(1 for r in built.values() if not r.ok)
+            compiled_now = sum(1 for r in builds.values() if r.built_now and r.ok)
+            failed = sum(1 for r in builds.values() if not r.ok)
             emit({"event": "build", "compiled_now": compiled_now, "compile_failed": failed, "compile_s": compile_s})
             feed.close()
             if timed:
                 if not overlap:
                     start_timing()
                 t_build = time.perf_counter()
-                got = timing.join()
+                got = timing.result()
                 timing_after_build_s = time.perf_counter() - t_build
                 timing_s = time.perf_counter() - (t0 if overlap else t_build)
                 if isinstance(got, list):
@@ -371,15 +347,16 @@ def tune_workload(
                     restarts = int(got)
         except BaseException:
             feed.abort()  # an interrupted build or a failed timing thread: stop timing after the current problem
-            if timing is not None and timing.started:
-                timing.join(reraise=False)
+            if timing is not None:
+                wait([timing])
             raise
         finally:
+            if pool is not None:
+                pool.shutdown()
             if bar is not None:
                 bar.close()
 
         if not timed:
-            timing_after_build_s = 0.0
             for p in todo:
                 pp = plan_of[p]
                 n_ok = sum(1 for c in pp.candidates if builds[c.launch.kernel].ok)

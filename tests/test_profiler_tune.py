@@ -142,8 +142,7 @@ def test_problems_are_timed_while_the_build_goes_on(tmp_cache, monkeypatch):
     built: set = set()
     timed_during_build: list = []
     plan = T.plan_workload(PROBLEMS, 8)
-    # the build's order: 3.x families first, the plan's problem order within a family
-    order = sorted(plan.kernels, key=lambda k: k.family is T.KernelFamily.SM80_IMPLICIT_GEMM)
+    order = plan.kernels  # what the tuner hands the build (which orders the compiles by family itself)
 
     def on_each(kc):
         if kc == order[-1]:  # the build's last kernel: some problem must have been timed by now
@@ -208,4 +207,4 @@ def test_an_interrupted_build_stops_the_timing(tmp_cache, monkeypatch):
     _pipelined(tmp_cache, monkeypatch, on_each)
     with pytest.raises(KeyboardInterrupt):
         T.tune_workload(PROBLEMS, max_candidates=8, cache=tmp_cache, store=DecisionStore(tmp_cache.root))
-    assert not any(t.name == "cutlass-byoc-timing" and t.is_alive() for t in threading.enumerate())
+    assert not any(t.name.startswith("cutlass-byoc-timing") and t.is_alive() for t in threading.enumerate())
