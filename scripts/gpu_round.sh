@@ -31,7 +31,8 @@
 #           fresh machine benches what an earlier call tuned
 # offload-bench: `python -m cutlass_byoc.offload.bench` ($BENCH_CASES, default the issue's six cases; all five modes
 #           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
-#           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step) ->
+#           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step;
+#           BENCH_OPTIMIZERS="sgd sgd-fused": the training steps timed with each optimizer, a row each) ->
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
 # inductor-kernels: scripts/inductor_kernels.py -> inductor-kernels.json, .log and inductor-code-<mode>.tar.xz:
 #           Inductor's Triton kernels under inductor-cudagraphs and cutlass_byoc-cudagraphs, by name, time and code
@@ -210,7 +211,7 @@ for step in "${steps[@]}"; do
       done ;;
     offload-bench)
       python3 -m cutlass_byoc.offload.bench ${BENCH_CASES:+--cases $BENCH_CASES} --steps "${BENCH_STEPS:-20}" \
-        ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} \
+        ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} ${BENCH_OPTIMIZERS:+--optimizers $BENCH_OPTIMIZERS} \
         ${BENCH_MODES:+--modes $BENCH_MODES} ${BENCH_PROFILE:+--profile} \
         --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     inductor-kernels)

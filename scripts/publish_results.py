@@ -36,7 +36,6 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # cutlass_byoc.bench (torch-free at import) recomputes a merged bench's summary
@@ -131,6 +130,21 @@ def _run(row: dict) -> str:
     return f"run {row['run']}: " if "run" in row else ""
 
 
+#: the offload bench's default optimizer (bench.OPTIMIZERS[0]): rows without an "optimizer" field ran it
+DEFAULT_OPTIMIZER = "sgd"
+
+
+def optimizer(row: dict) -> str:
+    """The optimizer of a training row's timed steps ("" for inference)."""
+    return row.get("optimizer", DEFAULT_OPTIMIZER) if row.get("training") else ""
+
+
+def mode_label(row: dict) -> str:
+    """The row's mode, with its optimizer where that is not the default one (bench.BenchRow.label)."""
+    opt = optimizer(row)
+    return row["mode"] if opt in ("", DEFAULT_OPTIMIZER) else f"{row['mode']} [{opt}]"
+
+
 def offload_tables(data: dict) -> list[str]:
     out = [f"Training steps and inference through `torch.compile` ({data.get('device')}, torch {data.get('torch')}, "
            f"cuDNN {data.get('cudnn')}, {data.get('image')}x{data.get('image')}, autocast {data.get('dtype')}, "
@@ -147,7 +161,7 @@ def offload_tables(data: dict) -> list[str]:
         # --rounds: the modes interleaved, step ms the median round; else one run of the timed steps
         rounds = r.get("step_ms_rounds")
         spread = f"{len(rounds)}: {min(rounds):.2f}-{max(rounds):.2f}" if rounds else "1"
-        out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {r['training']} | {r['mode']} | "
+        out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {r['training']} | {mode_label(r)} | "
                    f"{r['step_ms']:.2f} | {spread} | "
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
                    f"{m.group(1) if m else '-'} |")
@@ -155,7 +169,7 @@ def offload_tables(data: dict) -> list[str]:
     if memo:
         out += ["", "The kernel libraries' launch memo over each mode's timed steps (relaunches of a prepared launch, "
                 "launches prepared anew; under CUDA graphs the replays call no library):", ""]
-        out += [f"- {_run(r)}{r['model']} b{r['batch']} {'training' if r['training'] else 'inference'} {r['mode']}: "
+        out += [f"- {_run(r)}{r['model']} b{r['batch']} {'training' if r['training'] else 'inference'} {mode_label(r)}: "
                 f"{r['launch_memo']['relaunches']} relaunches, {r['launch_memo']['full']} prepared anew" for r in memo]
     prof = [r for r in data.get("rows", []) if r.get("profile")]
     if prof:
@@ -180,7 +194,7 @@ def offload_tables(data: dict) -> list[str]:
                         f"{_f(q.get('host_gaps'), '.0f')}")
             src = q.get("gpu_ms_by_source")  # (profiles of earlier runs have none)
             by_source = ", ".join(f"{src.get(k, 0.0):.2f}" for k, _ in SOURCE_COLUMNS) if src else "-"
-            out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {r['mode']} | {q['wall_ms']:.2f} | "
+            out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {mode_label(r)} | {q['wall_ms']:.2f} | "
                        f"{q['gpu_kernel_ms']:.2f} | {by_source} | {timeline} | {launches} | {split[0]} | {split[1]} |")
     host = data.get("host_overhead")
     if host:
@@ -301,10 +315,11 @@ def multigpu_tables(folder: Path) -> list[str]:
     return parts
 
 
-def _step_cell(rows: list, model: str, batch: int, mode: str) -> str:
-    """The last published training row of (model, batch, mode) (file order is call order) and the other runs'."""
+def _step_cell(rows: list, model: str, batch: int, mode: str, opt: str = DEFAULT_OPTIMIZER) -> str:
+    """The last published training row of (model, batch, mode, optimizer) (file order is call order) and the other
+    runs'."""
     found = [r for r in rows if r["model"] == model and r["batch"] == batch and r["training"] and r["mode"] == mode
-             and r.get("speedup_vs_inductor_same_mode") is not None]
+             and optimizer(r) == opt and r.get("speedup_vs_inductor_same_mode") is not None]
     if not found:
         return "-"
     *others, r = found
@@ -360,9 +375,11 @@ def goals_table(results: Path = RESULTS) -> list[str]:
             for b in batches:
                 for mode, what in (("cutlass_byoc", "without CUDA graphs"), ("cutlass_byoc-cudagraphs",
                                                                              "with CUDA graphs")):
-                    cell = _step_cell(rows, model, b, mode)
-                    if cell != "-":
-                        out.append(f"| {model} b{b} training step {goal}, {what} | {cell} | offload.json |")
+                    for opt in dict.fromkeys([DEFAULT_OPTIMIZER, *sorted({optimizer(r) for r in rows} - {""})]):
+                        cell = _step_cell(rows, model, b, mode, opt)
+                        step = "" if opt == DEFAULT_OPTIMIZER else f" ({opt} steps)"
+                        if cell != "-":
+                            out.append(f"| {model} b{b} training step{step} {goal}, {what} | {cell} | offload.json |")
         host = data.get("host_overhead", [])
         if host:
             last = max(h.get("run", 1) for h in host)
@@ -407,8 +424,8 @@ def splice_readme(text: str, readme: Path = ROOT / "README.md") -> None:
 
 
 def offload_key(row: dict) -> tuple:
-    """What an offload.json row measures: the case and the mode."""
-    return row["model"], row["batch"], row["training"], row["mode"]
+    """What an offload.json row measures: the case, the mode and (training) the optimizer of its steps."""
+    return row["model"], row["batch"], row["training"], row["mode"], optimizer(row)
 
 
 def _host_runs(entries: list) -> dict:

@@ -107,3 +107,41 @@ def test_nchw_model_runs_channels_last_inside():
     assert all(g.is_contiguous() for g in grads)
     n_spatial = sum(1 for m in base.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1))
     assert backend.report().layout_conversions <= n_spatial + 2
+
+
+def test_bench_fused_optimizer_steps_without_a_host_sync():
+    """The offload bench's sgd-fused steps: GradScaler's step and update of a fused SGD never wait for the GPU
+    (CUDA's sync debug mode raises on any synchronizing call), where the default SGD's step reads found-inf on the
+    host; both update the parameters alike."""
+    from cutlass_byoc.offload.bench import _step, make_optimizer
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)).cuda()
+    x, y = torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda")
+    after = {}
+    for name in ("sgd", "sgd-fused"):
+        model = copy.deepcopy(base)
+        opt = make_optimizer(name, model.parameters())
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if name == "sgd":
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
+                scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if name == "sgd":  # the step again, syncing, for the comparison below
+            scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+            model = copy.deepcopy(base)
+            opt = make_optimizer(name, model.parameters())
+            _step(model, x, y, opt, torch.float16, scaler)
+        after[name] = [p.detach().float() for p in model.parameters()]
+    for a, b in zip(after["sgd"], after["sgd-fused"]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -342,3 +342,28 @@ def test_bench_dynamic_modes_compile_like_their_static_twins():
     assert backend is None and run is not m
     run, backend = bench.compile_mode(m, "cutlass_byoc-dynamic", {"select": "heuristic"})
     assert backend is not None and backend.options.select.value == "heuristic" and not backend.options.cudagraphs
+
+
+def test_bench_optimizers():
+    """The offload bench's optimizers (--optimizers): sgd is PyTorch's default SGD with momentum, sgd-fused the same
+    update with fused=True, which GradScaler steps without reading its found-inf flag on the host; a row's label
+    names the optimizer unless it is the default one, and its record carries it."""
+    from cutlass_byoc.offload import bench
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    plain, fused = bench.make_optimizer("sgd", params), bench.make_optimizer("sgd-fused", params)
+    for opt in (plain, fused):
+        assert isinstance(opt, torch.optim.SGD)
+        assert opt.defaults["lr"] == 0.01 and opt.defaults["momentum"] == 0.9
+    assert fused.defaults["fused"] and getattr(fused, "_step_supports_amp_scaling", False)
+    assert not plain.defaults.get("fused") and not getattr(plain, "_step_supports_amp_scaling", False)
+    with pytest.raises(ValueError, match="adam"):
+        bench.make_optimizer("adam", params)
+    row = bench.BenchRow("resnet50", "cutlass_byoc-cudagraphs", 9.0, 1.0, 1.0, 0.0, 0.0, 0.0, batch=32,
+                         optimizer="sgd-fused")
+    assert row.label == "cutlass_byoc-cudagraphs [sgd-fused]" and row.record()["optimizer"] == "sgd-fused"
+    row.optimizer = "sgd"
+    assert row.label == "cutlass_byoc-cudagraphs" and row.record()["optimizer"] == "sgd"
+    row.optimizer, row.training = "", False  # inference: no optimizer
+    assert "optimizer" not in row.record()
+    assert bench.OPTIMIZERS[0] == "sgd"  # the default, and what rows published without the field ran

@@ -90,3 +90,29 @@ def test_inductor_compiles_the_chain_and_computes_what_the_in_line_graph_does():
     ref = MODELS["resnet18"](num_classes=10).to(memory_format=CL)
     # (loosely: batch norm over 2 images at 1x1 in the last stage amplifies rounding differences)
     torch.testing.assert_close(losses[1], ref(x).square().sum().detach(), rtol=1e-2, atol=1e-3)
+
+
+def test_the_overlap_composes_with_fused_batch_norm_statistics():
+    """overlap_wgrad with fuse_bn_stats (the offload bench's cutlass_byoc-bnstats-overlap modes): both rewrites apply
+    to one training graph (the statistics come from the fprop twins, the wgrads run as the chain), Inductor compiles
+    it, and the step computes what the same model compiled with the statistics fused and every wgrad in line does,
+    bit for bit (on the CPU both run the ops' reference)."""
+    out = []
+    x = torch.randn(2, 3, 32, 32).contiguous(memory_format=CL)
+    for overlap in (0, 1):
+        torch.manual_seed(0)
+        m = MODELS["resnet18"](num_classes=10).to(memory_format=CL)
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend="cutlass_byoc", options={
+            "require_cuda": False, "select": "heuristic", "fuse_bn_stats": True, "overlap_wgrad": overlap})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(x).float().square().sum()
+        loss.backward()
+        rep = last_report()
+        out.append((loss.detach(), [p.grad for p in m.parameters()], rep))
+    (loss0, grads0, rep0), (loss1, grads1, rep1) = out
+    assert rep0.overlapped_wgrads == 0 and rep1.overlapped_wgrads == rep1.count(Pass.WGRAD) - 1 > 0, rep1.summary()
+    assert rep1.bn_stats == rep0.bn_stats > 0, rep1.summary()
+    assert torch.equal(loss1, loss0)
+    for g0, g1 in zip(grads0, grads1):
+        assert torch.equal(g1, g0)

@@ -352,3 +352,33 @@ def test_bench_of_another_workload_is_published_under_its_own_name(pr, tmp_path)
     pr.publish_bench_as(dev, "bench-convnext-dw.json", results, merge=True, note="wgrad rerun")
     rows = json.loads((results / "bench-convnext-dw.json").read_text())["rows"]
     assert [(r["kind"], r["run"]) for r in rows] == [("fprop", 1), ("dgrad", 1), ("wgrad", 2)]
+
+
+def test_offload_rows_of_another_optimizer_are_their_own(pr, tmp_path):
+    """The offload bench's --optimizers: a row's optimizer is part of what it measures (rows published without one
+    ran the default SGD), so a run of sgd-fused steps adds rows beside the published sgd ones instead of replacing
+    them; the tables label those rows, and the goals table gives them lines of their own."""
+    results = tmp_path / "h200"
+    first = tmp_path / "call1"
+    first.mkdir()
+    old = [offload_row("resnet50", 32, True, "inductor-cudagraphs", 9.4),
+           dict(offload_row("resnet50", 32, True, "cutlass_byoc-cudagraphs", 8.9), speedup_vs_inductor_same_mode=1.055)]
+    (first / "offload.json").write_text(json.dumps(offload_file(old, [])))
+    pr.publish([first], results)
+    second = tmp_path / "call2"
+    second.mkdir()
+    new = [dict(offload_row("resnet50", 32, True, "inductor-cudagraphs", 7.0), optimizer="sgd-fused"),
+           dict(offload_row("resnet50", 32, True, "cutlass_byoc-cudagraphs", 6.5), optimizer="sgd-fused",
+                speedup_vs_inductor_same_mode=1.077),
+           dict(offload_row("resnet50", 32, True, "inductor-cudagraphs", 9.5), optimizer="sgd")]
+    (second / "offload.json").write_text(json.dumps(offload_file(new, [])))
+    pr.publish([second], results, merge_offload_rows=True)
+    merged = json.loads((results / "offload.json").read_text())
+    assert [(r["mode"], r.get("optimizer"), r["step_ms"]) for r in merged["rows"]] == [
+        ("cutlass_byoc-cudagraphs", None, 8.9), ("inductor-cudagraphs", "sgd-fused", 7.0),
+        ("cutlass_byoc-cudagraphs", "sgd-fused", 6.5), ("inductor-cudagraphs", "sgd", 9.5)]
+    text = "\n".join(pr.offload_tables(merged))
+    assert "| cutlass_byoc-cudagraphs [sgd-fused] | 6.50 |" in text and "| inductor-cudagraphs | 9.50 |" in text
+    goals = "\n".join(pr.goals_table(results))
+    assert "resnet50 b32 training step >= 1.10x Inductor, with CUDA graphs | 1.055" in goals
+    assert "resnet50 b32 training step (sgd-fused steps) >= 1.10x Inductor, with CUDA graphs | 1.077" in goals

@@ -47,7 +47,8 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #:   (heuristics.default_launch) whatever the decision cache holds: the untuned plan beside the tuned one;
 #: - cutlass_byoc-overlap, cutlass_byoc-overlap-cudagraphs, cutlass_byoc-overlap2-cudagraphs: overlap_wgrad 1 (2):
 #:   the offloaded wgrads on a side stream beside the rest of the backward, at most one (two) in flight;
-#:   cutlass_byoc-inline, cutlass_byoc-inline-cudagraphs: overlap_wgrad 0, every wgrad in line, whatever the default.
+#:   cutlass_byoc-inline, cutlass_byoc-inline-cudagraphs: overlap_wgrad 0, every wgrad in line, whatever the default;
+#: - cutlass_byoc-bnstats-overlap, cutlass_byoc-bnstats-overlap-cudagraphs: fuse_bn_stats and overlap_wgrad 1 together.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -63,10 +64,28 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-overlap2-cudagraphs": {"overlap_wgrad": 2},
     "cutlass_byoc-inline": {"overlap_wgrad": 0},
     "cutlass_byoc-inline-cudagraphs": {"overlap_wgrad": 0},
+    "cutlass_byoc-bnstats-overlap": {"fuse_bn_stats": True, "overlap_wgrad": 1},
+    "cutlass_byoc-bnstats-overlap-cudagraphs": {"fuse_bn_stats": True, "overlap_wgrad": 1},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch
 DYNAMIC_FRACTION = 0.75
+
+#: The timed training steps' optimizer (--optimizers; every mode of a case runs each one, on the same compiled model):
+#: - sgd: SGD with momentum, PyTorch's default implementation on CUDA (foreach). GradScaler.step reads its found-inf
+#:   flag on the host (`.item()`), so every step waits for the GPU to finish the backward before the update is
+#:   launched, and the GPU idles while the host launches the update and the next step;
+#: - sgd-fused: the same update with ``fused=True``. A fused optimizer takes GradScaler's scale and found-inf flag
+#:   as tensors (``_step_supports_amp_scaling``), so the step never waits on the GPU; under CUDA graphs the step
+#:   time then approaches the GPU's busy time in every mode.
+OPTIMIZERS = ("sgd", "sgd-fused")
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """The benchmark's optimizer `name` (OPTIMIZERS) over `params`: lr 0.01, momentum 0.9."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if name == "sgd-fused" else {}))
 
 
 @dataclasses.dataclass
@@ -89,10 +108,17 @@ class BenchRow:
     profile: Optional[dict] = None  # --profile: where a step's time goes (profile_breakdown)
     rounds_ms: Optional[list] = None  # --rounds > 1: each round's ms per step (step_ms is their median)
     launch_memo: Optional[tuple] = None  # cutlass_byoc modes: (relaunches, full-path launches) of the timed steps
+    optimizer: str = ""  # training: the timed steps' optimizer (OPTIMIZERS); "" for inference
+
+    @property
+    def label(self) -> str:
+        """The mode, with the optimizer where it is not the default one."""
+        return self.mode if self.optimizer in ("", OPTIMIZERS[0]) else f"{self.mode} [{self.optimizer}]"
 
     def record(self) -> dict:
         """The row as benchmarks/h200/offload.json holds it."""
         return {"model": self.model, "batch": self.batch, "training": self.training, "mode": self.mode,
+                **({"optimizer": self.optimizer} if self.optimizer else {}),
                 "step_ms": round(self.step_ms, 4), "speedup_vs_inductor_same_mode": round(self.speedup_vs_inductor, 4),
                 "first_step_s": round(self.first_step_s, 2), "loss_rel_err_vs_eager": self.loss_rel_err,
                 "grad_rel_err_vs_eager": None if math.isnan(self.grad_rel_err) else self.grad_rel_err,
@@ -103,7 +129,7 @@ class BenchRow:
                 **({"profile": self.profile} if self.profile else {})}
 
     def line(self) -> str:
-        return (f"{self.model:14s} {self.mode:13s} {self.step_ms:9.2f} {self.speedup_vs_inductor:8.3f} "
+        return (f"{self.model:14s} {self.label:13s} {self.step_ms:9.2f} {self.speedup_vs_inductor:8.3f} "
                 f"{self.first_step_s:8.1f} {self.loss_rel_err:10.2e} {self.grad_rel_err:10.2e} "
                 f"{self.grad_rel_err_max:10.2e}")
 
@@ -394,9 +420,12 @@ def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
 
 def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: int = 20, warmup: int = 3,
              dtype: torch.dtype = torch.float16, channels_last: bool = True, options: Optional[dict] = None,
-             seed: int = 0, profile: bool = False, rounds: int = 1) -> list[BenchRow]:
+             seed: int = 0, profile: bool = False, rounds: int = 1,
+             optimizers: Sequence[str] = OPTIMIZERS[:1]) -> list[BenchRow]:
     """Every mode of one case, in this process, from the same weights on the same batch. Training: the first step
-    (compile included) is compared with eager's; then SGD-with-momentum + GradScaler steps are timed. With CUDA
+    (compile included) is compared with eager's; then SGD-with-momentum + GradScaler steps are timed, once per
+    optimizer of `optimizers` (OPTIMIZERS: a row each, on the same compiled model, each with its own optimizer and
+    GradScaler state, compared with Inductor's row of the same optimizer). With CUDA
     graphs (cudagraph trees) each step starts with ``torch.compiler.cudagraph_mark_step_begin()`` and gradients
     are set to None, so no replay reads another's outputs. Inference: ``torch.no_grad()`` forwards, outputs
     compared with eager's.
@@ -407,6 +436,9 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
     minutes one mode takes, and interleaving puts every mode under the same drift."""
     from . import library  # noqa: PLC0415
 
+    for name in optimizers:
+        if name not in OPTIMIZERS:
+            raise ValueError(f"optimizers: expected names of {', '.join(OPTIMIZERS)}, got {name!r}")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     torch.manual_seed(seed)
     base = model_factory(case.model)().cuda().to(memory_format=fmt).train(case.training)
@@ -444,12 +476,15 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             if ref is None:
                 ref = (loss, grads)
             lerr, gerr, gmax = relative_errors(loss, grads, *ref)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+            steps_of = {}
+            for name in dict.fromkeys(optimizers):
+                opt = make_optimizer(name, model.parameters())
+                scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
-            def one(run=run, mark=mark, opt=opt, scaler=scaler) -> None:
-                mark()
-                _step(run, x, y, opt, dtype, scaler)
+                def one(run=run, mark=mark, opt=opt, scaler=scaler) -> None:
+                    mark()
+                    _step(run, x, y, opt, dtype, scaler)
+                steps_of[name] = one
             value = loss.item()
         else:
             def fwd(run=run, mark=mark):
@@ -471,26 +506,29 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
 
             def one(fwd=fwd) -> None:
                 fwd()
-        if mode == "cutlass_byoc-memo-off":
-            one = _memo_off(one)
-        for _ in range(warmup):
-            one()
-        ms = math.nan  # interleaved: timed in the rounds below
-        if not interleave:
-            memo0 = launch_memo_counts()  # the timed steps' launches only
-            ms = _timed_loop(one, steps, 0)
-            memo1 = launch_memo_counts()
-        row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
-                       training=case.training, profile=profile_steps(one) if profile and not interleave else None)
-        if backend is not None:
-            row.offload = backend.report().summary().splitlines()[0]
-            row.fallbacks = len(library.RUNTIME.fallbacks)
+            steps_of = {"": one}
+        for opt_name, one in steps_of.items():
+            if mode == "cutlass_byoc-memo-off":
+                one = _memo_off(one)
+            for _ in range(warmup):
+                one()
+            ms = math.nan  # interleaved: timed in the rounds below
             if not interleave:
-                row.launch_memo = (memo1[0] - memo0[0], memo1[1] - memo0[1])
-        rows.append(row)
-        steppers.append(one)
-        if not interleave:
-            log.info("%s", row.line())
+                memo0 = launch_memo_counts()  # the timed steps' launches only
+                ms = _timed_loop(one, steps, 0)
+                memo1 = launch_memo_counts()
+            row = BenchRow(case.model, mode, ms, first, value, lerr, gerr, gmax, batch=case.batch,
+                           training=case.training, profile=profile_steps(one) if profile and not interleave else None,
+                           optimizer=opt_name)
+            if backend is not None:
+                row.offload = backend.report().summary().splitlines()[0]
+                row.fallbacks = len(library.RUNTIME.fallbacks)
+                if not interleave:
+                    row.launch_memo = (memo1[0] - memo0[0], memo1[1] - memo0[1])
+            rows.append(row)
+            steppers.append(one)
+            if not interleave:
+                log.info("%s", row.line())
     if interleave:
         memo: dict[int, list[int]] = {}
 
@@ -516,7 +554,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
     for r in rows:
         same = ("inductor-cudagraphs" if r.mode.endswith("-cudagraphs") else "inductor-dynamic"
                 if r.mode.endswith("-dynamic") and "inductor-dynamic" in modes_run else "inductor")
-        ind = next((q.step_ms for q in rows if q.mode == same), math.nan)
+        ind = next((q.step_ms for q in rows if q.mode == same and q.optimizer == r.optimizer), math.nan)
         r.speedup_vs_inductor = ind / r.step_ms
     return rows
 
@@ -554,16 +592,17 @@ def benchmark(models: Sequence[str] = ("resnet50", "mobilenet_v2"), batch: int =
               steps: int = 20, warmup: int = 3, dtype: torch.dtype = torch.float16, channels_last: bool = True,
               modes: Sequence[str] = MODES, options: Optional[dict] = None, seed: int = 0,
               print_table: bool = True, cases: Optional[Sequence[Case]] = None,
-              profile: bool = False, rounds: int = 1) -> list[BenchRow]:
+              profile: bool = False, rounds: int = 1, optimizers: Sequence[str] = OPTIMIZERS[:1]) -> list[BenchRow]:
     """Run the benchmark (`cases`, else training steps of `models` at `batch`); every mode of a case starts from
-    the same weights and sees the same batches."""
+    the same weights and sees the same batches; training steps are timed with each of `optimizers`."""
     if not torch.cuda.is_available():
         raise RuntimeError("the offload benchmark needs a CUDA GPU")
     cases = list(cases) if cases is not None else [Case(m, batch) for m in models]
     torch.backends.cudnn.benchmark = True  # cuDNN's best algorithms for every mode (eager, Inductor, ours' rest)
     rows: list[BenchRow] = []
     for case in cases:
-        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed, profile, rounds)
+        case_rows = run_case(case, modes, image, steps, warmup, dtype, channels_last, options, seed, profile, rounds,
+                             optimizers)
         rows += case_rows
         if print_table:
             print(format_table(case_rows, case, image, dtype, channels_last), flush=True)
@@ -693,12 +732,12 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
         if r.offload:
             lines.append(f"{r.model}: {r.offload}; {r.fallbacks} run-time fallbacks")
         if r.launch_memo:
-            lines.append(f"{r.model} {r.mode}: launch memo over the timed steps: {r.launch_memo[0]} relaunches, "
+            lines.append(f"{r.model} {r.label}: launch memo over the timed steps: {r.launch_memo[0]} relaunches, "
                          f"{r.launch_memo[1]} full-path launches (prepared anew)")
     for r in rows:
         if r.profile:
             q = r.profile
-            lines.append(f"profile {r.model} {r.mode}: {q['wall_ms']:.2f} ms per step, GPU kernels "
+            lines.append(f"profile {r.model} {r.label}: {q['wall_ms']:.2f} ms per step, GPU kernels "
                          f"{q['gpu_kernel_ms']:.2f} ms ({q.get('kernels', 0):.0f} kernels, busy "
                          f"{q.get('busy_ms', 0):.2f} ms, launch gaps {q.get('launch_gap_ms', 0):.2f} ms, host gaps "
                          f"{q.get('host_gap_ms', 0):.2f} ms in {q.get('host_gaps', 0):.0f}; longest "
@@ -710,10 +749,10 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
                          f"{q['aten_conv_cpu_ms']:.2f} ms")
             src = q.get("gpu_ms_by_source")
             if src:
-                lines.append(f"  {r.mode} GPU ms per step by source: "
+                lines.append(f"  {r.label} GPU ms per step by source: "
                              + ", ".join(f"{k} {v:.3f}" for k, v in src.items()))
             for ms, n, name in q.get("top_kernels", []):
-                lines.append(f"  {r.mode} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
+                lines.append(f"  {r.label} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
     return "\n".join(lines)
 
 
@@ -734,6 +773,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--nchw", action="store_true", help="NCHW model and input (default channels_last)")
     ap.add_argument("--select", choices=["heuristic", "cached", "tune"], default="cached")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES + EXTRA_MODES))
+    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS[:1]), choices=list(OPTIMIZERS),
+                    help="time the training steps with each of these (a row per mode and optimizer; sgd-fused: "
+                         "SGD with fused=True, whose GradScaler step does not wait for the GPU)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows (model, batch, training, mode, step_ms, ...)")
     ap.add_argument("--host-overhead", action="store_true", help="also measure host microseconds per call")
     ap.add_argument("--profile", action="store_true",
@@ -743,7 +785,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cases = a.cases if a.cases else ([Case(m, a.batch) for m in a.models] if a.models else list(DEFAULT_CASES))
     rows = benchmark(steps=a.steps, warmup=a.warmup, image=a.image, dtype=getattr(torch, a.dtype),
                      channels_last=not a.nchw, modes=a.modes, options={"select": a.select}, cases=cases,
-                     profile=a.profile, rounds=a.rounds)
+                     profile=a.profile, rounds=a.rounds, optimizers=a.optimizers)
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "cudnn": torch.backends.cudnn.version(), "image": a.image, "steps": a.steps, "rounds": a.rounds,
                  "dtype": a.dtype,
