@@ -171,6 +171,7 @@ def offload_tables(data: dict) -> list[str]:
                 "launches prepared anew; under CUDA graphs the replays call no library):", ""]
         out += [f"- {_run(r)}{r['model']} b{r['batch']} {'training' if r['training'] else 'inference'} {mode_label(r)}: "
                 f"{r['launch_memo']['relaunches']} relaunches, {r['launch_memo']['full']} prepared anew" for r in memo]
+    out += optimizer_table(data.get("rows", []))
     prof = [r for r in data.get("rows", []) if r.get("profile")]
     if prof:
         out += ["", "Where a step goes (`--profile`: torch.profiler over 5 steps after the timing; GPU = the summed "
@@ -202,6 +203,39 @@ def offload_tables(data: dict) -> list[str]:
                 "set per device call, each measured in one process):", "",
                 "| run | pass | path | µs per call |", "|---|---|---|---|"]
         out += [f"| {h.get('run', 1)} | {h['pass']} | {h['path']} | {h['us_per_call']:.1f} |" for h in host]
+    return out
+
+
+def optimizer_table(rows: list) -> list[str]:
+    """The training rows of a case and mode measured with more than one optimizer in the same run (the offload bench's
+    --optimizers), side by side: each optimizer's step ms, vs Inductor, its rounds' spread and (--profile) the GPU's
+    busy ms per step."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("training"):
+            groups.setdefault((r.get("run"), r["model"], r["batch"], r["mode"]), {})[optimizer(r)] = r
+    groups = {k: v for k, v in groups.items() if len(v) > 1}
+    if not groups:
+        return []
+    opts = sorted({o for v in groups.values() for o in v}, key=lambda o: (o != DEFAULT_OPTIMIZER, o))
+    head = " | ".join(f"{o}: step ms (vs Inductor) | {o}: rounds min-max ms | {o}: GPU busy ms" for o in opts)
+    out = ["", "The same compiled model's training steps with each optimizer of the run (`--optimizers`; sgd: "
+           "PyTorch's default SGD with momentum, whose GradScaler step reads the found-inf flag on the host; "
+           "sgd-fused: the same update with `fused=True`, which takes the flag as a tensor and never waits for the "
+           "GPU; GPU busy from the run's profile):", "",
+           f"| run | model | batch | mode | {head} |", "|---|---|---|---|" + "---|---|---|" * len(opts)]
+    for (run, model, batch, mode), by in groups.items():
+        cells = []
+        for o in opts:
+            r = by.get(o)
+            if r is None:
+                cells += ["-", "-", "-"]
+                continue
+            rounds = r.get("step_ms_rounds")
+            busy = (r.get("profile") or {}).get("busy_ms")
+            cells += [f"{r['step_ms']:.2f} ({_f(r.get('speedup_vs_inductor_same_mode'), '.3f')})",
+                      f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-", _f(busy, ".2f")]
+        out.append(f"| {run if run is not None else '-'} | {model} | {batch} | {mode} | {' | '.join(cells)} |")
     return out
 
 

@@ -382,3 +382,20 @@ def test_offload_rows_of_another_optimizer_are_their_own(pr, tmp_path):
     goals = "\n".join(pr.goals_table(results))
     assert "resnet50 b32 training step >= 1.10x Inductor, with CUDA graphs | 1.055" in goals
     assert "resnet50 b32 training step (sgd-fused steps) >= 1.10x Inductor, with CUDA graphs | 1.077" in goals
+
+
+def test_optimizer_table_sets_a_runs_optimizers_side_by_side(pr):
+    """The optimizer table: one line per run, case and mode measured with several optimizers, each optimizer's step
+    time, ratio, rounds and busy time; modes measured with one optimizer only are left out."""
+    def row(mode, opt, ms, ratio, busy=None):
+        return dict(offload_row("resnet50", 32, True, mode, ms), run=35, optimizer=opt,
+                    speedup_vs_inductor_same_mode=ratio, step_ms_rounds=[ms - 0.1, ms, ms + 0.2],
+                    **({"profile": {"busy_ms": busy}} if busy else {}))
+
+    rows = [row("inductor-cudagraphs", "sgd", 7.9, 1.0, 6.5), row("inductor-cudagraphs", "sgd-fused", 6.8, 1.0, 6.54),
+            row("cutlass_byoc-cudagraphs", "sgd-fused", 6.5, 1.05), dict(offload_row("resnet50", 1, False, "eager", 3.0))]
+    text = "\n".join(pr.optimizer_table(rows))
+    assert "| run | model | batch | mode | sgd: step ms (vs Inductor) |" in text
+    assert "| 35 | resnet50 | 32 | inductor-cudagraphs | 7.90 (1.000) | 7.80-8.10 | 6.50 | 6.80 (1.000) | 6.70-7.00 | 6.54 |" in text
+    assert "cutlass_byoc-cudagraphs" not in text and "eager" not in text
+    assert pr.optimizer_table(rows[2:]) == []
