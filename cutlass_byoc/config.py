@@ -32,7 +32,7 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 #: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
 _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
-                      "channel_stats", "sourceless")
+                      "channel_stats", "sourceless", "epi_tile")
 #: The most pipeline stages the 3.x families' configs take (sm90, gemm1x1; StageCountAutoCarveout would give their
 #: 64 x 64 tiles 11-13); a wgrad's kernels also come with their deep twin (sm90.deep_twin, gemm1x1.deep_twin), timed
 #: beside them with up to DEEP_MAX_STAGES (the deepest pipeline nvjet's GEMM kernels run on these problems, by their
@@ -114,6 +114,15 @@ class KernelConfig:
     # the same GEMM 1x1 kernels with a C (geomean of 42 pairs on ResNet-50's 1x1 cells, up to 12%;
     # benchmarks/h200/sweep-sourceless-session19.json).
     sourceless: Optional[bool] = None
+    # The TMA epilogue's sub-tile (GEMM 1x1 family, not lowered; None elsewhere and then left out of to_dict, so every
+    # other kernel's source and cache key is unchanged): (M, N) rows and columns of D that go through shared memory
+    # and one TMA store at a time, instead of CUTLASS's EpilogueTileAuto (min(64, M) x min(32, N) for ping-pong,
+    # min(128, M) x min(32, N) cooperative). CUTLASS takes M = 64 (ping-pong) or 128 (cooperative) only, so this
+    # widens N: fewer, larger sub-tiles, fewer shared-memory round trips, barriers and TMA stores per CTA tile
+    # (gemm1x1.epilogue_smem_bytes sizes its buffers). The candidates do not propose it (scripts/sweep_kernels.py
+    # --tiles ...:eMxN times it): on the H200 it moved the 14 stride-1 1x1 fprop / dgrad cells by -2% to +5%, 1% in
+    # geomean (benchmarks/h200/sweep-epi-session25.json).
+    epi_tile: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if self.element_bias is not None and not isinstance(self.element_bias, DType):
@@ -213,6 +222,8 @@ class KernelConfig:
             parts.append("chstats")
         if self.sourceless:
             parts.append("nosrc")
+        if self.epi_tile:
+            parts.append("e" + "x".join(map(str, self.epi_tile)))
         parts.append(f"sm{self.arch}")
         return "_".join(parts)
 
@@ -282,6 +293,8 @@ class KernelConfig:
                 return f"sourceless: a field of the 3.x families (TMA epilogue) only, not {self.family.value}"
             if self.channel_stats or self.element_bias is not None:
                 return "sourceless: not with the channel-statistics or the bias-vector epilogue"
+        if self.epi_tile is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
+            return f"epi_tile: a field of the GEMM 1x1 family only, not {self.family.value}"
         if self.channel_stats is not None:  # before the families' own rules, which return early
             why = self._channel_stats_error()
             if why:

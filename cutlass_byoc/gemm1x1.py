@@ -189,13 +189,14 @@ def consumer_threads(schedule: str) -> int:
     return 256 if schedule.startswith("cooperative") else 128
 
 
-def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourceless: bool = False) -> int:
-    """Shared memory of the TMA epilogue (sm90_builder.inl): an epilogue tile of min(128 | 64, M) x min(32, N), C
-    and D of one type share StagesC = max(min(tiles, 4), min(tiles, 2) + 1) buffers (ReuseSmemC), plus 2 KiB for
-    the barriers and alignment of the whole kernel's SharedStorage (nvcc's sizeof for every tile, schedule and
-    output width proposed here stayed 48-1152 bytes under this bound; tests/test_gemm1x1.py keeps some)."""
-    em = min(128 if schedule.startswith("cooperative") else 64, tile[0])
-    en = min(32, tile[1])
+def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourceless: bool = False,
+                        epi_tile: Optional[tuple[int, int]] = None) -> int:
+    """Shared memory of the TMA epilogue (sm90_builder.inl): an epilogue tile of min(128 | 64, M) x min(32, N) (or
+    `epi_tile`, KernelConfig.epi_tile), C and D of one type share StagesC = max(min(tiles, 4), min(tiles, 2) + 1)
+    buffers (ReuseSmemC), plus 2 KiB for the barriers and alignment of the whole kernel's SharedStorage (nvcc's
+    sizeof for every tile, schedule and output width proposed here stayed 48-1152 bytes under this bound;
+    tests/test_gemm1x1.py keeps some)."""
+    em, en = epi_tile or (min(128 if schedule.startswith("cooperative") else 64, tile[0]), min(32, tile[1]))
     epi_tiles = (tile[0] // em) * (tile[1] // en)
     if sourceless:  # D's StagesD = min(tiles, 2) buffers alone
         return min(epi_tiles, 2) * em * en * element_out.nbytes + 2048
@@ -258,8 +259,17 @@ def static_error(c: KernelConfig) -> Optional[str]:
         return f"cluster {c.cluster}: expected (1|2|4, 1|2|4, 1) with at most 4 CTAs"
     if c.sourceless and c.lowering is not None:
         return "sourceless: not for the im2col lowering (its GEMMs are built with their own C)"
+    if c.epi_tile is not None:
+        em, en = c.epi_tile
+        if c.lowering is not None:
+            return "epi_tile: not for the im2col lowering"
+        # sm90_builder.inl (sm90_compute_tile_shape_or_override) static_asserts M = 64 (ping-pong) or 128
+        # (cooperative) and N % 16 == 0 for an explicit epilogue tile
+        if em != (128 if coop else 64) or en % 16 or n % en:
+            return (f"epi_tile {c.epi_tile}: M is {128 if coop else 64} in the {c.schedule} schedule (CUTLASS's sm90 "
+                    f"epilogue builder), N a multiple of 16 that divides the tile's {n}")
     smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(
-        c.tile, gemm_output(c), c.schedule, bool(c.sourceless))
+        c.tile, gemm_output(c), c.schedule, bool(c.sourceless), c.epi_tile)
     if smem > SMEM_CAPACITY:
         return f"stages {c.stages}: mainloop + epilogue need {smem} bytes of shared memory, past the {SMEM_CAPACITY} of an sm90 CTA"
     return None
@@ -408,6 +418,19 @@ def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
         return None
     return kernel.with_more_stages(stage_count(kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule,
                                                bool(kernel.sourceless), cap=DEEP_MAX_STAGES))
+
+
+def with_epilogue_tile(kernel: KernelConfig, epi_tile: tuple[int, int]) -> KernelConfig:
+    """`kernel` (GEMM 1x1, not lowered) with the TMA epilogue's sub-tile `epi_tile` (KernelConfig.epi_tile) and as
+    many pipeline stages as before where they still fit beside its buffers, else as many as fit; raises ValueError
+    where the sub-tile does not suit the tile."""
+    twin = dataclasses.replace(kernel, epi_tile=None)
+    em, en = epi_tile
+    m, n, k = kernel.tile
+    per_stage = (m + n) * k * kernel.element_a.nbytes + 16
+    epi = epilogue_smem_bytes(kernel.tile, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless), (em, en))
+    stages = max(2, min(kernel.stages, (SMEM_CAPACITY - epi) // per_stage))
+    return dataclasses.replace(twin, epi_tile=(em, en), stages=stages)
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",

@@ -368,3 +368,38 @@ def test_sourceless_shared_memory_leaves_the_c_buffers_out():
     # 128x128 ping-pong, f16 out: epilogue tile 64x32, 8 sub-tiles; with C: 4 shared C/D buffers, without: 2 D buffers
     assert epilogue_smem_bytes((128, 128, 64), DType.F16, "pingpong") == 4 * 64 * 32 * 2 + 2048
     assert epilogue_smem_bytes((128, 128, 64), DType.F16, "pingpong", sourceless=True) == 2 * 64 * 32 * 2 + 2048
+
+
+def test_epilogue_sub_tile():
+    """KernelConfig.epi_tile: the TMA epilogue's sub-tile instead of CUTLASS's EpilogueTileAuto, named in the kernel,
+    rendered as the builder's EpilogueTile, its buffers counted in the shared memory (fewer stages where they no longer
+    fit), and refused where CUTLASS's builder would refuse it (M other than one ping-pong warp group's 64 rows or the
+    cooperative pair's 128, N not a multiple of 16 dividing the tile's); a kernel without it renders as before (so
+    its cache key is unchanged)."""
+    from cutlass_byoc.gemm1x1 import with_epilogue_tile
+
+    plain = p1x1("fprop", c=64, k=64)
+    base = gemm1x1_config(plain, (192, 64, 64), "pingpong", sourceless=True)
+    assert base.epi_tile is None and "epi_tile" not in base.to_dict()
+    src = render(base, "nvcc x.cu")
+    assert "    cutlass::epilogue::collective::EpilogueTileAuto,\n" in src and "KernelConfig.epi_tile" not in src
+    wide = with_epilogue_tile(base, (64, 64))
+    assert wide.name == base.name.replace("_nosrc_sm90", "_nosrc_e64x64_sm90") and wide.stages == base.stages
+    assert KernelConfig.from_dict(wide.to_dict()) == wide and wide.to_dict()["epi_tile"] == [64, 64]
+    src = render(wide, "nvcc x.cu")
+    assert "    Shape<_64, _64>,  // epilogue sub-tile M x N (KernelConfig.epi_tile)" in src
+    assert "EpilogueTileAuto" not in src
+    # three 64x64 f16 sub-tiles of D: two buffers (StagesD = min(sub-tiles, 2)), as the six 64x32 ones had
+    assert epilogue_smem_bytes(base.tile, DType.F16, "pingpong", True, (64, 64)) == 2 * 64 * 64 * 2 + 2048
+    assert epilogue_smem_bytes(base.tile, DType.F16, "pingpong", True) == 2 * 64 * 32 * 2 + 2048
+    # 128x128 C/D sub-tiles of a 128x256 cooperative kernel with a source: three 32 KiB buffers (StagesC), which
+    # leave room for 2 of its 48 KiB stages instead of 4
+    coop = gemm1x1_config(plain, (128, 256, 64), "cooperative")
+    assert epilogue_smem_bytes(coop.tile, DType.F16, "cooperative", False, (128, 128)) == 3 * 128 * 128 * 2 + 2048
+    assert (coop.stages, with_epilogue_tile(coop, (128, 128)).stages) == (4, 2)
+    for kernel, bad in ((base, (192, 64)), (base, (128, 64)), (base, (64, 48)), (coop, (64, 64)), (coop, (128, 96))):
+        with pytest.raises(ValueError, match="epi_tile"):
+            with_epilogue_tile(kernel, bad)
+    with pytest.raises(ValueError, match="GEMM 1x1 family only"):
+        dataclasses.replace(KernelConfig(**{**base.__dict__, "epi_tile": None}), family=KernelFamily.SM90_TMA_WGMMA,
+                            epi_tile=(64, 64), sourceless=None)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
 
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
-from cutlass_byoc.gemm1x1 import deep_twin, gemm1x1_config  # noqa: E402
+from cutlass_byoc.gemm1x1 import deep_twin, gemm1x1_config, with_epilogue_tile  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
@@ -39,10 +39,10 @@ def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1), sourceless=Fal
     return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster, sourceless=sourceless)
 
 
-#: The 16 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
+#: The 19 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
 #: remaining activation, spread over the schedules, tiles, clusters and output types, two wgrad kernels with the
 #: nondeterministic stream-K reduction, four sourceless kernels (one per kind, the fprop ones on two schedules), a
-#: deep-pipeline wgrad twin and a 192-row fprop tile.
+#: deep-pipeline wgrad twin, a 192-row fprop tile and three kernels with larger epilogue sub-tiles.
 KERNELS = {
     "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
     "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
@@ -63,6 +63,14 @@ KERNELS = {
     # what the planner adds on top: a wgrad kernel's deep-pipeline twin (13 stages) and the 192-row whole-wave tile
     "deep_wgrad": deep_twin(cfg("wgrad", "f16", "f16", Activation.IDENTITY, (64, 64, 64), "pingpong", sourceless=True)),
     "wave_fprop": cfg("fprop", "f16", "f16", Activation.IDENTITY, (192, 64, 64), "pingpong", sourceless=True),
+    # wider TMA epilogue sub-tiles than CUTLASS's automatic 64 x 32 / 128 x 32 (KernelConfig.epi_tile): a 192x64
+    # ping-pong tile in three 64x64 stores, a cooperative kernel's 128x128 C/D sub-tiles, a ping-pong kernel's 64x64
+    # ones with a source and an fp32 output
+    "epi_wave": with_epilogue_tile(cfg("fprop", "f16", "f16", Activation.IDENTITY, (192, 64, 64), "pingpong",
+                                       sourceless=True), (64, 64)),
+    "epi_coop": with_epilogue_tile(cfg("dgrad", "f16", "f16", Activation.IDENTITY, (128, 256, 64), "cooperative"),
+                                   (128, 128)),
+    "epi_relu": with_epilogue_tile(cfg("fprop", "bf16", "f32", Activation.RELU, (128, 128, 64), "pingpong"), (64, 64)),
 }
 
 
@@ -181,3 +189,15 @@ def test_offset_view_falls_back_to_2x():
     ops.run_problem(p, xo, w, out, config=LaunchConfig(KERNELS["fprop"]))
     torch.cuda.synchronize()
     assert rel_err(out, reference(p, x, w, None)) < TOLERANCE[p.element_out]
+
+
+@pytest.mark.parametrize("name", ["epi_wave", "epi_coop", "epi_relu"])
+def test_epilogue_sub_tiles(name):
+    """Kernels with larger TMA epilogue sub-tiles (KernelConfig.epi_tile) at the module's odd shape (partial tiles)
+    and at layer shapes, with every source the kernel takes."""
+    k = KERNELS[name]
+    sources = [SourceKind.NONE] if k.sourceless else (
+        SOURCES if k.kind is ConvKind.FPROP else [SourceKind.NONE, SourceKind.RESIDUAL])
+    for source in sources:
+        for shape in (dict(), dict(n=32, hw=(14, 14), c=256, k=1024), dict(n=2, hw=(56, 56), c=64, k=64)):
+            check(problem_for(name, source, **shape), name, seed=hash((name, source.value)) % 2**31)
