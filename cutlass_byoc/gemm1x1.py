@@ -205,11 +205,12 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourcel
 
 
 def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str, sourceless: bool = False,
-                cap: int = MAX_STAGES) -> int:
-    """What StageCountAutoCarveout would choose with the epilogue above carved out, at most `cap`."""
+                cap: int = MAX_STAGES, epi_tile: Optional[tuple[int, int]] = None) -> int:
+    """What StageCountAutoCarveout would choose with the epilogue above (sub-tile `epi_tile`) carved out, at most
+    `cap`."""
     m, n, k = tile
     per_stage = (m + n) * k * element_in.nbytes + 16  # + the stage's pipeline barriers
-    epi = epilogue_smem_bytes(tile, element_out, schedule, sourceless)
+    epi = epilogue_smem_bytes(tile, element_out, schedule, sourceless, epi_tile)
     return max(2, min(cap, (SMEM_CAPACITY - epi) // per_stage))
 
 
@@ -424,13 +425,10 @@ def with_epilogue_tile(kernel: KernelConfig, epi_tile: tuple[int, int]) -> Kerne
     """`kernel` (GEMM 1x1, not lowered) with the TMA epilogue's sub-tile `epi_tile` (KernelConfig.epi_tile) and as
     many pipeline stages as before where they still fit beside its buffers, else as many as fit; raises ValueError
     where the sub-tile does not suit the tile."""
-    twin = dataclasses.replace(kernel, epi_tile=None)
-    em, en = epi_tile
-    m, n, k = kernel.tile
-    per_stage = (m + n) * k * kernel.element_a.nbytes + 16
-    epi = epilogue_smem_bytes(kernel.tile, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless), (em, en))
-    stages = max(2, min(kernel.stages, (SMEM_CAPACITY - epi) // per_stage))
-    return dataclasses.replace(twin, epi_tile=(em, en), stages=stages)
+    epi_tile = tuple(epi_tile)
+    return dataclasses.replace(kernel, epi_tile=epi_tile, stages=stage_count(
+        kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless),
+        cap=kernel.stages, epi_tile=epi_tile))
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",

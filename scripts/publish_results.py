@@ -404,12 +404,13 @@ def goals_table(results: Path = RESULTS) -> list[str]:
     if off.exists():
         data = json.loads(off.read_text())
         rows = data.get("rows", [])
+        opts = dict.fromkeys([DEFAULT_OPTIMIZER, *sorted({optimizer(r) for r in rows} - {""})])
         for model, goal, batches in (("resnet50", ">= 1.10x Inductor", (32, 64)),
                                      ("mobilenet_v2", "faster than Inductor", (32, 64))):
             for b in batches:
                 for mode, what in (("cutlass_byoc", "without CUDA graphs"), ("cutlass_byoc-cudagraphs",
                                                                              "with CUDA graphs")):
-                    for opt in dict.fromkeys([DEFAULT_OPTIMIZER, *sorted({optimizer(r) for r in rows} - {""})]):
+                    for opt in opts:
                         cell = _step_cell(rows, model, b, mode, opt)
                         step = "" if opt == DEFAULT_OPTIMIZER else f" ({opt} steps)"
                         if cell != "-":

@@ -63,10 +63,10 @@ def sourceless_twins(problem, kernels):
 
 def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False):
     """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless,
-    cluster, epilogue sub-tile or None) tuples (tiles outside cutlass_library's list, to try before adding them to the family's candidates); with
-    `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins); with `deep`, each kernel's twin of more
-    pipeline stages than the families' cap (plan.deep_twin); with `with_sm90`, the 3.x conv family's kernels on the 1x1
-    cells too (their wgrad winners are mostly its split-k kernels)."""
+    cluster, epilogue sub-tile or None) tuples (tiles outside cutlass_library's list, to try before adding them to
+    the family's candidates); with `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins); with
+    `deep`, each kernel's twin of more pipeline stages than the families' cap (plan.deep_twin); with `with_sm90`, the
+    3.x conv family's kernels on the 1x1 cells too (their wgrad winners are mostly its split-k kernels)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
     out = [k for k in valid if k.family is family or (with_sm90 and k.family is KernelFamily.SM90_TMA_WGMMA)]
@@ -94,7 +94,7 @@ def parse_tile(text: str):
     """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong", False, (1, 1, 1), None); ":nosrc" asks for the kernel
     without an epilogue source (e.g. "256x64x64:pingpong:nosrc"), for the cells whose epilogue has none; ":c1x2x1" a
     thread-block cluster (e.g. "192x64x64:pingpong:nosrc:c2x1x1"); ":e64x64" the TMA epilogue's sub-tile
-    (KernelConfig.epi_tile, e.g. "192x64x64:pingpong:nosrc:e192x64")."""
+    (KernelConfig.epi_tile, e.g. "192x64x64:pingpong:nosrc:e64x64")."""
     tile, schedule, *more = text.split(":")
     cluster = next((tuple(int(x) for x in m[1:].split("x")) for m in more if m.startswith("c")), (1, 1, 1))
     epi = next((tuple(int(x) for x in m[1:].split("x")) for m in more if m.startswith("e")), None)
@@ -268,7 +268,8 @@ def main() -> None:
                        help="also each 3.x kernel's twin of more pipeline stages than the families' cap (plan.deep_twin)")
         s.add_argument("--with-sm90", action="store_true",
                        help="on the 1x1 cells, the 3.x conv family's kernels too (its split-k wgrad kernels)")
-        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[], metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1][:eMxN]",
+        s.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
+                       metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1][:eMxN]",
                        help="GEMM 1x1 configs to add to the family's (e.g. 192x64x64:pingpong, 256x64x64:pingpong:nosrc)")
     args = ap.parse_args()
     {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)
