@@ -39,6 +39,23 @@ def test_inference_traces_forward_only():
     assert problems and {p.kind for p in problems} == {ConvKind.FPROP}
 
 
+def test_a_callers_module_is_left_as_it_was():
+    """Tracing a module the caller passed leaves it usable: its parameters stay real tensors in their layout, its
+    train/eval mode stays, and it can be traced again (training, then inference)."""
+    from models import resnet18  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    m = resnet18().eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    train_problems, _ = model_problems(m, 2, training=True, image=64)
+    infer_problems, _ = model_problems(m, 2, training=False, image=64)
+    assert train_problems and infer_problems and not m.training
+    after = m.state_dict()
+    assert all(type(v) is torch.Tensor and torch.equal(v, before[k]) for k, v in after.items())
+    assert m.conv1.weight.is_contiguous()  # not converted to channels_last
+    assert m(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+
+
 def test_cli_model_items():
     args = build_parser().parse_args(["tune", "--model", "models:resnet18", "--batch", "2", "--image", "64",
                                       "--amp", "bf16"])

@@ -299,6 +299,27 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     assert both["triton_kernels"] == [[2.0, 1.0, long[:-2] + "23"], [1.0, 1.0, long]]  # whole names, all of them
 
 
+def test_device_work_leaves_out_annotation_ranges():
+    """The GPU timeline's range for a host annotation (the optimizer's record_function) is no kernel: counted, it
+    doubled its kernels' time in "other" and filled the gaps between them in the busy time."""
+    import types
+
+    from cutlass_byoc.offload.bench import device_work, kernel_timeline
+
+    def ev(name, start, end, device="cuda", annotation=False):
+        return types.SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    events = [ev("aten::add_", 0.0, 5.0, device="cpu"),
+              ev("Optimizer.step#SGD.step", 0.0, 400.0, annotation=True),
+              ev("multi_tensor_apply_kernel", 0.0, 100.0), ev("multi_tensor_apply_kernel", 300.0, 400.0),
+              ev("Memset (Device)", 500.0, 510.0), ev("empty", 600.0, 600.0)]
+    work = device_work(events, "cuda")
+    assert work == [(0.0, 100.0, "multi_tensor_apply_kernel"), (300.0, 400.0, "multi_tensor_apply_kernel"),
+                    (500.0, 510.0, "Memset (Device)")]
+    assert kernel_timeline(work, steps=1)["busy_ms"] * 1e3 < 400  # the gap between the two kernels is not busy
+
+
 def test_top_kernels_ranks_names_by_summed_gpu_time():
     from cutlass_byoc.offload.bench import top_kernels
 

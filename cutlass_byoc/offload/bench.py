@@ -396,9 +396,17 @@ def profile_steps(one: Callable[[], None], steps: int = 5) -> dict:
             wall_ms = (time.perf_counter() - t0) / steps * 1e3
     finally:
         getattr(one, "end", lambda: None)()
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    return profile_breakdown(prof.key_averages(), kernels, steps, wall_ms)
+    return profile_breakdown(prof.key_averages(), device_work(prof.events(), DeviceType.CUDA), steps, wall_ms)
+
+
+def device_work(events, cuda) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the profiled events that are GPU work (kernels, memcpys, memsets). Ranges the profiler
+    draws on the GPU's timeline for a host annotation (``Optimizer.step#SGD.step``, a record_function) are left out:
+    they are no work of their own, would count their kernels twice in the GPU time by source, and would fill the
+    gaps between those kernels in the busy time."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == cuda and e.time_range.end > e.time_range.start
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:

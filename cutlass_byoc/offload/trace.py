@@ -10,6 +10,7 @@ graph is traced with: ``"inductor"`` (what ``torch.compile`` uses), ``"core"`` (
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -121,7 +122,9 @@ def model_problems(model: torch.nn.Module | str, batch: int, *, training: bool =
 
     from .partition import partition  # noqa: PLC0415
 
-    m = load_model(model) if isinstance(model, str) else model
+    # a caller's module is copied: the channels_last conversion below, made under the fake mode, would otherwise
+    # swap its parameters for fake tensors, and train() would change its mode
+    m = load_model(model) if isinstance(model, str) else copy.deepcopy(model)
     m = m.train(training)
     opts = OffloadOptions.from_any(options, require_cuda=False, prebuild=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
