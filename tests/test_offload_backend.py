@@ -320,6 +320,25 @@ def test_device_work_leaves_out_annotation_ranges():
     assert kernel_timeline(work, steps=1)["busy_ms"] * 1e3 < 400  # the gap between the two kernels is not busy
 
 
+def test_report_names_keep_what_tells_pytorch_kernels_apart():
+    from cutlass_byoc.offload.bench import kernel_source, kernel_timeline, profile_breakdown, short_kernel_name
+
+    ns = "at::native::(anonymous namespace)::"
+    sgd = (f"void {ns}multi_tensor_apply_kernel<{ns}TensorListMetadata<3>, {ns}FusedSgdMathFunctor<float, 3>, "
+           f"float, float>({ns}TensorListMetadata<3>, {ns}FusedSgdMathFunctor<float, 3>, float, float)")
+    unscale = (f"void {ns}multi_tensor_apply_kernel<{ns}TensorListMetadata<1>, "
+               f"{ns}UnaryOpListAlphaFunctor<float, 1, 1, 0>, float>")
+    assert short_kernel_name(sgd)[:100].startswith("multi_tensor_apply_kernel<TensorListMetadata<3>, FusedSgdMathFunctor")
+    assert short_kernel_name("triton_poi_fused_relu_3") == "triton_poi_fused_relu_3"
+    assert short_kernel_name("cb_pingpong::cb_pingpong_kernel(cb_pingpong::Params)").startswith("cb_pingpong::")
+    ks = [(0.0, 10.0, sgd), (20.0, 30.0, unscale), (1000.0, 1001.0, "(anonymous namespace)::depthwise_kernel(Params)")]
+    out = profile_breakdown([], ks, steps=1, wall_ms=1.0)
+    assert {k[2][:60] for k in out["top_kernels"][:2]} == {short_kernel_name(sgd)[:60], short_kernel_name(unscale)[:60]}
+    assert kernel_timeline(ks, 1)["longest_gaps"][0][1] == "depthwise_kernel(Params)"
+    # sources are told from the whole name: ours stays ours
+    assert out["gpu_ms_by_source"]["cutlass_byoc"] == 0.001 and kernel_source(ks[2][2]) == "cutlass_byoc"
+
+
 def test_top_kernels_ranks_names_by_summed_gpu_time():
     from cutlass_byoc.offload.bench import top_kernels
 

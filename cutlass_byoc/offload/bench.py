@@ -304,7 +304,8 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
     gaps.sort(key=lambda g: -g[0])
     return {"kernels": len(ks) / steps, "busy_ms": busy / steps / 1e3, "launch_gap_ms": short / steps / 1e3,
             "host_gap_ms": long_ / steps / 1e3, "host_gaps": n_long / steps,
-            "longest_gaps": [[round(g, 1), name[:80], before[:80]] for g, name, before in gaps[:top]]}
+            "longest_gaps": [[round(g, 1), short_kernel_name(name)[:80], short_kernel_name(before)[:80]]
+                             for g, name, before in gaps[:top]]}
 
 
 #: Where a GPU kernel comes from, by its name (first match wins): Inductor's Triton kernels (first: Inductor names a
@@ -339,6 +340,16 @@ def gpu_ms_by_source(kernels: Sequence[tuple[float, float, str]], steps: int) ->
     return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
 
 
+_NAME_NOISE = re.compile(r"^void |\(anonymous namespace\)::|\bat::native::|\bat::cuda::|\bc10::")
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name for a report line cut at 80-100 characters: without the `void `, `at::native::` and
+    `(anonymous namespace)::` that PyTorch's kernels start with, so the part that tells two apart fits (which
+    multi_tensor_apply_kernel functor, which elementwise op). Sources are told from the whole name."""
+    return _NAME_NOISE.sub("", name)
+
+
 def top_kernels(kernels: Sequence[tuple[float, float, str]], steps: int, top: Optional[int] = 10,
                 width: Optional[int] = 100) -> list:
     """The `top` kernel names (None: all) by summed GPU time: [ms per step, launches per step, name (its first `width`
@@ -365,7 +376,8 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
     every = top_kernels(kernels, steps, top=None, width=None)
     out = {"steps": steps, "wall_ms": wall_ms,
            "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
-           **kernel_timeline(kernels, steps), "top_kernels": [[ms, n, name[:100]] for ms, n, name in every[:10]],
+           **kernel_timeline(kernels, steps),
+           "top_kernels": [[ms, n, short_kernel_name(name)[:100]] for ms, n, name in every[:10]],
            "gpu_ms_by_source": gpu_ms_by_source(kernels, steps),
            # every Inductor kernel, whole names (their numeric suffixes tell apart the fused groups), so two modes'
            # Triton kernels can be compared one by one
