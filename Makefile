@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup tune test test-gpu bench gpu-round clean
+.PHONY: setup tune test test-gpu bench gpu-round zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,16 @@ test-gpu: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/cutlass-byoc bench
 
+## torchvision's and timm's models partitioned, and one CPU training step each through the backend against eager
+## (scripts/zoo_check.py; its packages go to .zoo-deps/, outside the venv the tests run in).
+ZOO_DEPS := .zoo-deps
+zoo: $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(ZOO_DEPS) torchvision==0.28.0 timm huggingface_hub safetensors pyyaml pillow
+	PYTHONPATH=$(ZOO_DEPS) $(BIN)/python scripts/zoo_check.py --numerics
+
 ## On the H200 (device tool): install from .whl/, gpu tests, tune, bench, offload bench.
 gpu-round:
 	bash scripts/gpu_round.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache $(ZOO_DEPS)
