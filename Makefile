@@ -36,7 +36,9 @@ bench: $(STAMP)
 ## (scripts/zoo_check.py; its packages go to .zoo-deps/, outside the venv the tests run in).
 ZOO_DEPS := .zoo-deps
 zoo: $(STAMP)
-	$(BIN)/pip install -q --no-deps --target $(ZOO_DEPS) torchvision==0.28.0 timm huggingface_hub safetensors pyyaml pillow
+	@# torchvision and timm without their dependencies (torch is the venv's); timm's own with theirs
+	$(BIN)/pip install -q --no-deps --target $(ZOO_DEPS) torchvision==0.28.0 timm
+	$(BIN)/pip install -q --target $(ZOO_DEPS) huggingface_hub safetensors pyyaml pillow
 	PYTHONPATH=$(ZOO_DEPS) $(BIN)/python scripts/zoo_check.py --numerics
 
 ## On the H200 (device tool): install from .whl/, gpu tests, tune, bench, offload bench.
