@@ -2,7 +2,7 @@
 `torch.compile` would hand them to the backend, and optionally one training step through the backend against eager.
 
     python scripts/zoo_check.py [--models tv:resnet50 timm:ghostnet_100 seg:fcn_resnet50 ...] [--numerics]
-        [--layout cl|nchw] [--image 96] [--numerics-image 64] [--json out.jsonl]
+        [--layout cl|nchw] [--amp none|bf16] [--image 96] [--numerics-image 64] [--json out.jsonl]
 
 - Partition (always): `offload.trace.model_problems` on fake tensors, training (fp16 autocast, the joint graph) and
   inference. Per model: whether a graph was left whole to PyTorch (`report.failure`, a partitioner defect to fix),
@@ -12,8 +12,9 @@
   eager, both against eager float64. A parameter's gradient error is its distance from float64 over the larger of
   its float64 norm and 1e-3 of the largest one (gradients that are zero in exact arithmetic, such as a batch norm's
   bias before another batch norm, are noise in any fp32 run). The model is flagged when its error is over 1e-4 and
-  over 10x eager fp32's on the same parameter. Dropout and stochastic depth are set to 0, and batch norms use their
-  running statistics (a batch of 4 small images makes training-mode statistics too ill-conditioned to compare).
+  over 10x eager's on the same parameter. `--amp bf16` runs both steps under CPU autocast (eager's is then a bf16
+  one; float64 never is). Dropout and stochastic depth are set to 0, and batch norms use their running statistics
+  (a batch of 4 small images makes training-mode statistics too ill-conditioned to compare).
 
 Model names: `tv:NAME` (torchvision.models), `seg:NAME` (torchvision.models.segmentation, its "out"), `timm:NAME`,
 or `pkg.module:factory` (called with no arguments).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import json
 import logging
@@ -35,6 +37,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -157,7 +160,7 @@ def partition(spec: str, image: int) -> dict:
     return out
 
 
-def numerics(spec: str, image: int, channels_last: bool) -> dict:
+def numerics(spec: str, image: int, channels_last: bool, amp: Optional[torch.dtype] = None) -> dict:
     from cutlass_byoc.offload.backend import make_backend  # noqa: PLC0415
     from cutlass_byoc.offload.report import Pass  # noqa: PLC0415
 
@@ -169,13 +172,21 @@ def numerics(spec: str, image: int, channels_last: bool) -> dict:
     if channels_last:
         model, eager, exact = (m.to(memory_format=torch.channels_last) for m in (model, eager, exact))
         x, x64 = (t.contiguous(memory_format=torch.channels_last) for t in (x, x64))
+    def autocast():
+        return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+
     try:
-        eager(x).float().logsumexp(1).mean().backward()
+        with autocast():
+            out = eager(x)
+        out.float().logsumexp(1).mean().backward()
     except Exception as e:  # noqa: BLE001 - the model does not run at this size
         raise ModelError(f"eager: {type(e).__name__}: {e}") from e
     backend = make_backend(require_cuda=False, inductor=False)
     torch._dynamo.reset()
-    loss = torch.compile(model, backend=backend)(x).float().logsumexp(1).mean()
+    compiled = torch.compile(model, backend=backend)
+    with autocast():
+        out = compiled(x)
+    loss = out.float().logsumexp(1).mean()
     loss.backward()
     exact_loss = exact(x64).logsumexp(1).mean()
     exact_loss.backward()
@@ -209,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     ap.add_argument("--numerics", action="store_true", help="also one CPU training step through the backend")
     ap.add_argument("--layout", choices=("cl", "nchw"), default="cl", help="the numerics step's layout")
+    ap.add_argument("--amp", choices=("none", "bf16"), default="none",
+                    help="the numerics step under CPU autocast (ours and eager alike; float64 without)")
     ap.add_argument("--image", type=int, default=96, help="the partition's image size (transformers: 224)")
     ap.add_argument("--numerics-image", type=int, default=64, help="the numerics step's (CPU time)")
     ap.add_argument("--json", default=None, help="also write one JSON line per model here")
@@ -226,7 +239,8 @@ def main(argv=None) -> int:
             rec["traceback"] = traceback.format_exc()[-1500:]
         if a.numerics and "model_error" not in rec:
             try:
-                rec["numerics"] = numerics(spec, image_size(spec, a.numerics_image), a.layout == "cl")
+                rec["numerics"] = numerics(spec, image_size(spec, a.numerics_image), a.layout == "cl",
+                                           torch.bfloat16 if a.amp == "bf16" else None)
             except ModelError as e:
                 rec["model_error"] = str(e)[:300]
             except Exception as e:  # noqa: BLE001
