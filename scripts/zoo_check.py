@@ -33,6 +33,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import sys
 import time
 import traceback
@@ -103,6 +104,10 @@ def build(spec: str, num_classes: int = 10) -> torch.nn.Module:
         from cutlass_byoc.offload.trace import load_model  # noqa: PLC0415
         return load_model(spec)
     if where == "timm":
+        try:
+            import_torchvision()  # timm imports torchvision where it is installed: leniently first
+        except ImportError:
+            pass
         import timm  # noqa: PLC0415
         return timm.create_model(name, pretrained=False, num_classes=num_classes)
     tv = import_torchvision()
@@ -161,6 +166,17 @@ def partition(spec: str, image: int) -> dict:
 
 
 def numerics(spec: str, image: int, channels_last: bool, amp: Optional[torch.dtype] = None) -> dict:
+    # PyTorch's own CPU kernels, not oneDNN's: with oneDNN, eager's backward of FastViT-T8 (torch 2.13 CPU) crashed
+    # the process with a corrupted heap, and went through with it off
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return _numerics(spec, image, channels_last, amp)
+    finally:
+        torch.backends.mkldnn.enabled = was
+
+
+def _numerics(spec: str, image: int, channels_last: bool, amp: Optional[torch.dtype]) -> dict:
     from cutlass_byoc.offload.backend import make_backend  # noqa: PLC0415
     from cutlass_byoc.offload.report import Pass  # noqa: PLC0415
 
@@ -268,7 +284,7 @@ def main(argv=None) -> int:
     reasons = collections.Counter()
     for rec in lines:
         for reason, n in rec.get("partition", {}).get("training", {}).get("left", {}).items():
-            reasons[reason.split(";")[0][:100]] += n
+            reasons[re.sub(r"\d+", "N", reason.split(";")[0])[:100]] += n  # one line per kind of reason
     print(f"\n{len(lines)} models, {sum('model_error' in r for r in lines)} model errors, {bad} failed; "
           "passes left (training graphs), by reason:")
     for reason, n in reasons.most_common():
