@@ -320,6 +320,26 @@ def test_device_work_leaves_out_annotation_ranges():
     assert kernel_timeline(work, steps=1)["busy_ms"] * 1e3 < 400  # the gap between the two kernels is not busy
 
 
+def test_launchers_name_the_ops_around_launches_outside_graphs():
+    import types
+
+    from cutlass_byoc.offload.bench import launchers
+
+    def ev(name, parent=None):
+        return types.SimpleNamespace(name=name, cpu_parent=parent)
+
+    step = ev("Optimizer.step#SGD.step")
+    add, unscale = ev("aten::_foreach_add_", step), ev("aten::_amp_foreach_non_finite_check_and_unscale_")
+    ex = ev("cudaLaunchKernelExC", add)  # its driver call (cuLaunchKernel) below is the same launch
+    events = [step, add, unscale, ev("cudaLaunchKernel", add), ev("cudaLaunchKernel", add), ex,
+              ev("cuLaunchKernel", ex), ev("cudaLaunchKernel", unscale), ev("cudaGraphLaunch", None),
+              ev("cudaLaunchKernel", None)]
+    events.append(ev("cudaLaunchKernel", ev("cudaStreamSynchronize", unscale)))  # inside another API call
+    assert launchers(events, steps=2) == [[1.5, "aten::_foreach_add_"],
+                                          [1.0, "aten::_amp_foreach_non_finite_check_and_unscale_"],
+                                          [0.5, "(no enclosing op)"]]
+
+
 def test_report_names_keep_what_tells_pytorch_kernels_apart():
     from cutlass_byoc.offload.bench import kernel_source, kernel_timeline, profile_breakdown, short_kernel_name
 

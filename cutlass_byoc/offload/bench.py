@@ -408,7 +408,28 @@ def profile_steps(one: Callable[[], None], steps: int = 5) -> dict:
             wall_ms = (time.perf_counter() - t0) / steps * 1e3
     finally:
         getattr(one, "end", lambda: None)()
-    return profile_breakdown(prof.key_averages(), device_work(prof.events(), DeviceType.CUDA), steps, wall_ms)
+    events = prof.events()
+    return {**profile_breakdown(prof.key_averages(), device_work(events, DeviceType.CUDA), steps, wall_ms),
+            "launchers": launchers(events, steps)}
+
+
+def launchers(events, steps: int, top: int = 8) -> list:
+    """Who launched the kernels that ran outside CUDA graphs: per step, the op around each kernel-launch call (its
+    nearest enclosing host event that is not itself a CUDA API call; a driver launch inside a runtime launch is one
+    launch), the `top` most frequent as [launches per step, op name]. Under CUDA graphs these are the step's host work besides the replays (optimizer, GradScaler, ...)."""
+    from collections import Counter  # noqa: PLC0415
+
+    by: Counter = Counter()
+    for e in events:
+        if e.name not in KERNEL_LAUNCH_APIS:
+            continue
+        parent = getattr(e, "cpu_parent", None)
+        if parent is not None and parent.name in KERNEL_LAUNCH_APIS:
+            continue  # the driver call inside a runtime launch: one launch
+        while parent is not None and parent.name.startswith(("cuda", "cu")):
+            parent = getattr(parent, "cpu_parent", None)
+        by[parent.name if parent is not None else "(no enclosing op)"] += 1
+    return [[n / steps, name] for name, n in by.most_common(top)]
 
 
 def device_work(events, cuda) -> list[tuple[float, float, str]]:
@@ -767,6 +788,9 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
                          f"{q['offloaded_gpu_ms']:.2f} ms, host {q['offloaded_cpu_ms']:.2f} ms; aten convs "
                          f"{q['aten_conv_calls']:.0f} calls, GPU {q['aten_conv_gpu_ms']:.2f} ms, host "
                          f"{q['aten_conv_cpu_ms']:.2f} ms")
+            if q.get("launchers"):
+                lines.append(f"  {r.label} launches outside graphs per step by op: "
+                             + ", ".join(f"{name} {n:g}" for n, name in q["launchers"]))
             src = q.get("gpu_ms_by_source")
             if src:
                 lines.append(f"  {r.label} GPU ms per step by source: "
