@@ -33,13 +33,14 @@ bench: $(STAMP)
 	$(BIN)/cutlass-byoc bench
 
 ## torchvision's and timm's models partitioned, and one CPU training step each through the backend against eager
-## (scripts/zoo_check.py; its packages go to .zoo-deps/, outside the venv the tests run in).
+## (scripts/zoo_check.py; its packages go to .zoo-deps/, outside the venv the tests run in). About 25 minutes on
+## 2 cores; e.g. ZOO_ARGS="--models tv:resnet50 timm:ghostnet_100 --amp bf16" for a part.
 ZOO_DEPS := .zoo-deps
 zoo: $(STAMP)
 	@# torchvision and timm without their dependencies (torch is the venv's); timm's own with theirs
 	$(BIN)/pip install -q --no-deps --target $(ZOO_DEPS) torchvision==0.28.0 timm
 	$(BIN)/pip install -q --target $(ZOO_DEPS) huggingface_hub safetensors pyyaml pillow
-	PYTHONPATH=$(ZOO_DEPS) $(BIN)/python scripts/zoo_check.py --numerics
+	PYTHONPATH=$(ZOO_DEPS) $(BIN)/python scripts/zoo_check.py --numerics $(ZOO_ARGS)
 
 ## On the H200 (device tool): install from .whl/, gpu tests, tune, bench, offload bench.
 gpu-round:
