@@ -312,6 +312,8 @@ def test_device_work_leaves_out_annotation_ranges():
 
     events = [ev("aten::add_", 0.0, 5.0, device="cpu"),
               ev("Optimizer.step#SGD.step", 0.0, 400.0, annotation=True),
+              # a GPU copy not marked itself is known by its host range's name
+              ev("ProfilerStep#3", 0.0, 700.0, device="cpu", annotation=True), ev("ProfilerStep#3", 0.0, 700.0),
               ev("multi_tensor_apply_kernel", 0.0, 100.0), ev("multi_tensor_apply_kernel", 300.0, 400.0),
               ev("Memset (Device)", 500.0, 510.0), ev("empty", 600.0, 600.0)]
     work = device_work(events, "cuda")

@@ -437,9 +437,12 @@ def device_work(events, cuda) -> list[tuple[float, float, str]]:
     draws on the GPU's timeline for a host annotation (``Optimizer.step#SGD.step``, a record_function) are left out:
     they are no work of their own, would count their kernels twice in the GPU time by source, and would fill the
     gaps between those kernels in the busy time."""
+    events = list(events)
+    # the GPU copy of a range is marked itself, and in any case named like its host range, which is marked
+    annotations = {e.name for e in events if e.device_type != cuda and getattr(e, "is_user_annotation", False)}
     return [(e.time_range.start, e.time_range.end, e.name) for e in events
             if e.device_type == cuda and e.time_range.end > e.time_range.start
-            and not getattr(e, "is_user_annotation", False)]
+            and not getattr(e, "is_user_annotation", False) and e.name not in annotations]
 
 
 def _timed_loop(fn: Callable[[], None], steps: int, warmup: int) -> float:
