@@ -32,7 +32,7 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 #: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
 _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
-                      "channel_stats", "sourceless", "epi_tile")
+                      "channel_stats", "sourceless", "epi_tile", "epi_stages")
 #: The most pipeline stages the 3.x families' configs take (sm90, gemm1x1; StageCountAutoCarveout would give their
 #: 64 x 64 tiles 11-13); a wgrad's kernels also come with their deep twin (sm90.deep_twin, gemm1x1.deep_twin), timed
 #: beside them with up to DEEP_MAX_STAGES (the deepest pipeline nvjet's GEMM kernels run on these problems, by their
@@ -123,6 +123,15 @@ class KernelConfig:
     # --tiles ...:eMxN times it): on the H200 it moved the 14 stride-1 1x1 fprop / dgrad cells by -2% to +5%, 1% in
     # geomean (benchmarks/h200/sweep-epi-session25.json).
     epi_tile: Optional[tuple[int, int]] = None
+    # D's buffers in the TMA epilogue's shared memory, so the TMA stores a consumer has in flight (GEMM 1x1 family,
+    # sourceless and not lowered; None elsewhere and then left out of to_dict): CUTLASS's builder gives StagesD =
+    # min(sub-tiles, 2), so each sub-tile waits, before its registers go to shared memory, for the store before the
+    # last to have been read out of it, several waits per CTA tile. With as many buffers as the tile has sub-tiles
+    # (gemm1x1.epilogue_sub_tiles) a tile's stores go out back to back and only the next tile's epilogue waits; the
+    # buffers count in the shared-memory bound (gemm1x1.epilogue_smem_bytes). For the memory-bound 1x1 convs, where
+    # the ping-pong consumers take turns in the epilogue and the mainloop is one or a few k tiles, the epilogue sets
+    # the pace. Sweep-only (scripts/sweep_kernels.py --tiles ...:sdN); not timed yet.
+    epi_stages: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.element_bias is not None and not isinstance(self.element_bias, DType):
@@ -224,6 +233,8 @@ class KernelConfig:
             parts.append("nosrc")
         if self.epi_tile:
             parts.append("e" + "x".join(map(str, self.epi_tile)))
+        if self.epi_stages:
+            parts.append(f"sd{self.epi_stages}")
         parts.append(f"sm{self.arch}")
         return "_".join(parts)
 
@@ -295,6 +306,8 @@ class KernelConfig:
                 return "sourceless: not with the channel-statistics or the bias-vector epilogue"
         if self.epi_tile is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
             return f"epi_tile: a field of the GEMM 1x1 family only, not {self.family.value}"
+        if self.epi_stages is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
+            return f"epi_stages: a field of the GEMM 1x1 family only, not {self.family.value}"
         if self.channel_stats is not None:  # before the families' own rules, which return early
             why = self._channel_stats_error()
             if why:

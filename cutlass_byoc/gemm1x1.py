@@ -189,28 +189,43 @@ def consumer_threads(schedule: str) -> int:
     return 256 if schedule.startswith("cooperative") else 128
 
 
+def epilogue_sub_tile(tile: Shape3, schedule: str, epi_tile: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+    """The TMA epilogue's sub-tile: `epi_tile` (KernelConfig.epi_tile), else EpilogueTileAuto's min(128 | 64, M) x
+    min(32, N) (cooperative | ping-pong)."""
+    return tuple(epi_tile) if epi_tile else (min(128 if schedule.startswith("cooperative") else 64, tile[0]),
+                                             min(32, tile[1]))
+
+
+def epilogue_sub_tiles(tile: Shape3, schedule: str, epi_tile: Optional[tuple[int, int]] = None) -> int:
+    """How many sub-tiles (one TMA store each) the epilogue of a CTA tile goes through."""
+    em, en = epilogue_sub_tile(tile, schedule, epi_tile)
+    return (tile[0] // em) * (tile[1] // en)
+
+
 def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourceless: bool = False,
-                        epi_tile: Optional[tuple[int, int]] = None) -> int:
+                        epi_tile: Optional[tuple[int, int]] = None, epi_stages: Optional[int] = None) -> int:
     """Shared memory of the TMA epilogue (sm90_builder.inl): an epilogue tile of min(128 | 64, M) x min(32, N) (or
     `epi_tile`, KernelConfig.epi_tile), C and D of one type share StagesC = max(min(tiles, 4), min(tiles, 2) + 1)
     buffers (ReuseSmemC), plus 2 KiB for the barriers and alignment of the whole kernel's SharedStorage (nvcc's
     sizeof for every tile, schedule and output width proposed here stayed 48-1152 bytes under this bound;
-    tests/test_gemm1x1.py keeps some)."""
-    em, en = epi_tile or (min(128 if schedule.startswith("cooperative") else 64, tile[0]), min(32, tile[1]))
-    epi_tiles = (tile[0] // em) * (tile[1] // en)
-    if sourceless:  # D's StagesD = min(tiles, 2) buffers alone
-        return min(epi_tiles, 2) * em * en * element_out.nbytes + 2048
+    tests/test_gemm1x1.py keeps some). Sourceless: D's StagesD buffers alone, min(tiles, 2) or `epi_stages`
+    (KernelConfig.epi_stages)."""
+    em, en = epilogue_sub_tile(tile, schedule, epi_tile)
+    epi_tiles = epilogue_sub_tiles(tile, schedule, epi_tile)
+    if sourceless:
+        return (epi_stages or min(epi_tiles, 2)) * em * en * element_out.nbytes + 2048
     stages_c = max(min(epi_tiles, 4), min(epi_tiles, 2) + 1)
     return stages_c * em * en * element_out.nbytes + 2048
 
 
 def stage_count(tile: Shape3, element_in: DType, element_out: DType, schedule: str, sourceless: bool = False,
-                cap: int = MAX_STAGES, epi_tile: Optional[tuple[int, int]] = None) -> int:
-    """What StageCountAutoCarveout would choose with the epilogue above (sub-tile `epi_tile`) carved out, at most
-    `cap`."""
+                cap: int = MAX_STAGES, epi_tile: Optional[tuple[int, int]] = None,
+                epi_stages: Optional[int] = None) -> int:
+    """What StageCountAutoCarveout would choose with the epilogue above (sub-tile `epi_tile`, `epi_stages` D
+    buffers) carved out, at most `cap`."""
     m, n, k = tile
     per_stage = (m + n) * k * element_in.nbytes + 16  # + the stage's pipeline barriers
-    epi = epilogue_smem_bytes(tile, element_out, schedule, sourceless, epi_tile)
+    epi = epilogue_smem_bytes(tile, element_out, schedule, sourceless, epi_tile, epi_stages)
     return max(2, min(cap, (SMEM_CAPACITY - epi) // per_stage))
 
 
@@ -269,8 +284,15 @@ def static_error(c: KernelConfig) -> Optional[str]:
         if em != (128 if coop else 64) or en % 16 or n % en:
             return (f"epi_tile {c.epi_tile}: M is {128 if coop else 64} in the {c.schedule} schedule (CUTLASS's sm90 "
                     f"epilogue builder), N a multiple of 16 that divides the tile's {n}")
+    if c.epi_stages is not None:
+        subs = epilogue_sub_tiles(c.tile, c.schedule, c.epi_tile)
+        if not c.sourceless or c.lowering is not None:
+            return ("epi_stages: sourceless kernels only, not lowered (with a C, CUTLASS's epilogue shares its buffers "
+                    "between C and D)")
+        if not 1 <= c.epi_stages <= subs:
+            return f"epi_stages {c.epi_stages}: 1 to the CTA tile's {subs} epilogue sub-tiles"
     smem = c.stages * ((m + n) * k * c.element_a.nbytes + 16) + epilogue_smem_bytes(
-        c.tile, gemm_output(c), c.schedule, bool(c.sourceless), c.epi_tile)
+        c.tile, gemm_output(c), c.schedule, bool(c.sourceless), c.epi_tile, c.epi_stages)
     if smem > SMEM_CAPACITY:
         return f"stages {c.stages}: mainloop + epilogue need {smem} bytes of shared memory, past the {SMEM_CAPACITY} of an sm90 CTA"
     return None
@@ -418,7 +440,8 @@ def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
     if kernel.lowering is not None:
         return None
     return kernel.with_more_stages(stage_count(kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule,
-                                               bool(kernel.sourceless), cap=DEEP_MAX_STAGES))
+                                               bool(kernel.sourceless), cap=DEEP_MAX_STAGES,
+                                               epi_tile=kernel.epi_tile, epi_stages=kernel.epi_stages))
 
 
 def with_epilogue_tile(kernel: KernelConfig, epi_tile: tuple[int, int]) -> KernelConfig:
@@ -428,7 +451,18 @@ def with_epilogue_tile(kernel: KernelConfig, epi_tile: tuple[int, int]) -> Kerne
     epi_tile = tuple(epi_tile)
     return dataclasses.replace(kernel, epi_tile=epi_tile, stages=stage_count(
         kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless),
-        cap=kernel.stages, epi_tile=epi_tile))
+        cap=kernel.stages, epi_tile=epi_tile, epi_stages=kernel.epi_stages))
+
+
+def with_store_stages(kernel: KernelConfig, epi_stages: Optional[int] = None) -> KernelConfig:
+    """`kernel` (GEMM 1x1, sourceless, not lowered) with `epi_stages` D buffers in its TMA epilogue
+    (KernelConfig.epi_stages; None: one per sub-tile, every store of a tile in flight at once) and as many pipeline
+    stages as before where they still fit beside them, else as many as fit. The config's rules (static_error) say
+    where it does not apply."""
+    n = epi_stages or epilogue_sub_tiles(kernel.tile, kernel.schedule, kernel.epi_tile)
+    return dataclasses.replace(kernel, epi_stages=n, stages=stage_count(
+        kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless),
+        cap=kernel.stages, epi_tile=kernel.epi_tile, epi_stages=n))
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",

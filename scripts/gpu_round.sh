@@ -52,7 +52,8 @@
 #           "192x64x64:pingpong ..." narrow or extend it; SWEEP_PROFILE=1: each cell's best launch and cuDNN also
 #           timed kernel alone by torch.profiler; SWEEP_SOURCELESS=1: each 3.x kernel's sourceless twin too;
 #           SWEEP_DEEP=1: each kernel's twin of more pipeline stages than the families' cap; SWEEP_WITH_SM90=1: the
-#           3.x conv family's kernels on the 1x1 cells too), those in the test cache -> sweep.json, sweep.log
+#           3.x conv family's kernels on the 1x1 cells too; SWEEP_STORE_STAGES=1: each sourceless GEMM 1x1 kernel's
+#           twin with one epilogue D buffer per sub-tile), those in the test cache -> sweep.json, sweep.log
 # channel-stats: scripts/channel_stats_bench.py: the channel-statistics epilogue's cost on each fprop problem of a
 #           training step against the batch-norm statistics pass it would replace (CS_MODEL, default
 #           torchvision:resnet50; CS_BATCH, default 32; kernels from the test cache) -> channel-stats.json, .log
@@ -246,7 +247,8 @@ for step in "${steps[@]}"; do
     sweep)
       python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
         ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} ${SWEEP_PROFILE:+--profile} \
-        ${SWEEP_SOURCELESS:+--sourceless} ${SWEEP_DEEP:+--deep} ${SWEEP_WITH_SM90:+--with-sm90} 2>&1 \
+        ${SWEEP_SOURCELESS:+--sourceless} ${SWEEP_DEEP:+--deep} ${SWEEP_WITH_SM90:+--with-sm90} \
+        ${SWEEP_STORE_STAGES:+--store-stages} 2>&1 \
         | tee "$OUT/sweep.log" || rc=1 ;;
     channel-stats)
       # scripts/channel_stats_bench.py: each fprop problem of the model's training step on one sm90 kernel, its

@@ -61,30 +61,44 @@ def sourceless_twins(problem, kernels):
     return out
 
 
-def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False):
+def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False, store_stages=False):
     """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless,
-    cluster, epilogue sub-tile or None) tuples (tiles outside cutlass_library's list, to try before adding them to
-    the family's candidates); with `sourceless`, each 3.x kernel's sourceless twin too (sourceless_twins); with
-    `deep`, each kernel's twin of more pipeline stages than the families' cap (plan.deep_twin); with `with_sm90`, the
-    3.x conv family's kernels on the 1x1 cells too (their wgrad winners are mostly its split-k kernels)."""
+    cluster, epilogue sub-tile or None, D buffers: None, 0 for one per sub-tile, or a count) tuples (tiles outside
+    cutlass_library's list, to try before adding them to the family's candidates); with `sourceless`, each 3.x
+    kernel's sourceless twin too (sourceless_twins); with `deep`, each kernel's twin of more pipeline stages than the
+    families' cap (plan.deep_twin); with `with_sm90`, the 3.x conv family's kernels on the 1x1 cells too (their wgrad
+    winners are mostly its split-k kernels); with `store_stages`, each sourceless GEMM 1x1 kernel's twin with one D
+    buffer per epilogue sub-tile (gemm1x1.with_store_stages)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
     out = [k for k in valid if k.family is family or (with_sm90 and k.family is KernelFamily.SM90_TMA_WGMMA)]
     if family is KernelFamily.SM90_GEMM_1X1:
-        from cutlass_byoc.gemm1x1 import gemm1x1_config, with_epilogue_tile  # noqa: PLC0415
+        from cutlass_byoc.gemm1x1 import gemm1x1_config, with_epilogue_tile, with_store_stages  # noqa: PLC0415
 
-        for tile, schedule, nosrc, cluster, epi in extra:
+        for tile, schedule, nosrc, cluster, epi, stores in extra:
             if nosrc and problem.epilogue.source is not SourceKind.NONE:
                 continue
             try:
                 k = gemm1x1_config(problem, tile, schedule, cluster, sourceless=nosrc)
                 k = with_epilogue_tile(k, epi) if epi else k
+                k = with_store_stages(k, stores or None) if stores is not None else k
             except ValueError as e:
                 print(f"{problem.name}: {tile} {schedule}: {e}")
                 continue
             if k not in out:
                 out.append(k)
     out += sourceless_twins(problem, out) if sourceless else []
+    if store_stages and family is KernelFamily.SM90_GEMM_1X1:
+        from cutlass_byoc.gemm1x1 import with_store_stages  # noqa: PLC0415
+
+        for k in list(out):
+            if k.family is family and k.sourceless and k.lowering is None and k.epi_stages is None:
+                try:
+                    twin = with_store_stages(k)
+                except ValueError:
+                    continue
+                if twin.epi_stages > 2:  # (up to two sub-tiles the builder gives one buffer each already)
+                    out.append(twin)
     if deep:
         out += [t for t in map(plan.deep_twin, out) if t is not None and t.reject_reason(problem) is None]
     return list(dict.fromkeys(out))
@@ -94,11 +108,14 @@ def parse_tile(text: str):
     """"192x64x64:pingpong" -> ((192, 64, 64), "pingpong", False, (1, 1, 1), None); ":nosrc" asks for the kernel
     without an epilogue source (e.g. "256x64x64:pingpong:nosrc"), for the cells whose epilogue has none; ":c1x2x1" a
     thread-block cluster (e.g. "192x64x64:pingpong:nosrc:c2x1x1"); ":e64x64" the TMA epilogue's sub-tile
-    (KernelConfig.epi_tile, e.g. "192x64x64:pingpong:nosrc:e64x64")."""
+    (KernelConfig.epi_tile, e.g. "192x64x64:pingpong:nosrc:e64x64"); ":sd" one D buffer per epilogue sub-tile,
+    ":sd4" four (KernelConfig.epi_stages; sourceless kernels, e.g. "192x64x64:pingpong:nosrc:sd"), the last element
+    (None without it, 0 for ":sd")."""
     tile, schedule, *more = text.split(":")
     cluster = next((tuple(int(x) for x in m[1:].split("x")) for m in more if m.startswith("c")), (1, 1, 1))
     epi = next((tuple(int(x) for x in m[1:].split("x")) for m in more if m.startswith("e")), None)
-    return tuple(int(x) for x in tile.split("x")), schedule, "nosrc" in more, cluster, epi
+    stores = next((int(m[2:] or 0) for m in more if m.startswith("sd")), None)
+    return tuple(int(x) for x in tile.split("x")), schedule, "nosrc" in more, cluster, epi, stores
 
 
 def kernel_times(fn, calls: int = 5) -> list:
@@ -123,7 +140,8 @@ def kernel_times(fn, calls: int = 5) -> list:
 
 def cmd_build(args) -> None:
     kernels = {k.name: k for it in cells(args.layers, args.kinds)
-               for k in kernels_of(it.problem, args.tiles, args.sourceless, args.deep, args.with_sm90)}
+               for k in kernels_of(it.problem, args.tiles, args.sourceless, args.deep, args.with_sm90,
+                                         args.store_stages)}
     t0 = time.time()
     res = build(list(kernels.values()), jobs=args.jobs, cache=KernelCache(), progress=True)
     print(f"{sum(r.ok for r in res.values())} of {len(res)} kernels in the cache ({time.time() - t0:.0f} s)")
@@ -138,7 +156,7 @@ def cmd_time(args) -> None:
     cache, settings, out, t0 = KernelCache(), WorkerSettings(), [], time.time()
     for it in cells(args.layers, args.kinds):
         p = it.problem
-        kernels = kernels_of(p, args.tiles, args.sourceless, args.deep, args.with_sm90)
+        kernels = kernels_of(p, args.tiles, args.sourceless, args.deep, args.with_sm90, args.store_stages)
         if args.build:
             build(kernels, cache=cache, progress=False)
         sets, ref = make_problem_sets(p, settings)
@@ -268,8 +286,11 @@ def main() -> None:
                        help="also each 3.x kernel's twin of more pipeline stages than the families' cap (plan.deep_twin)")
         s.add_argument("--with-sm90", action="store_true",
                        help="on the 1x1 cells, the 3.x conv family's kernels too (its split-k wgrad kernels)")
+        s.add_argument("--store-stages", action="store_true",
+                       help="also each sourceless GEMM 1x1 kernel's twin with one epilogue D buffer per sub-tile "
+                            "(KernelConfig.epi_stages)")
         s.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
-                       metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1][:eMxN]",
+                       metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1][:eMxN][:sd[N]]",
                        help="GEMM 1x1 configs to add to the family's (e.g. 192x64x64:pingpong, 256x64x64:pingpong:nosrc)")
     args = ap.parse_args()
     {"build": cmd_build, "time": cmd_time, "cudnn-kernels": cmd_cudnn_kernels, "replay": cmd_replay}[args.cmd](args)

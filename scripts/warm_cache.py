@@ -202,7 +202,10 @@ def main() -> int:
     ap.add_argument("--sweep", nargs="+", default=None, choices=["1x1", "3x3"],
                     help="scripts/sweep_kernels.py's kernels of these cells (the round's sweep step)")
     ap.add_argument("--sweep-kinds", nargs="+", default=["fprop", "dgrad", "wgrad"])
-    ap.add_argument("--sweep-tiles", nargs="+", default=[], metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1]")
+    ap.add_argument("--sweep-tiles", nargs="+", default=[], metavar="MxNxK:SCHEDULE[:nosrc][:cMxNx1][:eMxN][:sd[N]]")
+    ap.add_argument("--sweep-store-stages", action="store_true",
+                    help="with --sweep: each sourceless GEMM 1x1 kernel's twin with one epilogue D buffer per "
+                         "sub-tile too (the round's SWEEP_STORE_STAGES=1)")
     ap.add_argument("--channel-stats", action="store_true",
                     help="the round's channel-stats step's kernels (scripts/channel_stats_bench.py on ResNet-50 at "
                          "--batch: one plain sm90 kernel per fprop problem and schedule, and its statistics twin)")
@@ -228,7 +231,7 @@ def main() -> int:
 
         tiles = [sweep_kernels.parse_tile(t) for t in a.sweep_tiles]
         cfgs += [k for it in sweep_kernels.cells(a.sweep, a.sweep_kinds)
-                 for k in sweep_kernels.kernels_of(it.problem, tiles)]
+                 for k in sweep_kernels.kernels_of(it.problem, tiles, store_stages=a.sweep_store_stages)]
     if a.channel_stats:
         import channel_stats_bench  # noqa: PLC0415 - scripts/channel_stats_bench.py, beside this file
 

@@ -1,13 +1,14 @@
 """Compile-only tests of the 1x1-as-GEMM family: one real sm_90a kernel per kind (and per schedule: fprop
-cooperative, dgrad ping-pong, wgrad cooperative stream-K), loaded and asked through its host-side API (no GPU
-needed for can_implement and workspace sizes). ~60-200 s and ~3.5 GB of memory per kernel."""
+cooperative, dgrad ping-pong, wgrad cooperative stream-K; a sourceless fprop, also with its epilogue's D buffers
+replaced), loaded and asked through its host-side API (no GPU needed for can_implement and workspace sizes).
+~60-200 s and ~3.5 GB of memory per kernel."""
 
 from __future__ import annotations
 
 import pytest
 
 from cutlass_byoc.build import build
-from cutlass_byoc.gemm1x1 import gemm1x1_config
+from cutlass_byoc.gemm1x1 import gemm1x1_config, with_store_stages
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.runtime import KernelLibrary
 
@@ -26,6 +27,8 @@ KERNELS = {
     "wgrad": (WGRAD, gemm1x1_config(WGRAD, (128, 128, 64), "cooperative_streamk")),
     # the sourceless form the planner gives problems without bias or residual (no C operand at all)
     "fprop_nosrc": (FPROP, gemm1x1_config(FPROP, (256, 64, 64), "pingpong", sourceless=True)),
+    # and with one epilogue D buffer per sub-tile (KernelConfig.epi_stages: the builder's collective, StagesD replaced)
+    "fprop_nosrc_stores": (FPROP, with_store_stages(gemm1x1_config(FPROP, (256, 64, 64), "pingpong", sourceless=True))),
 }
 
 

@@ -370,6 +370,43 @@ def test_sourceless_shared_memory_leaves_the_c_buffers_out():
     assert epilogue_smem_bytes((128, 128, 64), DType.F16, "pingpong", sourceless=True) == 2 * 64 * 32 * 2 + 2048
 
 
+def test_epilogue_store_stages():
+    """KernelConfig.epi_stages: D's buffers (TMA stores in flight) of a sourceless kernel's epilogue instead of the
+    builder's min(sub-tiles, 2): named, rendered as the builder's collective with StagesD replaced (a kernel without it
+    renders as before), counted in the shared memory (fewer pipeline stages where they no longer fit), refused with a
+    C, with the im2col lowering, past the sub-tile count and outside the GEMM 1x1 family."""
+    from cutlass_byoc.gemm1x1 import epilogue_sub_tiles, with_epilogue_tile, with_store_stages
+
+    plain = p1x1("fprop", c=64, k=64)
+    base = gemm1x1_config(plain, (192, 64, 64), "pingpong", sourceless=True)
+    assert base.epi_stages is None and "epi_stages" not in base.to_dict()
+    assert "WithStoreStages" not in render(base, "nvcc x.cu")
+    assert epilogue_sub_tiles(base.tile, base.schedule) == 6  # 64 x 32 sub-tiles of a 192 x 64 tile
+    every = with_store_stages(base)
+    assert every.epi_stages == 6 and every.name == base.name.replace("_nosrc_sm90", "_nosrc_sd6_sm90")
+    assert KernelConfig.from_dict(every.to_dict()) == every and every.to_dict()["epi_stages"] == 6
+    # six 4 KiB D buffers instead of two still leave room for the six 32 KiB stages
+    assert epilogue_smem_bytes(base.tile, DType.F16, "pingpong", True, None, 6) == 6 * 64 * 32 * 2 + 2048
+    assert every.stages == base.stages == 6
+    src = render(every, "nvcc x.cu")
+    assert "using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<" in src
+    assert "cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, 6, FragmentSize, ReuseSmemC, DelayTmaStore>;" in src
+    assert "using CollectiveEpilogue = typename WithStoreStages<BuiltEpilogue>::type;" in src
+    # with the wider sub-tiles: three 64x64 stores, three buffers
+    both = with_store_stages(with_epilogue_tile(base, (64, 64)))
+    assert both.epi_stages == 3 and both.name.endswith("_nosrc_e64x64_sd3_sm90")
+    # a 256 x 64 tile: eight 4 KiB buffers take a 40 KiB stage's room (5 -> 4)
+    big = gemm1x1_config(plain, (256, 64, 64), "pingpong", sourceless=True)
+    assert (big.stages, with_store_stages(big).stages, with_store_stages(big, 4).stages) == (5, 4, 5)
+    with pytest.raises(ValueError, match="sourceless kernels only"):
+        with_store_stages(gemm1x1_config(plain, (192, 64, 64), "pingpong"))
+    with pytest.raises(ValueError, match="1 to the CTA tile's 6 epilogue sub-tiles"):
+        with_store_stages(base, 7)
+    with pytest.raises(ValueError, match="GEMM 1x1 family only"):
+        dataclasses.replace(KernelConfig(**{**base.__dict__, "epi_stages": None}), family=KernelFamily.SM90_TMA_WGMMA,
+                            epi_stages=4, sourceless=None)
+
+
 def test_epilogue_sub_tile():
     """KernelConfig.epi_tile: the TMA epilogue's sub-tile instead of CUTLASS's EpilogueTileAuto, named in the kernel,
     rendered as the builder's EpilogueTile, its buffers counted in the shared memory (fewer stages where they no longer

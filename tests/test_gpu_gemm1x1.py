@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
 
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
-from cutlass_byoc.gemm1x1 import deep_twin, gemm1x1_config, with_epilogue_tile  # noqa: E402
+from cutlass_byoc.gemm1x1 import deep_twin, gemm1x1_config, with_epilogue_tile, with_store_stages  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, ConvKind, SourceKind  # noqa: E402
 
@@ -39,10 +39,11 @@ def cfg(kind, dtype, out, act, tile, schedule, cluster=(1, 1, 1), sourceless=Fal
     return gemm1x1_config(problem(kind, dtype, out, act), tile, schedule, cluster, sourceless=sourceless)
 
 
-#: The 19 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
+#: The 22 kernels of this module: the compile tests' three (one per kind and schedule), five fprop kernels, one per
 #: remaining activation, spread over the schedules, tiles, clusters and output types, two wgrad kernels with the
 #: nondeterministic stream-K reduction, four sourceless kernels (one per kind, the fprop ones on two schedules), a
-#: deep-pipeline wgrad twin, a 192-row fprop tile and three kernels with larger epilogue sub-tiles.
+#: deep-pipeline wgrad twin, a 192-row fprop tile, three kernels with larger epilogue sub-tiles and three with one
+#: epilogue D buffer per sub-tile.
 KERNELS = {
     "fprop": COMPILE_KERNELS["fprop"][1],  # f16 -> f16 identity, cooperative
     "dgrad": COMPILE_KERNELS["dgrad"][1],  # bf16 -> bf16, ping-pong, cluster 2x1x1
@@ -71,6 +72,14 @@ KERNELS = {
     "epi_coop": with_epilogue_tile(cfg("dgrad", "f16", "f16", Activation.IDENTITY, (128, 256, 64), "cooperative"),
                                    (128, 128)),
     "epi_relu": with_epilogue_tile(cfg("fprop", "bf16", "f32", Activation.RELU, (128, 128, 64), "pingpong"), (64, 64)),
+    # one epilogue D buffer per sub-tile (KernelConfig.epi_stages): the 192-row ping-pong tile's six stores in
+    # flight, a cooperative dgrad's four 128x32 ones, and an fp32-output ReLU kernel's with 64x64 sub-tiles
+    "stores_wave": with_store_stages(cfg("fprop", "f16", "f16", Activation.IDENTITY, (192, 64, 64), "pingpong",
+                                         sourceless=True)),
+    "stores_coop": with_store_stages(cfg("dgrad", "bf16", "bf16", Activation.IDENTITY, (128, 128, 64), "cooperative",
+                                         sourceless=True)),
+    "stores_relu": with_store_stages(with_epilogue_tile(cfg("fprop", "f16", "f32", Activation.RELU, (128, 128, 64),
+                                                            "pingpong", sourceless=True), (64, 64))),
 }
 
 
@@ -109,7 +118,8 @@ def test_dgrad_wgrad(name, source):
     check(problem_for(name, source), name, seed=hash((name, source.value)) % 2**31)
 
 
-@pytest.mark.parametrize("name", ["nosrc_fprop", "nosrc_relu", "nosrc_dgrad", "nosrc_wgrad", "deep_wgrad", "wave_fprop"])
+@pytest.mark.parametrize("name", ["nosrc_fprop", "nosrc_relu", "nosrc_dgrad", "nosrc_wgrad", "deep_wgrad", "wave_fprop",
+                                  "stores_wave", "stores_coop", "stores_relu"])
 def test_sourceless(name):
     """The sourceless kernels on their problems (no bias, no residual), at the module's odd shape and at layer
     shapes; the stream-K one at split-k slice counts too. A problem with a source is refused, never launched."""

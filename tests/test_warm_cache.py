@@ -133,3 +133,30 @@ def test_sweep_deep_twins_go_past_the_stage_cap():
     assert deep.is_deep_twin and not split.is_deep_twin
     swept = sweep_kernels.kernels_of(wgrad, deep=True, with_sm90=True)
     assert deep in swept and any(k.family is split.family for k in swept)
+
+
+def test_sweep_store_stages_twins_and_tile_specs():
+    """sweep_kernels.py --store-stages: each sourceless GEMM 1x1 kernel of a cell gets its twin with one epilogue D
+    buffer per sub-tile where that is more than the builder's two; ":sd" / ":sd4" in a --tiles spec ask for them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import sweep_kernels  # noqa: PLC0415
+    finally:
+        sys.path.pop(0)
+    from cutlass_byoc.gemm1x1 import epilogue_sub_tiles  # noqa: PLC0415
+    from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
+
+    it = next(i for i in default_workload() if i.layer == "l1_1x1_64_64" and i.problem.kind.value == "fprop")
+    plain = sweep_kernels.kernels_of(it.problem)
+    both = sweep_kernels.kernels_of(it.problem, store_stages=True)
+    twins = [k for k in both if k.epi_stages]
+    assert not any(k.epi_stages for k in plain) and both[:len(plain)] == plain and twins
+    for t in twins:
+        assert t.sourceless and t.epi_stages == epilogue_sub_tiles(t.tile, t.schedule, t.epi_tile) > 2
+        assert t.reject_reason(it.problem) is None
+    assert sweep_kernels.parse_tile("192x64x64:pingpong:nosrc:e64x64:sd") == (
+        (192, 64, 64), "pingpong", True, (1, 1, 1), (64, 64), 0)
+    assert sweep_kernels.parse_tile("192x64x64:pingpong:nosrc:sd4")[-1] == 4
+    assert sweep_kernels.parse_tile("192x64x64:pingpong")[-2:] == (None, None)
+    spec = sweep_kernels.parse_tile("192x64x64:pingpong:nosrc:sd")
+    assert any(k.tile == (192, 64, 64) and k.epi_stages == 6 for k in sweep_kernels.kernels_of(it.problem, [spec]))
