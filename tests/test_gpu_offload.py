@@ -145,3 +145,29 @@ def test_bench_fused_optimizer_steps_without_a_host_sync():
         after[name] = [p.detach().float() for p in model.parameters()]
     for a, b in zip(after["sgd"], after["sgd-fused"]):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_profile_leaves_out_annotations_and_names_the_launchers():
+    """bench.profile_steps on a real CUDA step with an optimizer: the GPU timeline's range of the optimizer's
+    record_function (Optimizer.step#SGD.step) is not counted as a kernel, and the launches outside CUDA graphs are
+    put on the ops that made them (here every launch is outside a graph: the optimizer's among them)."""
+    from cutlass_byoc.offload.bench import profile_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    x, y = torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda")
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    one()  # the momentum buffers
+    prof = profile_steps(one, steps=2)
+    names = [name for _, _, name in prof["top_kernels"]]
+    assert names and not any(name.startswith(("Optimizer.", "ProfilerStep")) for name in names), names
+    assert "other" in prof["gpu_ms_by_source"]
+    launchers = {name: n for n, name in prof["launchers"]}
+    print(f"\nlaunchers per step: {prof['launchers']}\ntop kernels: {names}")
+    assert any(name.startswith("aten::_foreach") for name in launchers), launchers
