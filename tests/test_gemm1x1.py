@@ -390,7 +390,7 @@ def test_epilogue_store_stages():
     assert every.stages == base.stages == 6
     src = render(every, "nvcc x.cu")
     assert "using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<" in src
-    assert "cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, 6, FragmentSize, ReuseSmemC, DelayTmaStore>;" in src
+    assert "cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, 6, Fragment, ReuseC, Delay>;" in src
     assert "using CollectiveEpilogue = typename WithStoreStages<BuiltEpilogue>::type;" in src
     # with the wider sub-tiles: three 64x64 stores, three buffers
     both = with_store_stages(with_epilogue_tile(base, (64, 64)))

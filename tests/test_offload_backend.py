@@ -337,7 +337,9 @@ def test_launchers_name_the_ops_around_launches_outside_graphs():
               ev("cuLaunchKernel", ex), ev("cudaLaunchKernel", unscale), ev("cudaGraphLaunch", None),
               ev("cudaLaunchKernel", None)]
     events.append(ev("cudaLaunchKernel", ev("cudaStreamSynchronize", unscale)))  # inside another API call
-    assert launchers(events, steps=2) == [[1.5, "aten::_foreach_add_"],
+    site = ev("cutlass_byoc::fprop_site")  # an op whose name starts like the API's is still the op
+    events += [ev("cuLaunchKernelEx", site)] * 4
+    assert launchers(events, steps=2) == [[2.0, "cutlass_byoc::fprop_site"], [1.5, "aten::_foreach_add_"],
                                           [1.0, "aten::_amp_foreach_non_finite_check_and_unscale_"],
                                           [0.5, "(no enclosing op)"]]
 
@@ -350,7 +352,8 @@ def test_report_names_keep_what_tells_pytorch_kernels_apart():
            f"float, float>({ns}TensorListMetadata<3>, {ns}FusedSgdMathFunctor<float, 3>, float, float)")
     unscale = (f"void {ns}multi_tensor_apply_kernel<{ns}TensorListMetadata<1>, "
                f"{ns}UnaryOpListAlphaFunctor<float, 1, 1, 0>, float>")
-    assert short_kernel_name(sgd)[:100].startswith("multi_tensor_apply_kernel<TensorListMetadata<3>, FusedSgdMathFunctor")
+    short = short_kernel_name(sgd)[:100]
+    assert short.startswith("multi_tensor_apply_kernel<TensorListMetadata<3>, FusedSgdMathFunctor")
     assert short_kernel_name("triton_poi_fused_relu_3") == "triton_poi_fused_relu_3"
     assert short_kernel_name("cb_pingpong::cb_pingpong_kernel(cb_pingpong::Params)").startswith("cb_pingpong::")
     ks = [(0.0, 10.0, sgd), (20.0, 30.0, unscale), (1000.0, 1001.0, "(anonymous namespace)::depthwise_kernel(Params)")]

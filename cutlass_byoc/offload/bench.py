@@ -413,10 +413,16 @@ def profile_steps(one: Callable[[], None], steps: int = 5) -> dict:
             "launchers": launchers(events, steps)}
 
 
+#: CUDA runtime and driver API calls (cudaLaunchKernel, cuLaunchKernelEx, cudaStreamSynchronize...), not ops such as
+#: cutlass_byoc::fprop_site or cudnn's
+_CUDA_API = re.compile(r"cu(da)?[A-Z]")
+
+
 def launchers(events, steps: int, top: int = 8) -> list:
     """Who launched the kernels that ran outside CUDA graphs: per step, the op around each kernel-launch call (its
-    nearest enclosing host event that is not itself a CUDA API call; a driver launch inside a runtime launch is one
-    launch), the `top` most frequent as [launches per step, op name]. Under CUDA graphs these are the step's host work besides the replays (optimizer, GradScaler, ...)."""
+    nearest enclosing host event that is not itself a CUDA runtime or driver call; a driver launch inside a runtime
+    launch is one launch), the `top` most frequent as [launches per step, op name]. Under CUDA graphs these are the
+    step's host work besides the replays (optimizer, GradScaler, ...)."""
     from collections import Counter  # noqa: PLC0415
 
     by: Counter = Counter()
@@ -426,7 +432,7 @@ def launchers(events, steps: int, top: int = 8) -> list:
         parent = getattr(e, "cpu_parent", None)
         if parent is not None and parent.name in KERNEL_LAUNCH_APIS:
             continue  # the driver call inside a runtime launch: one launch
-        while parent is not None and parent.name.startswith(("cuda", "cu")):
+        while parent is not None and _CUDA_API.match(parent.name):
             parent = getattr(parent, "cpu_parent", None)
         by[parent.name if parent is not None else "(no enclosing op)"] += 1
     return [[n / steps, name] for name, n in by.most_common(top)]
