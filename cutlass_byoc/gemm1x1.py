@@ -211,7 +211,7 @@ def epilogue_smem_bytes(tile: Shape3, element_out: DType, schedule: str, sourcel
     tests/test_gemm1x1.py keeps some). Sourceless: D's StagesD buffers alone, min(tiles, 2) or `epi_stages`
     (KernelConfig.epi_stages)."""
     em, en = epilogue_sub_tile(tile, schedule, epi_tile)
-    epi_tiles = epilogue_sub_tiles(tile, schedule, epi_tile)
+    epi_tiles = (tile[0] // em) * (tile[1] // en)
     if sourceless:
         return (epi_stages or min(epi_tiles, 2)) * em * en * element_out.nbytes + 2048
     stages_c = max(min(epi_tiles, 4), min(epi_tiles, 2) + 1)
@@ -444,14 +444,20 @@ def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
                                                epi_tile=kernel.epi_tile, epi_stages=kernel.epi_stages))
 
 
+def _with_epilogue(kernel: KernelConfig, epi_tile: Optional[tuple[int, int]],
+                   epi_stages: Optional[int]) -> KernelConfig:
+    """`kernel` with this epilogue sub-tile and D buffer count, and as many pipeline stages as before where they
+    still fit beside its buffers, else as many as fit (ValueError where the config's rules refuse it)."""
+    return dataclasses.replace(kernel, epi_tile=epi_tile, epi_stages=epi_stages, stages=stage_count(
+        kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless),
+        cap=kernel.stages, epi_tile=epi_tile, epi_stages=epi_stages))
+
+
 def with_epilogue_tile(kernel: KernelConfig, epi_tile: tuple[int, int]) -> KernelConfig:
     """`kernel` (GEMM 1x1, not lowered) with the TMA epilogue's sub-tile `epi_tile` (KernelConfig.epi_tile) and as
     many pipeline stages as before where they still fit beside its buffers, else as many as fit; raises ValueError
     where the sub-tile does not suit the tile."""
-    epi_tile = tuple(epi_tile)
-    return dataclasses.replace(kernel, epi_tile=epi_tile, stages=stage_count(
-        kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless),
-        cap=kernel.stages, epi_tile=epi_tile, epi_stages=kernel.epi_stages))
+    return _with_epilogue(kernel, tuple(epi_tile), kernel.epi_stages)
 
 
 def with_store_stages(kernel: KernelConfig, epi_stages: Optional[int] = None) -> KernelConfig:
@@ -459,10 +465,23 @@ def with_store_stages(kernel: KernelConfig, epi_stages: Optional[int] = None) ->
     (KernelConfig.epi_stages; None: one per sub-tile, every store of a tile in flight at once) and as many pipeline
     stages as before where they still fit beside them, else as many as fit. The config's rules (static_error) say
     where it does not apply."""
-    n = epi_stages or epilogue_sub_tiles(kernel.tile, kernel.schedule, kernel.epi_tile)
-    return dataclasses.replace(kernel, epi_stages=n, stages=stage_count(
-        kernel.tile, kernel.element_a, gemm_output(kernel), kernel.schedule, bool(kernel.sourceless),
-        cap=kernel.stages, epi_tile=kernel.epi_tile, epi_stages=n))
+    return _with_epilogue(kernel, kernel.epi_tile,
+                          epi_stages or epilogue_sub_tiles(kernel.tile, kernel.schedule, kernel.epi_tile))
+
+
+def store_stages_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
+    """`kernel` with one epilogue D buffer per sub-tile (with_store_stages), or None where that is not a different
+    kernel or does not apply: a kernel with a C or lowered, one whose D buffers are set already, one of at most two
+    sub-tiles (the builder's min(sub-tiles, 2) buffers are one each already), and one whose buffers would leave no
+    room for two pipeline stages."""
+    if (kernel.family is not KernelFamily.SM90_GEMM_1X1 or not kernel.sourceless or kernel.lowering is not None
+            or kernel.epi_stages is not None
+            or epilogue_sub_tiles(kernel.tile, kernel.schedule, kernel.epi_tile) <= 2):
+        return None
+    try:
+        return with_store_stages(kernel)
+    except ValueError:  # (its buffers leave no room for two pipeline stages)
+        return None
 
 
 def gemm1x1_config(problem: Conv2dProblem, tile: Shape3 = (128, 128, 64), schedule: str = "cooperative_streamk",

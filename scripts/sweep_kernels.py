@@ -88,17 +88,10 @@ def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False,
             if k not in out:
                 out.append(k)
     out += sourceless_twins(problem, out) if sourceless else []
-    if store_stages and family is KernelFamily.SM90_GEMM_1X1:
-        from cutlass_byoc.gemm1x1 import with_store_stages  # noqa: PLC0415
+    if store_stages:
+        from cutlass_byoc.gemm1x1 import store_stages_twin  # noqa: PLC0415
 
-        for k in list(out):
-            if k.family is family and k.sourceless and k.lowering is None and k.epi_stages is None:
-                try:
-                    twin = with_store_stages(k)
-                except ValueError:
-                    continue
-                if twin.epi_stages > 2:  # (up to two sub-tiles the builder gives one buffer each already)
-                    out.append(twin)
+        out += [t for t in map(store_stages_twin, out) if t is not None and t.reject_reason(problem) is None]
     if deep:
         out += [t for t in map(plan.deep_twin, out) if t is not None and t.reject_reason(problem) is None]
     return list(dict.fromkeys(out))

@@ -188,6 +188,7 @@ def _numerics(spec: str, image: int, channels_last: bool, amp: Optional[torch.dt
     if channels_last:
         model, eager, exact = (m.to(memory_format=torch.channels_last) for m in (model, eager, exact))
         x, x64 = (t.contiguous(memory_format=torch.channels_last) for t in (x, x64))
+
     def autocast():
         return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
 
@@ -228,7 +229,20 @@ def _numerics(spec: str, image: int, channels_last: bool, amp: Optional[torch.dt
             "grad_error": worst, "worst": worst_name, "eager_error_there": worst_eager,
             "flagged": flagged, "missing_grads": missing,
             "offloaded": {k.value: rep.count(k) for k in (Pass.FPROP, Pass.DGRAD, Pass.WGRAD)},
-            "failures": sum(1 for r in getattr(backend, "reports", []) if r.failure)}
+            "failures": sum(1 for r in backend.reports if r.failure)}
+
+
+def summary(rec: dict) -> str:
+    """One model's line: its training graph's passes offloaded and left, and the numerics step's worst error."""
+    if "model_error" in rec:
+        return f"MODEL ERROR {rec['model_error'][:70]}"
+    tr = rec["partition"]["training"]
+    line = f"train {tr['offloaded']:3d}/{tr['passes']:3d} offloaded, {sum(tr['left'].values()):3d} left"
+    if "numerics" in rec:
+        line += f"; grad error {rec['numerics']['grad_error']:.1e} (eager {rec['numerics']['eager_error_there']:.1e})"
+    if "numerics_error" in rec:
+        line += f"; NUMERICS ERROR {rec['numerics_error'][:60]}"
+    return line
 
 
 def main(argv=None) -> int:
@@ -263,21 +277,12 @@ def main(argv=None) -> int:
                 rec["numerics_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rec["traceback"] = traceback.format_exc()[-1500:]
         rec["seconds"] = round(time.perf_counter() - t0, 1)
-        parts = rec.get("partition", {})
-        failed = any(v["failure"] for v in parts.values()) or "numerics_error" in rec or bool(
-            rec.get("numerics", {}).get("flagged") or rec.get("numerics", {}).get("missing_grads")
-            or rec.get("numerics", {}).get("failures"))
+        num = rec.get("numerics", {})
+        failed = (any(v["failure"] for v in rec.get("partition", {}).values()) or "numerics_error" in rec
+                  or bool(num.get("flagged") or num.get("missing_grads") or num.get("failures")))
         bad += failed
         lines.append(rec)
-        tr = parts.get("training", {})
-        left = sum(tr.get("left", {}).values()) if tr else 0
-        num = rec.get("numerics")
-        print(f"{spec:34s} " + (f"MODEL ERROR {rec['model_error'][:70]}" if "model_error" in rec else
-                                f"train {tr['offloaded']:3d}/{tr['passes']:3d} offloaded, {left:3d} left"
-                                + (f"; grad error {num['grad_error']:.1e} (eager {num['eager_error_there']:.1e})"
-                                   if num else "")
-                                + (f"; NUMERICS ERROR {rec['numerics_error'][:60]}" if "numerics_error" in rec
-                                   else "") + ("  <-- FAILED" if failed else "")), flush=True)
+        print(f"{spec:34s} {summary(rec)}" + ("  <-- FAILED" if failed else ""), flush=True)
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps(rec) + "\n")

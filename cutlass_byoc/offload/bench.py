@@ -19,6 +19,7 @@ import math
 import re
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -423,8 +424,6 @@ def launchers(events, steps: int, top: int = 8) -> list:
     nearest enclosing host event that is not itself a CUDA runtime or driver call; a driver launch inside a runtime
     launch is one launch), the `top` most frequent as [launches per step, op name]. Under CUDA graphs these are the
     step's host work besides the replays (optimizer, GradScaler, ...)."""
-    from collections import Counter  # noqa: PLC0415
-
     by: Counter = Counter()
     for e in events:
         if e.name not in KERNEL_LAUNCH_APIS:
