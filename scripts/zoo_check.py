@@ -245,9 +245,17 @@ def summary(rec: dict) -> str:
     return line
 
 
+def model_spec(text: str) -> str:
+    """A --models entry: SOURCE:NAME (tv, seg, timm) or pkg.module:factory."""
+    where, _, name = text.partition(":")
+    if not where or not name:
+        raise argparse.ArgumentTypeError(f"expected tv:NAME, seg:NAME, timm:NAME or pkg.module:factory, got {text!r}")
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    ap.add_argument("--models", nargs="+", type=model_spec, default=DEFAULT_MODELS)
     ap.add_argument("--numerics", action="store_true", help="also one CPU training step through the backend")
     ap.add_argument("--layout", choices=("cl", "nchw"), default="cl", help="the numerics step's layout")
     ap.add_argument("--amp", choices=("none", "bf16"), default="none",

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,3 +38,11 @@ def test_helpers_leave_batch_norm_frozen_and_dropout_off():
     assert m.training and m[0].training and not m[1].training and m[2].p == 0.0
     assert zoo_check.image_size("tv:vit_b_16", 96) == 224 and zoo_check.image_size("tv:inception_v3", 64) == 128
     assert zoo_check.image_size("timm:resnet50d", 96) == 96
+
+
+def test_a_model_spec_without_its_source_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        zoo_check.main(["--models", "resnet50"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--models" in err and "expected tv:NAME, seg:NAME, timm:NAME or pkg.module:factory, got 'resnet50'" in err
