@@ -621,11 +621,14 @@ COLS_IDLE = 0.15
 
 def _cols_runs(problem: Conv2dProblem, multiple: int = 1) -> list[int]:
     """COLS_RUNS (those a multiple of `multiple`: a strided dgrad's stride) within COLS_IDLE of the rows of the
-    problem's pixel grid (dgrad: dx; else y / dy), or else the one leaving the fewest rows idle."""
+    problem's pixel grid (dgrad: dx; else y / dy), or else the one leaving the fewest rows idle; none where no run is
+    such a multiple (stride 3)."""
     height = problem.h if problem.kind is ConvKind.DGRAD else problem.p
     if multiple > 1:  # a stride-aligned strip starts pad % stride rows above dx
         height += problem.pad_h % multiple
     options = [run for run in COLS_RUNS if run % multiple == 0]
+    if not options:
+        return []
 
     def rows(run):
         return math.ceil(height / run) * run
@@ -727,10 +730,12 @@ def _schedule_variants(problem: Conv2dProblem):
         yield _pipelined_wgrad_shapes(problem), [(True, None, 2)]
     if window_loop or problem.kind is ConvKind.WGRAD:
         yield COLS_SHAPES, [(False, COLS, run) for run in _cols_runs(problem)]
-    else:  # strided dgrad: strips of whole stride periods
+    else:  # strided dgrad: strips of whole stride periods (none for a stride no strip width or row count divides)
         sh, sw = problem.stride_h, problem.stride_w
-        yield (tuple(shape for shape in COLS_SHAPES if shape[1] % sw == 0),
-               [(False, COLS, run) for run in _cols_runs(problem, sh)])
+        shapes = tuple(shape for shape in COLS_SHAPES if shape[1] % sw == 0)
+        runs = _cols_runs(problem, sh)
+        if shapes and runs:
+            yield shapes, [(False, COLS, run) for run in runs]
 
 
 def depthwise_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:

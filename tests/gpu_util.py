@@ -279,23 +279,52 @@ def depthwise_random_cases(count: int = 24, seed: int = 2026):
     return out
 
 
+def depthwise_odd_cases(count: int = 24, seed: int = 2027):
+    """Seeded random depthwise problems of the shapes models rarely have and the kernels take all the same: strides
+    3 and 4, unequal strides, non-square, even, 1x1 and 9x9 filters (tuples where depthwise_random_cases has ints);
+    the same case layout, for random_case_launch."""
+    import random  # noqa: PLC0415
+
+    from cutlass_byoc.problem import Epilogue  # noqa: PLC0415
+    from cutlass_byoc.types import Activation, SourceKind  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        kind = rng.choice(["fprop", "dgrad", "wgrad"])
+        r, s = rng.choice([(1, 3), (3, 1), (2, 2), (4, 4), (9, 9), (1, 1), (1, 7), (3, 5)])
+        stride = rng.choice([(3, 3), (4, 4), (1, 2), (2, 1), (2, 3)])
+        c = rng.choice([8, 12, 16, 24])
+        h, w = rng.randint(r, 15), rng.randint(s, 15)
+        pad = (rng.randint(0, r // 2), rng.randint(0, s // 2))
+        dt = rng.choice([("f16", "f16"), ("bf16", "f32")])
+        epi = rng.choice([Epilogue(), Epilogue(Activation.RELU, SourceKind.BIAS)]) if kind == "fprop" else Epilogue()
+        out.append((i, kind, c, h, w, (r, s), stride, pad, dt, epi, rng.choice(["default", "candidate"]),
+                    rng.randint(0, 10**6)))
+    return out
+
+
 def random_case_id(case) -> str:
     i, kind, c, h, w, r, stride, pad, dt, epi, pick, _ = case
-    return f"{i}-{kind}-c{c}-{r}x{r}s{stride}p{pad}-{dt[0]}_{dt[1]}-{epi.tag}-{pick}"
+    rs = f"{r}x{r}" if isinstance(r, int) else f"{r[0]}x{r[1]}"
+    st = stride if isinstance(stride, int) else f"{stride[0]}x{stride[1]}"
+    pd = pad if isinstance(pad, int) else f"{pad[0]}x{pad[1]}"
+    return f"{i}-{kind}-c{c}-{rs}s{st}p{pd}-{dt[0]}_{dt[1]}-{epi.tag}-{pick}"
 
 
 def random_case_launch(case):
-    """(problem, config, splits, seed) of a depthwise_random_cases case: the untuned default launch, or a random
-    candidate of the problem's plan but the cluster-split twins (the CPU emulation has no thread-block clusters;
-    test_gpu_depthwise.py runs them on their own), wgrad over a few splits."""
+    """(problem, config, splits, seed) of a depthwise_random_cases or depthwise_odd_cases case: the untuned default
+    launch, or a random candidate of the problem's plan but the cluster-split twins (the CPU emulation has no
+    thread-block clusters; test_gpu_depthwise.py runs them on their own), wgrad over a few splits."""
     import random  # noqa: PLC0415
 
     from cutlass_byoc.depthwise import depthwise_candidates, pixel_tiles  # noqa: PLC0415
     from cutlass_byoc.heuristics import default_launch  # noqa: PLC0415
 
     _, kind, c, h, w, r, stride, pad, dt, epi, pick, seed = case
-    p = Conv2dProblem.make(kind, 2, c, h, w, c, r, stride=stride, padding=pad, groups=c, dtype=dt[0], out_dtype=dt[1],
-                           epilogue=epi)
+    r, s = (r, r) if isinstance(r, int) else r
+    p = Conv2dProblem.make(kind, 2, c, h, w, c, r, s, stride=stride, padding=pad, groups=c, dtype=dt[0],
+                           out_dtype=dt[1], epilogue=epi)
     if pick == "default":
         launch = default_launch(p)
         assert launch is not None and launch.kernel.family.value == "depthwise_direct", p.name

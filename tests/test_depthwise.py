@@ -304,6 +304,21 @@ def test_cols_kernels():
     assert "depthwise_kernel<1><<<" not in src  # dgrad takes no bias
 
 
+def test_strided_dgrad_without_a_stride_period_strip_has_no_cols_kernels():
+    """A strided dgrad's "cols" strips are whole stride periods: at stride 3 no strip width (1, 2, 4) and no row run
+    (7, 8, 14, 4) is one, so that schedule offers nothing and the others still do (the planner once took the min of an
+    empty list there: a ConvTranspose2d of stride 3 crashed the user's compile); stride 4 keeps its cols kernels."""
+    from cutlass_byoc.depthwise import is_cols  # noqa: PLC0415
+
+    p = dw("dgrad", r=3, c=16, hw=12, stride=3)
+    cands = list(depthwise_candidates(p))
+    assert cands and not any(is_cols(k) for k in cands)
+    launch = default_launch(p)
+    assert launch.kernel.family.value == "depthwise_direct" and launch.kernel.conv_stride == (3, 3)
+    four = [k for k in depthwise_candidates(dw("dgrad", r=3, c=16, hw=12, stride=4)) if is_cols(k)]
+    assert four and all(k.stages % 4 == 0 and k.tile[1] % 4 == 0 for k in four)
+
+
 def test_calibrated_default_on_the_measured_problems():
     """The untuned default ranks every schedule but the cluster split by the calibrated model (DW_CALIBRATION, fitted
     to benchmarks/h200/dw-defaults.json: scripts/depthwise_defaults.py's H200 run). On that run's 57 problems its

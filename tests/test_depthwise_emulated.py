@@ -21,8 +21,8 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, TORCH, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_random_cases,
-    depthwise_rows_config, random_case_id, random_case_launch)
+    TOLERANCE, TORCH, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_odd_cases,
+    depthwise_random_cases, depthwise_rows_config, random_case_id, random_case_launch)
 
 pytestmark = [pytest.mark.compile,
               pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
@@ -356,5 +356,14 @@ def test_random_problems_against_float64(case):
     """Seeded random problems: each through the untuned default launch (what a model gets without tuning) or one
     random candidate of its plan (a few splits for wgrad), on fresh operands with the output poisoned (the same
     cases as test_gpu_depthwise.py's, gpu_util.depthwise_random_cases)."""
+    p, cfg, splits, seed = random_case_launch(case)
+    check(p, cfg, splits, seed=seed % 1000)
+
+
+@pytest.mark.parametrize("case", depthwise_odd_cases(), ids=random_case_id)
+def test_odd_shapes_against_float64(case):
+    """Strides 3-4, unequal strides, non-square and even filters: what models rarely have and the kernels accept
+    (depthwise_problem_error), each through the default launch or a random candidate (gpu_util.depthwise_odd_cases,
+    also on the GPU in test_gpu_depthwise.py)."""
     p, cfg, splits, seed = random_case_launch(case)
     check(p, cfg, splits, seed=seed % 1000)

@@ -24,9 +24,9 @@ from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.types import Activation, SourceKind  # noqa: E402
 
 from gpu_util import (  # noqa: E402
-    TOLERANCE, check_launch, depthwise_cols_config, depthwise_pipelined_wgrad_config, depthwise_random_cases,
-    depthwise_rows_config, epilogue_case, kernel_operands, module_kernels, operands, poisoned_output, random_case_id,
-    random_case_launch, reference, rel_err,
+    TOLERANCE, check_launch, depthwise_cols_config, depthwise_odd_cases, depthwise_pipelined_wgrad_config,
+    depthwise_random_cases, depthwise_rows_config, epilogue_case, kernel_operands, module_kernels, operands,
+    poisoned_output, random_case_id, random_case_launch, reference, rel_err,
 )
 
 pytestmark = pytest.mark.gpu
@@ -269,6 +269,14 @@ def check_epilogue(problem, cfg, splits, seed):
 def test_random_problems_against_float64(case):
     """The seeded random problems of tests/test_depthwise_emulated.py on the GPU: each through the untuned default
     launch or one random candidate of its plan, every epilogue source, against float64."""
+    problem, cfg, splits, seed = random_case_launch(case)
+    check_epilogue(problem, cfg, splits, seed % 1000)
+
+
+@pytest.mark.parametrize("case", depthwise_odd_cases(), ids=random_case_id)
+def test_odd_shapes_against_float64(case):
+    """tests/test_depthwise_emulated.py's odd shapes (strides 3-4, unequal strides, non-square and even filters) on
+    the GPU."""
     problem, cfg, splits, seed = random_case_launch(case)
     check_epilogue(problem, cfg, splits, seed % 1000)
 
