@@ -3,6 +3,7 @@ on fake tensors; the partitioned graphs run with the ops' PyTorch reference and 
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from cutlass_byoc.offload import OffloadOptions, Pass, partition
 from cutlass_byoc.offload import library
+from cutlass_byoc.offload.backend import make_backend
 from cutlass_byoc.offload.partition import META_KEY, offloaded_calls
 from cutlass_byoc.offload.patterns import (
     ACTIVATION_OPS,
@@ -535,6 +537,32 @@ def test_channels_last_model_needs_no_conversion():
         rep.layout_conversions
     assert rep.output_restrides == 0
     assert rep.count(Pass.FPROP) == 2 and rep.count(Pass.WGRAD) == 2 and rep.count(Pass.DGRAD) == 1
+
+
+def test_padding_mode_backward_gets_its_inputs_in_the_traced_layout():
+    """An NCHW model whose replicate-padded conv reads a value our channels_last output reached (SiLU of an offloaded
+    conv plus the input): replication_pad2d_backward's CPU kernel follows its `input`'s memory format where its
+    meta kernel says contiguous, so Inductor's stride check failed at run time (a random program found it). The
+    pad's backward gets that input back in the layout the graph was traced with; the step equals eager's."""
+    def fn(convs, x):
+        return convs[1](F.silu(convs[0](x)) + x)
+
+    m = Lambda(fn, nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 8, 3, padding=1, padding_mode="replicate"))
+    x = x_()
+    gm, rep = explain(m, x, training=True, options=CPU)
+    (pad,) = [n for n in gm.graph.nodes if n.target is aten.replication_pad2d_backward.default]
+    arg = pad.args[1]
+    assert arg.meta.get(META_KEY) == "restride" and arg.kwargs["memory_format"] == torch.contiguous_format
+    assert arg.meta["val"].is_contiguous() and rep.layout_restores >= 1
+    assert rep.count(Pass.FPROP) == 2, rep.summary()
+    backend = make_backend(CPU, inductor=True)
+    torch._dynamo.reset()
+    mine, ref = copy.deepcopy(m), copy.deepcopy(m)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    torch.compile(mine, backend=backend)(xs[0]).square().sum().backward()
+    ref(xs[1]).square().sum().backward()
+    assert close(xs[0].grad, xs[1].grad) and all(close(p.grad, q.grad) for p, q in zip(mine.parameters(),
+                                                                                          ref.parameters()))
 
 
 def test_export_program_partitions():

@@ -70,7 +70,13 @@ CL = torch.channels_last
 NEW_OPS = (library.FPROP, library.DGRAD, library.WGRAD, library.FPROP_STATS, library.WGRAD_ASYNC)
 #: ops whose result depends on their input's strides, not only its values: never given a changed layout
 STRIDE_SENSITIVE = {aten.as_strided.default, aten.as_strided_scatter.default, aten._reshape_alias.default,
-                    aten.as_strided_copy.default, prims.as_strided.default}
+                    aten.as_strided_copy.default, prims.as_strided.default,
+                    # the padding modes' backward: on the CPU their output follows `input`'s memory format while
+                    # their meta kernels say contiguous (torch 2.13), so Inductor's stride check of a channels_last
+                    # input's result fails at run time (a replicate-padded conv after an offloaded one, NCHW model)
+                    aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
+                    aten.reflection_pad3d_backward.default, aten.replication_pad1d_backward.default,
+                    aten.replication_pad2d_backward.default, aten.replication_pad3d_backward.default}
 #: node.meta key marking the layout nodes the partitioner inserts ("channels_last" or "restride")
 META_KEY = "cutlass_byoc_layout"
 #: the tensor arguments of each new op that must be channels_last (positions in its args)
