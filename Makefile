@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup tune test test-gpu bench gpu-round zoo clean
+.PHONY: setup tune test test-gpu bench gpu-round zoo fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ zoo: $(STAMP)
 	$(BIN)/pip install -q --no-deps --target $(ZOO_DEPS) torchvision==0.28.0 timm
 	$(BIN)/pip install -q --target $(ZOO_DEPS) huggingface_hub safetensors pyyaml pillow
 	PYTHONPATH=$(ZOO_DEPS) $(BIN)/python scripts/zoo_check.py --numerics $(ZOO_ARGS)
+
+## Random conv programs through the backend on the CPU against eager and float64, each offloaded problem's tuning plan
+## built and its kernels rendered (scripts/fuzz_partition.py). About 10 minutes for the default 500 programs (one
+## process); e.g. FUZZ_ARGS="--seeds 500:600 --show" for others, "--amp fp16" for the GPU's autocast type.
+FUZZ_ARGS ?= --seeds 0:500 --inductor-every 10
+fuzz: $(STAMP)
+	$(BIN)/python scripts/fuzz_partition.py $(FUZZ_ARGS)
 
 ## On the H200 (device tool): install from .whl/, gpu tests, tune, bench, offload bench.
 gpu-round:

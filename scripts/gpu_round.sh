@@ -57,6 +57,9 @@
 # channel-stats: scripts/channel_stats_bench.py: the channel-statistics epilogue's cost on each fprop problem of a
 #           training step against the batch-norm statistics pass it would replace (CS_MODEL, default
 #           torchvision:resnet50; CS_BATCH, default 32; kernels from the test cache) -> channel-stats.json, .log
+# fuzz:     scripts/fuzz_partition.py --device cuda: $FUZZ_SEEDS (default 0:30) random conv programs through the backend
+#           on the kernels against eager and float64 (every $FUZZ_INDUCTOR_EVERY-th through Inductor) -> fuzz.jsonl,
+#           fuzz.log; carry `scripts/warm_cache.py --fuzz 0:30` as .kcache.tar.xz
 # dw-defaults: scripts/depthwise_defaults.py: the depthwise workload's untuned defaults timed against the model's best
 #           launches of each schedule group and the published bench's winners (kernels from the test cache, those
 #           it lacks compiled first in one parallel build; DW_ARGS: the script's other arguments) -> dw-defaults.json,
@@ -250,6 +253,12 @@ for step in "${steps[@]}"; do
         ${SWEEP_SOURCELESS:+--sourceless} ${SWEEP_DEEP:+--deep} ${SWEEP_WITH_SM90:+--with-sm90} \
         ${SWEEP_STORE_STAGES:+--store-stages} 2>&1 \
         | tee "$OUT/sweep.log" || rc=1 ;;
+    fuzz)
+      # scripts/fuzz_partition.py on the GPU: random conv programs through the backend and the kernels against eager
+      # and float64 (FUZZ_SEEDS; `warm_cache.py --fuzz` compiles their kernels ahead)
+      python3 scripts/fuzz_partition.py --device cuda --seeds "${FUZZ_SEEDS:-0:30}" \
+        --inductor-every "${FUZZ_INDUCTOR_EVERY:-0}" --json "$OUT/fuzz.jsonl" 2>&1 | grep -v "^W[0-9]" \
+        | tee "$OUT/fuzz.log" || rc=1 ;;
     channel-stats)
       # scripts/channel_stats_bench.py: each fprop problem of the model's training step on one sm90 kernel, its
       # channel-statistics twin, and the batch-norm statistics pass the twin would replace (CS_MODEL, CS_BATCH)

@@ -16,7 +16,8 @@ tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fak
 default --archive .tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune
 step then times only, and says it was not a cold tune). The selectors add up (``--offload-only
 --tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
-the offload's kernels.
+the offload's kernels. ``--fuzz 0:30``: what the round's fuzz step (scripts/fuzz_partition.py --device cuda)
+launches.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ MODULE_KERNELS = {
     "tune": lambda m: [*_plan_kernels(m.PROBLEMS, 2), *m.backend_kernels()], "depthwise": lambda m: m.all_kernels(),
     "s2d": lambda m: m.used_configs(), "smem_im2col": lambda m: m.used_configs(),
     "launch_memo": lambda m: m.used_configs(), "channel_stats": lambda m: m.used_configs(),
+    "fuzz": lambda m: m.kernels(),
 }
 
 
@@ -209,6 +211,9 @@ def main() -> int:
     ap.add_argument("--channel-stats", action="store_true",
                     help="the round's channel-stats step's kernels (scripts/channel_stats_bench.py on ResNet-50 at "
                          "--batch: one plain sm90 kernel per fprop problem and schedule, and its statistics twin)")
+    ap.add_argument("--fuzz", default=None, metavar="A:B",
+                    help="the kernels `scripts/fuzz_partition.py --device cuda --seeds A:B` launches (the round's "
+                         "fuzz step, FUZZ_SEEDS), its programs partitioned here under fp16 autocast")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                     help=f"the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
                          "the archive of a round that runs a few test modules and tunes a model")
@@ -237,6 +242,13 @@ def main() -> int:
 
         torch.manual_seed(0)
         cfgs += channel_stats_bench.kernels(channel_stats_bench.fprop_problems(MODELS["resnet50"](), a.batch))
+    if a.fuzz:
+        import fuzz_partition  # noqa: PLC0415 - scripts/fuzz_partition.py, beside this file
+
+        seeds = fuzz_partition.seed_range(a.fuzz)
+        fuzzed = fuzz_partition.fuzz_kernels(seeds)
+        print(f"fuzz seeds {a.fuzz}: {len(fuzzed)} kernels", flush=True)
+        cfgs += fuzzed
     if a.tests_only:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
@@ -246,7 +258,7 @@ def main() -> int:
     if a.offload_tests:
         cfgs += offload_kernels([r for r in OFFLOAD_RUNS if r[1] == 16], [])
     if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only
-            or a.families or a.offload_tests or a.channel_stats):
+            or a.families or a.offload_tests or a.channel_stats or a.fuzz):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)

@@ -1,0 +1,119 @@
+"""scripts/fuzz_partition.py: random conv programs through the backend on the CPU against eager and float64 (a slice
+of the seeds in CI; `make fuzz` runs more), the seeds that found defects, and the checker itself: a wrong
+offloaded result and a lost gradient must be flagged."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import fuzz_partition as fz  # noqa: E402
+from cutlass_byoc.offload import library  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_onednn():
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # as the script runs (a oneDNN crash of eager's own conv; its docstring)
+    yield
+    torch.backends.mkldnn.enabled = was
+
+
+def test_programs_are_varied_and_reproducible():
+    """A seed names one program; the seeds cover what the generator promises (the kinds of conv, both layouts,
+    training and inference, autocast, options)."""
+    a, b = fz.generate(7)[0], fz.generate(7)[0]
+    assert a.describe() == b.describe()
+    texts = [fz.generate(s)[0] for s in range(60)]
+    joined = "\n".join(p.describe() for p in texts)
+    for needle in ("ConvTranspose2d(", "groups=", "padding='same'", "weight-standardised", "BatchNorm2d(",
+                   "relu(", "cat(", "NCHW", "channels_last", "bf16 autocast", "inference", "training",
+                   "fuse_bn_stats", "overlap_wgrad"):
+        assert needle in joined, needle
+
+
+@pytest.mark.parametrize("seed", [34, 38, 523])
+def test_seeds_that_found_something(seed):
+    """34: a depthwise ConvTranspose2d of stride 3 crashed the compile (the depthwise planner); 38: bf16 moved one
+    element across a ReLU's kink (noise, told apart by the fp32 twin); 523: eager's own oneDNN conv crashed (the
+    script turns oneDNN off, as this module's fixture does)."""
+    program, rec = fz.run_seed(seed)
+    assert not fz.failed(rec), (program.describe(), rec)
+    assert "invalid" not in rec and sum(rec["offloaded"].values()) > 0, rec
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_random_programs_eager_graphs(block):
+    """40 seeds (10 a block), each program through the partitioned graph run eagerly: no crash, no result or gradient
+    further from float64 than the checker allows, most convs offloaded, and each offloaded problem's tuning plan
+    built and its kernels rendered."""
+    offloaded = planned = 0
+    for seed in range(2000 + 10 * block, 2010 + 10 * block):
+        program, rec = fz.run_seed(seed)
+        assert not fz.failed(rec), (program.describe(), rec)
+        offloaded += sum(rec.get("offloaded", {}).values())
+        planned += rec.get("planned", 0)
+    assert offloaded >= 20 and planned >= 50
+
+
+def test_random_programs_through_inductor():
+    """A few seeds through Inductor's CPU code, which also decides the offloaded ops' output layouts from their fake
+    kernels."""
+    for seed in range(3000, 3004):
+        program, rec = fz.run_seed(seed, inductor=True)
+        assert not fz.failed(rec), (program.describe(), rec)
+
+
+def _first_offloading_seed(start, training=True):
+    for seed in range(start, start + 200):
+        program, rec = fz.run_seed(seed, plan=False)
+        if program.training == training and not program.autocast and rec.get("offloaded", {}).get("fprop"):
+            return seed
+    raise AssertionError("no seed offloads an fp32 fprop")
+
+
+def test_checker_flags_a_wrong_offloaded_result(monkeypatch):
+    """An offloaded fprop off by 1% (its reference perturbed) is flagged, in the output or a gradient."""
+    seed = _first_offloading_seed(4000)
+    right = library.reference_fprop
+
+    def wrong(*args):
+        y = right(*args)
+        return y + 0.01 * y.abs().amax()
+
+    monkeypatch.setattr(library, "reference_fprop", wrong)
+    _, rec = fz.run_seed(seed, plan=False)
+    assert rec["flagged"], rec
+
+
+def test_checker_flags_a_wrong_gradient(monkeypatch):
+    """An offloaded wgrad that loses a term (half the batch) is flagged."""
+    right = library.reference_wgrad
+
+    def wrong(grad_output, input, *args):
+        return right(grad_output[: max(1, grad_output.shape[0] // 2)], input[: max(1, input.shape[0] // 2)], *args)
+
+    for seed in range(4000, 4200):
+        program, rec = fz.run_seed(seed, plan=False)
+        if program.training and not program.autocast and program.shape[0] > 1 and rec.get("offloaded", {}).get("wgrad"):
+            break
+    monkeypatch.setattr(library, "reference_wgrad", wrong)
+    _, rec = fz.run_seed(seed, plan=False)
+    assert any("weight" in f for f in rec["flagged"]), rec
+
+
+def test_main_reports_and_exits_nonzero_on_a_failure(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "fuzz.jsonl"
+    assert fz.main(["--seeds", "2000:2003", "--json", str(out)]) == 0
+    assert "3 programs, 0 failed, 0 invalid" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 3
+    monkeypatch.setattr(fz, "check", lambda program, *args: {"seed": program.seed, "crash": "boom"})
+    assert fz.main(["--seeds", "2000"]) == 1
+    text = capsys.readouterr().out
+    assert "FAILED: boom" in text and "seed 2000:" in text

@@ -1,0 +1,37 @@
+"""GPU: scripts/fuzz_partition.py's random conv programs on the H200 through the backend and the kernels (the
+heuristic's launches, compiled ahead by `scripts/warm_cache.py`), each against eager and float64 with the script's
+rules: no crash, no value or gradient further from float64 than eager's allows, no gradient lost. fp16 autocast where
+a program uses autocast, TF32 otherwise (as cuDNN's convs). The round's fuzz step runs more seeds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import fuzz_partition as fz  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (these tests run on the H200)"),
+]
+
+SEEDS = range(0, 12)
+INDUCTOR_SEEDS = (3,)
+
+
+def kernels():
+    """What these tests launch (scripts/warm_cache.py's MODULE_KERNELS["fuzz"])."""
+    return fz.fuzz_kernels(SEEDS)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_program_on_the_kernels(seed):
+    program, rec = fz.run_seed(seed, inductor=seed in INDUCTOR_SEEDS, plan=False, device="cuda", amp="fp16")
+    print(f"\n{program.describe()}\n{rec}")
+    assert not fz.failed(rec), (program.describe(), rec)
+    assert "invalid" not in rec or "Expected more than 1 value per channel" in rec["invalid"], rec
