@@ -377,6 +377,53 @@ def test_transposed_conv_runs_as_dgrad():
     assert close(run(gm, m, x), m(x))
 
 
+@pytest.mark.parametrize("stride, padding, output_padding, dilation, groups, out", [
+    (2, 1, 1, 1, 1, 16), (2, 0, 0, 1, 8, 8), (3, 1, 2, 1, 1, 16), (1, 1, 0, 2, 1, 16),
+    ((2, 1), (1, 0), (1, 0), 1, 1, 16)])
+def test_transposed_conv_backward_runs_as_fprop_and_wgrad(stride, padding, output_padding, dilation, groups, out):
+    """The backward of conv_transpose2d(x, w): grad_input is the conv of grad_output with w (an fprop problem, as
+    wide as x again whatever the output_padding; depthwise for a depthwise transposed conv), grad_weight the wgrad
+    of that conv with x as its output gradient; the step (float64 truth, fp32 through the backend, the graph run
+    eagerly and through Inductor) matches eager."""
+    torch.manual_seed(0)
+    conv = nn.ConvTranspose2d(8, out, 3, stride=stride, padding=padding, output_padding=output_padding, groups=groups,
+                              dilation=dilation)
+    # a conv in front, so that the transposed conv's grad_input is needed
+    m = Lambda(lambda convs, x: torch.relu(convs[1](convs[0](x))), nn.Conv2d(8, 8, 1), conv)
+    x = x_(cl=True)
+    _, rep = explain(m, x, training=True, options=CPU)
+    back = [e for e in rep.entries if e.kind in (Pass.DGRAD, Pass.WGRAD) and "(transposed)" in (e.pattern or "")]
+    assert [(e.kind, e.offloaded, e.problem.split("_")[0]) for e in back] == [
+        (Pass.DGRAD, True, "fprop"), (Pass.WGRAD, True, "wgrad")], rep.summary()
+    fp = next(e for e in back if e.kind is Pass.DGRAD)
+    assert f"_c{out}k8_r3s3_" in fp.problem, fp.problem  # C: the transposed conv's output channels
+    assert (groups > 1) == fp.kernel.startswith("cb_dw_"), fp.kernel
+    exact = copy.deepcopy(m).double()
+    xd = x.double().requires_grad_(True)
+    exact(xd).square().sum().backward()
+    for inductor in (False, True):
+        backend = make_backend(CPU, inductor=inductor)
+        torch._dynamo.reset()
+        mine = copy.deepcopy(m)
+        xm = x.clone().requires_grad_(True)
+        torch.compile(mine, backend=backend)(xm).square().sum().backward()
+        assert backend.report().count(Pass.WGRAD) == 2 and backend.report().count(Pass.DGRAD) == 2  # x needs one
+        assert close(xm.grad, xd.grad) and all(close(p.grad, q.grad) for p, q in zip(mine.parameters(),
+                                                                                      exact.parameters()))
+
+
+def test_transposed_conv_backward_follows_the_options():
+    m = Lambda(lambda convs, x: convs[1](convs[0](x)), nn.Conv2d(8, 8, 1),
+               nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1))
+    _, rep = explain(m, x_(cl=True), training=True, options=OffloadOptions(require_cuda=False, transposed=False))
+    left = [e for e in rep.entries if e.node.startswith("convolution_backward") and not e.offloaded]
+    assert {e.kind for e in left} == {Pass.DGRAD, Pass.WGRAD}, rep.summary()
+    assert all(e.reason == "transposed: offload of transposed convs is off" for e in left)
+    _, rep = explain(m, x_(cl=True), training=True, options=OffloadOptions(require_cuda=False, wgrad=False))
+    assert not any(e.offloaded for e in rep.entries if e.kind is Pass.WGRAD)
+    assert [e.offloaded for e in rep.entries if e.kind is Pass.DGRAD] == [True], rep.summary()
+
+
 # ---------------------------------------------------------------------------------------------- left to PyTorch
 def test_depthwise_offloaded_grouped_and_dilated_depthwise_left_with_reason(caplog):
     m = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 16, 3, padding=1, groups=2),

@@ -479,8 +479,6 @@ class _Rewriter:
         try:
             (stride, padding, dilation, groups, transposed) = conv_params(
                 dict(stride=stride, padding=padding, dilation=dilation, groups=groups, transposed=transposed))
-            if transposed:
-                raise Reject("transposed: the backward of a transposed conv is not offloaded")
             gov, xv, wv = val(go), val(inp), val(w)
             for t, what in ((gov, "grad_output"), (xv, "input"), (wv, "weight")):
                 check_tensor(t, what, opts)
@@ -488,10 +486,20 @@ class _Rewriter:
             check_dtypes(gov, xv, opts)
             x_shape, _, dynamic = batch_shapes(xv, gov, "input", "grad_output", opts)
             common = dict(x_shape=x_shape, w_shape=static_shape(wv, "weight"))
+            if transposed:
+                if not opts.transposed:
+                    raise Reject("transposed: offload of transposed convs is off")
+                if dynamic:
+                    raise Reject(f"{DYNAMIC_SHAPE}: transposed convs are offloaded at static shapes only (input "
+                                 f"{tuple(xv.shape)})")
         except Reject as e:
             for i, kind in ((0, Pass.DGRAD), (1, Pass.WGRAD)):
                 if mask[i] and getitems.get(i):
                     self.report.add(OffloadEntry(cb.name, kind, False, reason=str(e)))
+            return
+        if transposed:
+            self._rewrite_transposed_backward(cb, go, inp, w, stride, padding, dilation, groups, getitems, mask, cast,
+                                              common)
             return
         # dgrad
         if mask[0] and getitems.get(0):
@@ -553,6 +561,11 @@ class _Rewriter:
                                              "convolution_backward[grad_weight]", fused, notes=notes))
             except Reject as e:
                 self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
+        self._finish_backward(cb, go, getitems, mask, done)
+
+    def _finish_backward(self, cb, go, getitems, mask, done) -> None:
+        """After a convolution_backward's offloaded results: its grad_bias as a reduction of grad_output, and the
+        node itself computing only what was not offloaded (or gone)."""
         if not any(done):
             return
         # grad_bias: an fp32-accumulated reduction of grad_output, left to PyTorch / Inductor
@@ -573,6 +586,78 @@ class _Rewriter:
             self.set_val(cb)
         elif not cb.users:
             self.graph.erase_node(cb)
+
+    def _rewrite_transposed_backward(self, cb, go, inp, w, stride, padding, dilation, groups, getitems, mask, cast,
+                                     common) -> None:
+        """The backward of conv_transpose2d(x, w), w (Cin, Cout/g, R, S): the transposed conv is the dgrad of a conv C
+        from y-shaped inputs to x-shaped outputs with weight w, so its grad_input is C's fprop of grad_output and its
+        grad_weight is C's wgrad with x as C's output gradient and grad_output as C's input; output_padding only
+        makes grad_output longer than C's windows reach, and C's fprop of it is x-shaped again. Static shapes only
+        (as the transposed forward). grad_bias stays PyTorch's."""
+        opts = self.options
+        gov = val(go)
+        y_shape, x_shape, w_shape = static_shape(gov, "grad_output"), common["x_shape"], common["w_shape"]
+        done = [False, False]
+        note = "transposed conv: its grad_input is the fprop of grad_output"
+        if mask[0] and getitems.get(0):
+            try:
+                if not opts.dgrad:
+                    raise Reject("dgrad offload is off")
+                problem = make_problem(ConvKind.FPROP, y_shape, w_shape, stride, padding, dilation, groups, gov.dtype,
+                                       val(getitems[0][0]).dtype)
+                if (problem.n, problem.k, problem.p, problem.q) != tuple(x_shape):
+                    raise Reject(f"transposed: the fprop of grad_output {y_shape} does not give the input's shape "
+                                 f"{x_shape}")
+                launch = kernel_for(problem, opts)
+                with self.graph.inserting_before(cb):
+                    site = library.register_site("fprop", problem, opts.select.value)
+                    new = self.call(library.FPROP, (go, w, None, None, site))
+                self.new_nodes.append(new)
+                for g in getitems[0]:
+                    self._substitute(g, new)
+                    self.graph.erase_node(g)
+                done[0] = True
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
+                                             "convolution_backward[grad_input] (transposed)", notes=[note]))
+            except Reject as e:
+                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
+        if mask[1] and getitems.get(1):
+            try:
+                if not opts.wgrad:
+                    raise Reject("wgrad offload is off")
+                fuse_cast = None
+                if cast is not None and opts.fuse_casts and len(getitems[1]) == 1 and len(getitems[1][0].users) == 1:
+                    dt = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
+                    if dt in (torch.float16, torch.bfloat16, torch.float32):
+                        fuse_cast = cast
+                out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
+                out_dtype = val(out_node).dtype
+                problem = make_problem(ConvKind.WGRAD, y_shape, w_shape, stride, padding, dilation, groups, gov.dtype,
+                                       out_dtype)
+                if (problem.n, problem.k, problem.p, problem.q) != tuple(x_shape):
+                    raise Reject(f"transposed: the conv from grad_output {y_shape} does not give the input's shape "
+                                 f"{x_shape}")
+                launch = kernel_for(problem, opts)
+                with self.graph.inserting_before(cb):
+                    new = self.call(library.WGRAD, (inp, go, library.register_site("wgrad", problem, opts.select.value)))
+                self.new_nodes.append(new)
+                if fuse_cast is not None:
+                    self._substitute(fuse_cast, new)
+                    self.graph.erase_node(fuse_cast)
+                    self.graph.erase_node(getitems[1][0])
+                else:
+                    for g in getitems[1]:
+                        self._substitute(g, new)
+                        self.graph.erase_node(g)
+                done[1] = True
+                fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
+                                             "convolution_backward[grad_weight] (transposed)", fused,
+                                             notes=["transposed conv: its grad_weight is the wgrad of the conv from "
+                                                    "grad_output to the input"]))
+            except Reject as e:
+                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
+        self._finish_backward(cb, go, getitems, mask, done)
 
     # ------------------------------------------------------------------ wgrad on a side stream
     def overlap_wgrad(self) -> None:
