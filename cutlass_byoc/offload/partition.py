@@ -474,7 +474,6 @@ class _Rewriter:
                 return
             getitems.setdefault(u.args[1], []).append(u)
         mask = list(mask)
-        done = [False, False]
         common: dict[str, Any] = {}
         try:
             (stride, padding, dilation, groups, transposed) = conv_params(
@@ -497,71 +496,105 @@ class _Rewriter:
                 if mask[i] and getitems.get(i):
                     self.report.add(OffloadEntry(cb.name, kind, False, reason=str(e)))
             return
+        conv = (stride, padding, dilation, groups)
         if transposed:
-            self._rewrite_transposed_backward(cb, go, inp, w, stride, padding, dilation, groups, getitems, mask, cast,
-                                              common)
-            return
-        # dgrad
-        if mask[0] and getitems.get(0):
-            try:
-                if not opts.dgrad:
-                    raise Reject("dgrad offload is off")
-                out_dtype = val(getitems[0][0]).dtype
-                problem = make_problem(ConvKind.DGRAD, common["x_shape"], common["w_shape"], stride, padding,
-                                       dilation, groups, gov.dtype, out_dtype)
-                launch = kernel_for(problem, opts)
-                with self.graph.inserting_before(cb):
-                    new = self.call(library.DGRAD, (go, w, library.register_site("dgrad", problem, opts.select.value,
-                                                                                 dynamic=dynamic)))
-                self.new_nodes.append(new)
-                for g in getitems[0]:
+            # conv_transpose2d(x, w), w (Cin, Cout/g, R, S), is the dgrad of a conv C from y-shaped inputs to x-shaped
+            # outputs with weight w: its grad_input is C's fprop of grad_output, its grad_weight C's wgrad with x as
+            # C's output gradient and grad_output as C's input. output_padding only makes grad_output longer than C's
+            # windows reach: C's fprop of it is x-shaped again (checked).
+            y_shape = static_shape(gov, "grad_output")
+            done = [self._grad_input(cb, mask[0], getitems, ConvKind.FPROP, y_shape, common, conv, gov.dtype,
+                                     lambda site: (library.FPROP, (go, w, None, None, site)), dynamic=False,
+                                     transposed=True),
+                    self._grad_weight(cb, mask[1], getitems, cast, y_shape, common, conv, gov.dtype, (inp, go),
+                                      dynamic=False, transposed=True)]
+        else:
+            done = [self._grad_input(cb, mask[0], getitems, ConvKind.DGRAD, common["x_shape"], common, conv, gov.dtype,
+                                     lambda site: (library.DGRAD, (go, w, site)), dynamic=dynamic),
+                    self._grad_weight(cb, mask[1], getitems, cast, common["x_shape"], common, conv, gov.dtype,
+                                      (go, inp), dynamic=dynamic)]
+        self._finish_backward(cb, go, getitems, mask, done)
+
+    def _grad_input(self, cb, wanted: bool, getitems, kind: ConvKind, a_shape, common, conv, dtype, call, *,
+                    dynamic: bool, transposed: bool = False) -> bool:
+        """convolution_backward's grad_input as one `kind` problem on an input of `a_shape` (dgrad; a transposed
+        conv's: the fprop of grad_output), `call(site)` giving the op and its arguments; whether it was offloaded."""
+        if not (wanted and getitems.get(0)):
+            return False
+        try:
+            if not self.options.dgrad:
+                raise Reject("dgrad offload is off")
+            problem = make_problem(kind, a_shape, common["w_shape"], *conv, dtype, val(getitems[0][0]).dtype)
+            if transposed and (problem.n, problem.k, problem.p, problem.q) != tuple(common["x_shape"]):
+                raise Reject(f"transposed: the fprop of grad_output {tuple(a_shape)} does not give the input's "
+                             f"shape {tuple(common['x_shape'])}")
+            launch = kernel_for(problem, self.options)
+            with self.graph.inserting_before(cb):
+                site = library.register_site(kind.value, problem, self.options.select.value, dynamic=dynamic)
+                new = self.call(*call(site))
+            self.new_nodes.append(new)
+            for g in getitems[0]:
+                self._substitute(g, new)
+                self.graph.erase_node(g)
+            notes = ([_dynamic_note(problem.n)] if dynamic else []) + \
+                (["transposed conv: its grad_input is the fprop of grad_output"] if transposed else [])
+            self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
+                                         "convolution_backward[grad_input]" + (" (transposed)" if transposed else ""),
+                                         notes=notes))
+            return True
+        except Reject as e:
+            self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
+            return False
+
+    def _grad_weight(self, cb, wanted: bool, getitems, cast, a_shape, common, conv, dtype, operands, *,
+                     dynamic: bool, transposed: bool = False) -> bool:
+        """convolution_backward's grad_weight as one wgrad problem on an input of `a_shape`, the op reading
+        `operands` (its grad_output and input: a transposed conv's x and grad_output), a following cast to 16 bits or
+        fp32 fused; whether it was offloaded."""
+        if not (wanted and getitems.get(1)):
+            return False
+        try:
+            if not self.options.wgrad:
+                raise Reject("wgrad offload is off")
+            fuse_cast = None
+            notes = []
+            if cast is not None and len(getitems[1]) == 1 and len(getitems[1][0].users) == 1:
+                dt = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
+                if not self.options.fuse_casts:
+                    notes.append("cast not fused: cast fusion is off")
+                elif dt in (torch.float16, torch.bfloat16, torch.float32):
+                    fuse_cast = cast
+            out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
+            out_dtype = val(out_node).dtype
+            problem = make_problem(ConvKind.WGRAD, a_shape, common["w_shape"], *conv, dtype, out_dtype)
+            if transposed and (problem.n, problem.k, problem.p, problem.q) != tuple(common["x_shape"]):
+                raise Reject(f"transposed: the conv from grad_output {tuple(a_shape)} does not give the input's "
+                             f"shape {tuple(common['x_shape'])}")
+            launch = kernel_for(problem, self.options)
+            with self.graph.inserting_before(cb):
+                site = library.register_site("wgrad", problem, self.options.select.value, dynamic=dynamic)
+                new = self.call(library.WGRAD, (*operands, site))
+            self.new_nodes.append(new)
+            if fuse_cast is not None:
+                self._substitute(fuse_cast, new)
+                self.graph.erase_node(fuse_cast)
+                self.graph.erase_node(getitems[1][0])
+            else:
+                for g in getitems[1]:
                     self._substitute(g, new)
                     self.graph.erase_node(g)
-                done[0] = True
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                             "convolution_backward[grad_input]",
-                                             notes=[_dynamic_note(problem.n)] if dynamic else []))
-            except Reject as e:
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
-        # wgrad
-        if mask[1] and getitems.get(1):
-            try:
-                if not opts.wgrad:
-                    raise Reject("wgrad offload is off")
-                fuse_cast = None
-                notes = []
-                if cast is not None and len(getitems[1]) == 1 and len(getitems[1][0].users) == 1:
-                    dt = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
-                    if not opts.fuse_casts:
-                        notes.append("cast not fused: cast fusion is off")
-                    elif dt in (torch.float16, torch.bfloat16, torch.float32):
-                        fuse_cast = cast
-                out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
-                out_dtype = val(out_node).dtype
-                problem = make_problem(ConvKind.WGRAD, common["x_shape"], common["w_shape"], stride, padding,
-                                       dilation, groups, gov.dtype, out_dtype)
-                launch = kernel_for(problem, opts)
-                with self.graph.inserting_before(cb):
-                    new = self.call(library.WGRAD, (go, inp, library.register_site("wgrad", problem, opts.select.value,
-                                                                                   dynamic=dynamic)))
-                self.new_nodes.append(new)
-                if fuse_cast is not None:
-                    self._substitute(fuse_cast, new)
-                    self.graph.erase_node(fuse_cast)
-                    self.graph.erase_node(getitems[1][0])
-                else:
-                    for g in getitems[1]:
-                        self._substitute(g, new)
-                        self.graph.erase_node(g)
-                done[1] = True
-                fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
-                if dynamic:
-                    notes.append(_dynamic_note(problem.n))
-                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                             "convolution_backward[grad_weight]", fused, notes=notes))
-            except Reject as e:
-                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
-        self._finish_backward(cb, go, getitems, mask, done)
+            fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
+            if dynamic:
+                notes.append(_dynamic_note(problem.n))
+            if transposed:
+                notes.append("transposed conv: its grad_weight is the wgrad of the conv from grad_output to the input")
+            self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
+                                         "convolution_backward[grad_weight]" + (" (transposed)" if transposed else ""),
+                                         fused, notes=notes))
+            return True
+        except Reject as e:
+            self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
+            return False
 
     def _finish_backward(self, cb, go, getitems, mask, done) -> None:
         """After a convolution_backward's offloaded results: its grad_bias as a reduction of grad_output, and the
@@ -586,78 +619,6 @@ class _Rewriter:
             self.set_val(cb)
         elif not cb.users:
             self.graph.erase_node(cb)
-
-    def _rewrite_transposed_backward(self, cb, go, inp, w, stride, padding, dilation, groups, getitems, mask, cast,
-                                     common) -> None:
-        """The backward of conv_transpose2d(x, w), w (Cin, Cout/g, R, S): the transposed conv is the dgrad of a conv C
-        from y-shaped inputs to x-shaped outputs with weight w, so its grad_input is C's fprop of grad_output and its
-        grad_weight is C's wgrad with x as C's output gradient and grad_output as C's input; output_padding only
-        makes grad_output longer than C's windows reach, and C's fprop of it is x-shaped again. Static shapes only
-        (as the transposed forward). grad_bias stays PyTorch's."""
-        opts = self.options
-        gov = val(go)
-        y_shape, x_shape, w_shape = static_shape(gov, "grad_output"), common["x_shape"], common["w_shape"]
-        done = [False, False]
-        note = "transposed conv: its grad_input is the fprop of grad_output"
-        if mask[0] and getitems.get(0):
-            try:
-                if not opts.dgrad:
-                    raise Reject("dgrad offload is off")
-                problem = make_problem(ConvKind.FPROP, y_shape, w_shape, stride, padding, dilation, groups, gov.dtype,
-                                       val(getitems[0][0]).dtype)
-                if (problem.n, problem.k, problem.p, problem.q) != tuple(x_shape):
-                    raise Reject(f"transposed: the fprop of grad_output {y_shape} does not give the input's shape "
-                                 f"{x_shape}")
-                launch = kernel_for(problem, opts)
-                with self.graph.inserting_before(cb):
-                    site = library.register_site("fprop", problem, opts.select.value)
-                    new = self.call(library.FPROP, (go, w, None, None, site))
-                self.new_nodes.append(new)
-                for g in getitems[0]:
-                    self._substitute(g, new)
-                    self.graph.erase_node(g)
-                done[0] = True
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                             "convolution_backward[grad_input] (transposed)", notes=[note]))
-            except Reject as e:
-                self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
-        if mask[1] and getitems.get(1):
-            try:
-                if not opts.wgrad:
-                    raise Reject("wgrad offload is off")
-                fuse_cast = None
-                if cast is not None and opts.fuse_casts and len(getitems[1]) == 1 and len(getitems[1][0].users) == 1:
-                    dt = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
-                    if dt in (torch.float16, torch.bfloat16, torch.float32):
-                        fuse_cast = cast
-                out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
-                out_dtype = val(out_node).dtype
-                problem = make_problem(ConvKind.WGRAD, y_shape, w_shape, stride, padding, dilation, groups, gov.dtype,
-                                       out_dtype)
-                if (problem.n, problem.k, problem.p, problem.q) != tuple(x_shape):
-                    raise Reject(f"transposed: the conv from grad_output {y_shape} does not give the input's shape "
-                                 f"{x_shape}")
-                launch = kernel_for(problem, opts)
-                with self.graph.inserting_before(cb):
-                    new = self.call(library.WGRAD, (inp, go, library.register_site("wgrad", problem, opts.select.value)))
-                self.new_nodes.append(new)
-                if fuse_cast is not None:
-                    self._substitute(fuse_cast, new)
-                    self.graph.erase_node(fuse_cast)
-                    self.graph.erase_node(getitems[1][0])
-                else:
-                    for g in getitems[1]:
-                        self._substitute(g, new)
-                        self.graph.erase_node(g)
-                done[1] = True
-                fused = (f"cast({str(out_dtype).replace('torch.', '')})",) if fuse_cast is not None else ()
-                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, True, problem.name, self._kernel_name(problem, launch),
-                                             "convolution_backward[grad_weight] (transposed)", fused,
-                                             notes=["transposed conv: its grad_weight is the wgrad of the conv from "
-                                                    "grad_output to the input"]))
-            except Reject as e:
-                self.report.add(OffloadEntry(cb.name, Pass.WGRAD, False, reason=str(e)))
-        self._finish_backward(cb, go, getitems, mask, done)
 
     # ------------------------------------------------------------------ wgrad on a side stream
     def overlap_wgrad(self) -> None:
