@@ -43,7 +43,7 @@ zoo: $(STAMP)
 	PYTHONPATH=$(ZOO_DEPS) $(BIN)/python scripts/zoo_check.py --numerics $(ZOO_ARGS)
 
 ## Random conv programs through the backend on the CPU against eager and float64, each offloaded problem's tuning plan
-## built and its kernels rendered (scripts/fuzz_partition.py). About 10 minutes for the default 500 programs (one
+## built and its kernels rendered (scripts/fuzz_partition.py). About 8 minutes for the default 500 programs (one
 ## process); e.g. FUZZ_ARGS="--seeds 500:600 --show" for others, "--amp fp16" for the GPU's autocast type.
 FUZZ_ARGS ?= --seeds 0:500 --inductor-every 10
 fuzz: $(STAMP)
