@@ -610,7 +610,7 @@ def fuzz_kernels(seeds, amp: str = "fp16") -> list:
     bind the plan's launch where it takes them)."""
     launches: list = []
     was = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False  # see main
+    torch.backends.mkldnn.enabled = False  # see main()
     try:
         for seed in seeds:
             program, net, x = generate(seed, amp=amp)
@@ -646,10 +646,20 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--amp", choices=("bf16", "fp16"), default=None,
                     help="autocast's dtype in the programs that use it (default: bf16 on the CPU, fp16 on the GPU)")
     a = ap.parse_args(argv)
+    # a left conv logs its reason (the report counts them); PyTorch's own CPU convolutions, not oneDNN's: with oneDNN,
+    # torch 2.13 CPU's eager Conv2d(16, 6, 1, stride=3, padding=2, dilation=(1, 2)) on a channels_last 2x16x2x1 input
+    # crashes the process (segfault; seed 523). Both restored on return (a caller in the same process, tests).
+    was = torch.backends.mkldnn.enabled
     logging.disable(logging.WARNING)
-    # PyTorch's own CPU convolutions, not oneDNN's: with oneDNN, torch 2.13 CPU's eager Conv2d(16, 6, 1, stride=3,
-    # padding=2, dilation=(1, 2)) on a channels_last 2x16x2x1 input crashes the process (segfault; seed 523)
     torch.backends.mkldnn.enabled = False
+    try:
+        return _run(a)
+    finally:
+        logging.disable(logging.NOTSET)
+        torch.backends.mkldnn.enabled = was
+
+
+def _run(a: argparse.Namespace) -> int:
     amp = a.amp or ("fp16" if a.device == "cuda" else "bf16")
     t0 = time.perf_counter()
     bad = invalid = theirs = noise = strides = 0

@@ -265,6 +265,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write one JSON line per model here")
     a = ap.parse_args(argv)
     logging.disable(logging.WARNING)  # a left conv logs its reason at INFO; the report counts them
+    try:
+        return _run(a)
+    finally:
+        logging.disable(logging.NOTSET)  # a caller in the same process (tests) logs again
+
+
+def _run(a: argparse.Namespace) -> int:
     bad = 0
     lines = []
     for spec in a.models:

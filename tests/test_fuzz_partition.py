@@ -4,6 +4,7 @@ offloaded result and a lost gradient must be flagged."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -110,7 +111,10 @@ def test_checker_flags_a_wrong_gradient(monkeypatch):
 
 def test_main_reports_and_exits_nonzero_on_a_failure(monkeypatch, capsys, tmp_path):
     out = tmp_path / "fuzz.jsonl"
+    torch.backends.mkldnn.enabled = True
     assert fz.main(["--seeds", "2000:2003", "--json", str(out)]) == 0
+    # what it turned off for its run is back: later tests in this process log warnings and may use oneDNN
+    assert logging.root.manager.disable == logging.NOTSET and torch.backends.mkldnn.enabled
     assert "3 programs, 0 failed, 0 invalid" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 3
     monkeypatch.setattr(fz, "check", lambda program, *args: {"seed": program.seed, "crash": "boom"})

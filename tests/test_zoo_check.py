@@ -4,6 +4,7 @@ the partition of both graphs and one CPU training step through the backend again
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def test_zoo_check_partitions_and_steps_a_model(tmp_path, capsys):
     assert num["offloaded"] == {"fprop": 20, "dgrad": 19, "wgrad": 20} and not num["flagged"]
     assert num["grad_error"] < 1e-4 and num["loss_error"] < 1e-5 and not num["missing_grads"]
     assert "1 models, 0 model errors, 0 failed" in capsys.readouterr().out
+    assert logging.root.manager.disable == logging.NOTSET  # later tests in this process log warnings
 
 
 def test_helpers_leave_batch_norm_frozen_and_dropout_off():
