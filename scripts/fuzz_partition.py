@@ -479,7 +479,7 @@ def check(program: Program, net: nn.Module, x: torch.Tensor, plan: bool = True,
         with torch.no_grad():
             shapes = [o.shape for o in _outputs(_last_value_all(exact, xi.double()))]
         g = torch.Generator().manual_seed(program.seed + 1 + i)
-        weights = [torch.randn(s, dtype=torch.float64, generator=g) for s in shapes]
+        weights = [torch.randn(s, dtype=torch.float64, generator=g).to(program.device) for s in shapes]
         steps.append((xi, weights, _step(exact, xi.double(), program, weights), _step(eager, xi, program, weights)))
     # compile-time choices by the heuristic alone: no decision cache on this machine or the GPU's changes them, so
     # `fuzz_kernels` here names the kernels a GPU run launches
