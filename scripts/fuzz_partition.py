@@ -425,10 +425,6 @@ def _plain_steps(program: Program, net: nn.Module, steps: list) -> Optional[list
         return None
 
 
-def _plain_compile_fails(program: Program, net: nn.Module, steps: list) -> bool:
-    return _plain_steps(program, net, steps) is None
-
-
 def _compare_steps(program: Program, ours: list, steps: list, plain: Optional[list] = None) -> tuple[list, float]:
     """What is flagged over the batch sizes' steps (prefixed with the batch size after the first), our worst error;
     with `plain`, an error must also be 10x plain torch.compile's."""
@@ -452,11 +448,8 @@ def plan_and_render(problems) -> int:
     from cutlass_byoc.profiler.plan import plan_problem  # noqa: PLC0415
     from cutlass_byoc.render import render  # noqa: PLC0415
 
-    kernels = {}
-    for problem in dict.fromkeys(problems):
-        for cand in plan_problem(problem).candidates:
-            kernels[cand.launch.kernel.name] = cand.launch.kernel
-    for kernel in kernels.values():
+    kernels = list(dict.fromkeys(k for problem in dict.fromkeys(problems) for k in plan_problem(problem).kernels))
+    for kernel in kernels:
         render(kernel, "nvcc")
     return len(kernels)
 
@@ -499,7 +492,7 @@ def check(program: Program, net: nn.Module, x: torch.Tensor, plan: bool = True,
     except Exception as e:  # noqa: BLE001 - the user's compile would have crashed
         rec["crash"] = f"{type(e).__name__}: {str(e)[:400]}"
         rec["traceback"] = traceback.format_exc()[-3000:]
-        if _plain_compile_fails(program, net, steps):  # PyTorch's own (e.g. a meta kernel's strides), not ours
+        if _plain_steps(program, net, steps) is None:  # PyTorch's own (e.g. a meta kernel's strides), not ours
             rec["pytorch_crash"] = rec.pop("crash")
         elif "assert_size_stride" in rec["traceback"] and "Error in op: torch.ops.aten." in rec["crash"]:
             # an aten op whose CPU kernel's output strides are not its meta kernel's (the padding modes' backward

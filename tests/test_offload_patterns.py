@@ -422,6 +422,14 @@ def test_transposed_conv_backward_follows_the_options():
     _, rep = explain(m, x_(cl=True), training=True, options=OffloadOptions(require_cuda=False, wgrad=False))
     assert not any(e.offloaded for e in rep.entries if e.kind is Pass.WGRAD)
     assert [e.offloaded for e in rep.entries if e.kind is Pass.DGRAD] == [True], rep.summary()
+    # output_padding past the stride (allowed where the dilation is larger): the conv of grad_output is one row and
+    # column longer than the input, so both backward results stay with PyTorch, with the reason
+    m = Lambda(lambda convs, x: convs[1](convs[0](x)), nn.Conv2d(8, 8, 1),
+               nn.ConvTranspose2d(8, 16, 3, stride=1, padding=1, output_padding=1, dilation=2))
+    _, rep = explain(m, x_(cl=True), training=True, options=CPU)
+    left = [e for e in rep.entries if e.node.startswith("convolution_backward") and not e.offloaded]
+    assert {e.kind for e in left} == {Pass.DGRAD, Pass.WGRAD}, rep.summary()
+    assert all(e.reason.startswith("transposed: output_padding (1, 1): the conv of grad_output") for e in left)
 
 
 # ---------------------------------------------------------------------------------------------- left to PyTorch

@@ -474,7 +474,6 @@ class _Rewriter:
                 return
             getitems.setdefault(u.args[1], []).append(u)
         mask = list(mask)
-        common: dict[str, Any] = {}
         try:
             (stride, padding, dilation, groups, transposed) = conv_params(
                 dict(stride=stride, padding=padding, dilation=dilation, groups=groups, transposed=transposed))
@@ -484,38 +483,44 @@ class _Rewriter:
             check_dtypes(gov, wv, opts)
             check_dtypes(gov, xv, opts)
             x_shape, _, dynamic = batch_shapes(xv, gov, "input", "grad_output", opts)
-            common = dict(x_shape=x_shape, w_shape=static_shape(wv, "weight"))
+            w_shape = static_shape(wv, "weight")
             if transposed:
+                # conv_transpose2d(x, w), w (Cin, Cout/g, R, S), is the dgrad of a conv C from y-shaped inputs to
+                # x-shaped outputs with weight w: its grad_input is C's fprop of grad_output, its grad_weight C's
+                # wgrad with x as C's output gradient and grad_output as C's input. output_padding only makes
+                # grad_output longer than C's windows reach, so C of grad_output is x-shaped again, unless
+                # output_padding reaches past the stride (it may where the dilation is larger)
                 if not opts.transposed:
                     raise Reject("transposed: offload of transposed convs is off")
                 if dynamic:
                     raise Reject(f"{DYNAMIC_SHAPE}: transposed convs are offloaded at static shapes only (input "
                                  f"{tuple(xv.shape)})")
+                y_shape = static_shape(gov, "grad_output")
+                back = (y_shape[0], w_shape[0], *(library.conv_out_size(y_shape[2 + i], w_shape[2 + i], stride[i],
+                                                                        padding[i], dilation[i]) for i in (0, 1)))
+                if back != tuple(x_shape):
+                    raise Reject(f"transposed: output_padding {tuple(output_padding)}: the conv of grad_output "
+                                 f"{y_shape} gives {back}, not the input's shape {tuple(x_shape)}")
         except Reject as e:
             for i, kind in ((0, Pass.DGRAD), (1, Pass.WGRAD)):
                 if mask[i] and getitems.get(i):
                     self.report.add(OffloadEntry(cb.name, kind, False, reason=str(e)))
             return
         conv = (stride, padding, dilation, groups)
-        if transposed:
-            # conv_transpose2d(x, w), w (Cin, Cout/g, R, S), is the dgrad of a conv C from y-shaped inputs to x-shaped
-            # outputs with weight w: its grad_input is C's fprop of grad_output, its grad_weight C's wgrad with x as
-            # C's output gradient and grad_output as C's input. output_padding only makes grad_output longer than C's
-            # windows reach: C's fprop of it is x-shaped again (checked).
-            y_shape = static_shape(gov, "grad_output")
-            done = [self._grad_input(cb, mask[0], getitems, ConvKind.FPROP, y_shape, common, conv, gov.dtype,
+        if transposed:  # (static shapes)
+            done = [self._grad_input(cb, mask[0], getitems, ConvKind.FPROP, y_shape, w_shape, conv, gov.dtype,
                                      lambda site: (library.FPROP, (go, w, None, None, site)), dynamic=False,
                                      transposed=True),
-                    self._grad_weight(cb, mask[1], getitems, cast, y_shape, common, conv, gov.dtype, (inp, go),
+                    self._grad_weight(cb, mask[1], getitems, cast, y_shape, w_shape, conv, gov.dtype, (inp, go),
                                       dynamic=False, transposed=True)]
         else:
-            done = [self._grad_input(cb, mask[0], getitems, ConvKind.DGRAD, common["x_shape"], common, conv, gov.dtype,
+            done = [self._grad_input(cb, mask[0], getitems, ConvKind.DGRAD, x_shape, w_shape, conv, gov.dtype,
                                      lambda site: (library.DGRAD, (go, w, site)), dynamic=dynamic),
-                    self._grad_weight(cb, mask[1], getitems, cast, common["x_shape"], common, conv, gov.dtype,
-                                      (go, inp), dynamic=dynamic)]
+                    self._grad_weight(cb, mask[1], getitems, cast, x_shape, w_shape, conv, gov.dtype, (go, inp),
+                                      dynamic=dynamic)]
         self._finish_backward(cb, go, getitems, mask, done)
 
-    def _grad_input(self, cb, wanted: bool, getitems, kind: ConvKind, a_shape, common, conv, dtype, call, *,
+    def _grad_input(self, cb, wanted: bool, getitems, kind: ConvKind, a_shape, w_shape, conv, dtype, call, *,
                     dynamic: bool, transposed: bool = False) -> bool:
         """convolution_backward's grad_input as one `kind` problem on an input of `a_shape` (dgrad; a transposed
         conv's: the fprop of grad_output), `call(site)` giving the op and its arguments; whether it was offloaded."""
@@ -524,10 +529,7 @@ class _Rewriter:
         try:
             if not self.options.dgrad:
                 raise Reject("dgrad offload is off")
-            problem = make_problem(kind, a_shape, common["w_shape"], *conv, dtype, val(getitems[0][0]).dtype)
-            if transposed and (problem.n, problem.k, problem.p, problem.q) != tuple(common["x_shape"]):
-                raise Reject(f"transposed: the fprop of grad_output {tuple(a_shape)} does not give the input's "
-                             f"shape {tuple(common['x_shape'])}")
+            problem = make_problem(kind, a_shape, w_shape, *conv, dtype, val(getitems[0][0]).dtype)
             launch = kernel_for(problem, self.options)
             with self.graph.inserting_before(cb):
                 site = library.register_site(kind.value, problem, self.options.select.value, dynamic=dynamic)
@@ -546,7 +548,7 @@ class _Rewriter:
             self.report.add(OffloadEntry(cb.name, Pass.DGRAD, False, reason=str(e)))
             return False
 
-    def _grad_weight(self, cb, wanted: bool, getitems, cast, a_shape, common, conv, dtype, operands, *,
+    def _grad_weight(self, cb, wanted: bool, getitems, cast, a_shape, w_shape, conv, dtype, operands, *,
                      dynamic: bool, transposed: bool = False) -> bool:
         """convolution_backward's grad_weight as one wgrad problem on an input of `a_shape`, the op reading
         `operands` (its grad_output and input: a transposed conv's x and grad_output), a following cast to 16 bits or
@@ -566,10 +568,7 @@ class _Rewriter:
                     fuse_cast = cast
             out_node = fuse_cast if fuse_cast is not None else getitems[1][0]
             out_dtype = val(out_node).dtype
-            problem = make_problem(ConvKind.WGRAD, a_shape, common["w_shape"], *conv, dtype, out_dtype)
-            if transposed and (problem.n, problem.k, problem.p, problem.q) != tuple(common["x_shape"]):
-                raise Reject(f"transposed: the conv from grad_output {tuple(a_shape)} does not give the input's "
-                             f"shape {tuple(common['x_shape'])}")
+            problem = make_problem(ConvKind.WGRAD, a_shape, w_shape, *conv, dtype, out_dtype)
             launch = kernel_for(problem, self.options)
             with self.graph.inserting_before(cb):
                 site = library.register_site("wgrad", problem, self.options.select.value, dynamic=dynamic)
