@@ -621,8 +621,15 @@ def failed(rec: dict) -> bool:
 
 
 def seed_range(text: str) -> range:
+    """--seeds: A:B (B excluded) or one seed."""
     a, _, b = text.partition(":")
-    return range(int(a), int(b)) if b else range(int(a), int(a) + 1)
+    try:
+        seeds = range(int(a), int(b)) if b else range(int(a), int(a) + 1)
+    except ValueError:
+        seeds = range(0)
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"expected A:B with integers A < B, or one integer seed, got {text!r}")
+    return seeds
 
 
 def main(argv: Optional[list] = None) -> int:

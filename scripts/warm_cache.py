@@ -172,6 +172,12 @@ def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfi
     return out
 
 
+def _fuzz_seeds(text: str) -> range:
+    import fuzz_partition  # noqa: PLC0415 - scripts/fuzz_partition.py, beside this file
+
+    return fuzz_partition.seed_range(text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", "-j", type=int, default=None)
@@ -211,7 +217,7 @@ def main() -> int:
     ap.add_argument("--channel-stats", action="store_true",
                     help="the round's channel-stats step's kernels (scripts/channel_stats_bench.py on ResNet-50 at "
                          "--batch: one plain sm90 kernel per fprop problem and schedule, and its statistics twin)")
-    ap.add_argument("--fuzz", default=None, metavar="A:B",
+    ap.add_argument("--fuzz", default=None, metavar="A:B", type=_fuzz_seeds,
                     help="the kernels `scripts/fuzz_partition.py --device cuda --seeds A:B` launches (the round's "
                          "fuzz step, FUZZ_SEEDS), its programs partitioned here under fp16 autocast")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
@@ -245,9 +251,8 @@ def main() -> int:
     if a.fuzz:
         import fuzz_partition  # noqa: PLC0415 - scripts/fuzz_partition.py, beside this file
 
-        seeds = fuzz_partition.seed_range(a.fuzz)
-        fuzzed = fuzz_partition.fuzz_kernels(seeds)
-        print(f"fuzz seeds {a.fuzz}: {len(fuzzed)} kernels", flush=True)
+        fuzzed = fuzz_partition.fuzz_kernels(a.fuzz)
+        print(f"fuzz seeds {a.fuzz.start}:{a.fuzz.stop}: {len(fuzzed)} kernels", flush=True)
         cfgs += fuzzed
     if a.tests_only:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too

@@ -117,6 +117,12 @@ def test_main_reports_and_exits_nonzero_on_a_failure(monkeypatch, capsys, tmp_pa
     assert logging.root.manager.disable == logging.NOTSET and torch.backends.mkldnn.enabled
     assert "3 programs, 0 failed, 0 invalid" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 3
+    for bad in ("5:2", "a:b", ""):
+        with pytest.raises(SystemExit) as e:
+            fz.main(["--seeds", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--seeds" in err and "expected A:B with integers A < B, or one integer seed" in err
     monkeypatch.setattr(fz, "check", lambda program, *args: {"seed": program.seed, "crash": "boom"})
     assert fz.main(["--seeds", "2000"]) == 1
     text = capsys.readouterr().out
