@@ -79,8 +79,9 @@ def _first_offloading_seed(start, training=True):
     raise AssertionError("no seed offloads an fp32 fprop")
 
 
-def test_checker_flags_a_wrong_offloaded_result(monkeypatch):
-    """An offloaded fprop off by 1% (its reference perturbed) is flagged, in the output or a gradient."""
+def _fprop_off_by_one_percent(monkeypatch) -> int:
+    """A seed that offloads an fp32 fprop, whose reference (as it stands) is then perturbed by 1% of its largest
+    value."""
     seed = _first_offloading_seed(4000)
     right = library.reference_fprop
 
@@ -89,7 +90,12 @@ def test_checker_flags_a_wrong_offloaded_result(monkeypatch):
         return y + 0.01 * y.abs().amax()
 
     monkeypatch.setattr(library, "reference_fprop", wrong)
-    _, rec = fz.run_seed(seed, plan=False)
+    return seed
+
+
+def test_checker_flags_a_wrong_offloaded_result(monkeypatch):
+    """An offloaded fprop off by 1% (its reference perturbed) is flagged, in the output or a gradient."""
+    _, rec = fz.run_seed(_fprop_off_by_one_percent(monkeypatch), plan=False)
     assert rec["flagged"], rec
 
 
@@ -168,13 +174,5 @@ def test_tf32_rounding_noise_is_counted_apart(monkeypatch):
 def test_tf32_baseline_still_flags_a_wrong_result(monkeypatch):
     """With the TF32 baseline, an offloaded fprop off by 1% is still flagged."""
     _tf32_references(monkeypatch)
-    seed = _first_offloading_seed(4000)
-    right = library.reference_fprop
-
-    def wrong(*args):
-        y = right(*args)
-        return y + 0.01 * y.abs().amax()
-
-    monkeypatch.setattr(library, "reference_fprop", wrong)
-    program, rec = fz.run_seed(seed, plan=False)
+    _, rec = fz.run_seed(_fprop_off_by_one_percent(monkeypatch), plan=False)
     assert rec["flagged"], rec
