@@ -20,8 +20,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (these tests run on the H200)"),
 ]
 
-SEEDS = range(0, 12)
+SEEDS = (*range(0, 12), 16)
 INDUCTOR_SEEDS = (3,)
+#: fp32 programs whose flag on the H200 was TF32's rounding (eager under fz.TF32Convs as far off): counted apart
+TF32_NOISE_SEEDS = (16,)
 
 
 def kernels():
@@ -35,3 +37,5 @@ def test_random_program_on_the_kernels(seed):
     print(f"\n{program.describe()}\n{rec}")
     assert not fz.failed(rec), (program.describe(), rec)
     assert "invalid" not in rec or "Expected more than 1 value per channel" in rec["invalid"], rec
+    if seed in TF32_NOISE_SEEDS:  # seed 16: its conv bias gradient, 7.02e-3 on the kernels and under TF32Convs
+        assert [f.split(":")[0] for f in rec["tf32_noise"]] == ["mods.conv0.bias"], rec
