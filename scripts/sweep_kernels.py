@@ -61,17 +61,21 @@ def sourceless_twins(problem, kernels):
     return out
 
 
-def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False, store_stages=False):
+def kernels_of(problem, extra=(), sourceless=False, deep=False, with_sm90=False, store_stages=False,
+               tiles_only=False):
     """The family's valid kernels for `problem`, plus GEMM 1x1 configs of the `extra` (tile, schedule, sourceless,
     cluster, epilogue sub-tile or None, D buffers: None, 0 for one per sub-tile, or a count) tuples (tiles outside
     cutlass_library's list, to try before adding them to the family's candidates); with `sourceless`, each 3.x
     kernel's sourceless twin too (sourceless_twins); with `deep`, each kernel's twin of more pipeline stages than the
     families' cap (plan.deep_twin); with `with_sm90`, the 3.x conv family's kernels on the 1x1 cells too (their wgrad
     winners are mostly its split-k kernels); with `store_stages`, each sourceless GEMM 1x1 kernel's twin with one D
-    buffer per epilogue sub-tile (gemm1x1.with_store_stages)."""
+    buffer per epilogue sub-tile (gemm1x1.with_store_stages). `tiles_only`: the `extra` configs (and the twins
+    asked for) without the family's kernels, e.g. to compile no more than a sweep of a few tiles times (the time
+    command times what the cache holds)."""
     family = FAMILY_OF[f"{problem.r}x{problem.s}"]
     valid, _ = plan.enumerate_kernels(problem)
-    out = [k for k in valid if k.family is family or (with_sm90 and k.family is KernelFamily.SM90_TMA_WGMMA)]
+    out = [] if tiles_only else \
+        [k for k in valid if k.family is family or (with_sm90 and k.family is KernelFamily.SM90_TMA_WGMMA)]
     if family is KernelFamily.SM90_GEMM_1X1:
         from cutlass_byoc.gemm1x1 import gemm1x1_config, with_epilogue_tile, with_store_stages  # noqa: PLC0415
 

@@ -214,6 +214,9 @@ def main() -> int:
     ap.add_argument("--sweep-store-stages", action="store_true",
                     help="with --sweep: each sourceless GEMM 1x1 kernel's twin with one epilogue D buffer per "
                          "sub-tile too (the round's SWEEP_STORE_STAGES=1)")
+    ap.add_argument("--sweep-tiles-only", action="store_true",
+                    help="with --sweep: the --sweep-tiles configs (and the twins asked for) alone, not the family's "
+                         "kernels: the round's sweep then times those and whatever else the cache holds")
     ap.add_argument("--channel-stats", action="store_true",
                     help="the round's channel-stats step's kernels (scripts/channel_stats_bench.py on ResNet-50 at "
                          "--batch: one plain sm90 kernel per fprop problem and schedule, and its statistics twin)")
@@ -242,7 +245,8 @@ def main() -> int:
 
         tiles = [sweep_kernels.parse_tile(t) for t in a.sweep_tiles]
         cfgs += [k for it in sweep_kernels.cells(a.sweep, a.sweep_kinds)
-                 for k in sweep_kernels.kernels_of(it.problem, tiles, store_stages=a.sweep_store_stages)]
+                 for k in sweep_kernels.kernels_of(it.problem, tiles, store_stages=a.sweep_store_stages,
+                                                   tiles_only=a.sweep_tiles_only)]
     if a.channel_stats:
         import channel_stats_bench  # noqa: PLC0415 - scripts/channel_stats_bench.py, beside this file
 

@@ -160,3 +160,9 @@ def test_sweep_store_stages_twins_and_tile_specs():
     assert sweep_kernels.parse_tile("192x64x64:pingpong")[-2:] == (None, None)
     spec = sweep_kernels.parse_tile("192x64x64:pingpong:nosrc:sd")
     assert any(k.tile == (192, 64, 64) and k.epi_stages == 6 for k in sweep_kernels.kernels_of(it.problem, [spec]))
+    # tiles_only: the asked-for configs and their twins, none of the family's own
+    tile = sweep_kernels.parse_tile("128x128x64:pingpong:nosrc:e64x64")
+    only = sweep_kernels.kernels_of(it.problem, [tile], store_stages=True, tiles_only=True)
+    assert [(k.tile, k.epi_tile, k.epi_stages) for k in only] == [((128, 128, 64), (64, 64), None),
+                                                                  ((128, 128, 64), (64, 64), 4)]
+    assert not set(only) & set(plain)
