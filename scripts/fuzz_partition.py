@@ -446,11 +446,9 @@ class TF32Convs(TorchDispatchMode):
 
 def _tf32_steps(program: Program, net: nn.Module, steps: list) -> list:
     """The program's eager steps with TF32Convs (the flagged-error baseline of an fp32 program on the GPU)."""
-    out = []
-    for x, weights, _, _ in steps:
-        with TF32Convs():
-            out.append(_step(copy.deepcopy(net), x, program, weights))
-    return out
+    eager = copy.deepcopy(net)
+    with TF32Convs():
+        return [_step(eager, x, program, weights) for x, weights, _, _ in steps]
 
 
 def _plain_steps(program: Program, net: nn.Module, steps: list) -> Optional[list]:
@@ -465,6 +463,15 @@ def _plain_steps(program: Program, net: nn.Module, steps: list) -> Optional[list
         return [_step(plain, x, program, weights, run=compiled) for x, weights, _, _ in steps]
     except Exception:  # noqa: BLE001
         return None
+
+
+def _set_apart(rec: dict, key: str, program: Program, ours: list, steps: list, flagged: list, baseline: list) -> list:
+    """What of `flagged` stays flagged where an error must also be 10x `baseline`'s steps'; the rest goes to
+    rec[key] (counted apart, not failures)."""
+    kept, _ = _compare_steps(program, ours, steps, baseline)
+    if len(kept) < len(flagged):
+        rec[key] = [f for f in flagged if f not in kept]
+    return kept
 
 
 def _compare_steps(program: Program, ours: list, steps: list, plain: Optional[list] = None) -> tuple[list, float]:
@@ -553,15 +560,9 @@ def check(program: Program, net: nn.Module, x: torch.Tensor, plan: bool = True,
     if flagged:  # where plain torch.compile is as wrong (Inductor's own lowering of another op), it is not ours
         plain = _plain_steps(program, net, steps)
         if plain is not None:
-            kept, _ = _compare_steps(program, ours, steps, plain)
-            if len(kept) < len(flagged):
-                rec["pytorch_wrong"] = [f for f in flagged if f not in kept]
-            flagged = kept
+            flagged = _set_apart(rec, "pytorch_wrong", program, ours, steps, flagged, plain)
     if flagged and program.device in TF32_DEVICES and not program.autocast:  # TF32's rounding: see the docstring
-        kept, _ = _compare_steps(program, ours, steps, _tf32_steps(program, net, steps))
-        if len(kept) < len(flagged):
-            rec["tf32_noise"] = [f for f in flagged if f not in kept]
-        flagged = kept
+        flagged = _set_apart(rec, "tf32_noise", program, ours, steps, flagged, _tf32_steps(program, net, steps))
     rep = [r for r in backend.reports]
     if launches is not None:
         launches += [launch for r in rep for launch in r.launches]
