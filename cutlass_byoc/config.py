@@ -187,8 +187,8 @@ class KernelConfig:
 
     @property
     def element_kernel_out(self) -> DType:
-        """What the implicit-GEMM kernel itself stores: fp32 partials for parallel split-k, else the output."""
-        return self.element_acc if self.split_k_mode is SplitKMode.PARALLEL else self.element_out
+        """What the implicit-GEMM kernel itself stores: fp32 sums for parallel and atomic split-k, else the output."""
+        return self.element_acc if self.split_k_mode.fp32_sums else self.element_out
 
     @property
     def smem_bytes(self) -> int:
@@ -214,8 +214,8 @@ class KernelConfig:
             self.iterator.value, self.stride_support.value,
             f"align{self.align_a}{self.align_b}{self.align_c}",
         ]
-        if self.split_k_mode is SplitKMode.PARALLEL:
-            parts.append("splitk_parallel")
+        if self.split_k_mode.fp32_sums:
+            parts.append(f"splitk_{self.split_k_mode.value}")
         if self.activation is not Activation.IDENTITY:
             parts.append(self.activation.value)
         if self.element_bias is not None:
@@ -304,6 +304,8 @@ class KernelConfig:
                 return f"sourceless: a field of the 3.x families (TMA epilogue) only, not {self.family.value}"
             if self.channel_stats or self.element_bias is not None:
                 return "sourceless: not with the channel-statistics or the bias-vector epilogue"
+        if self.split_k_mode is SplitKMode.ATOMIC and self.family is not KernelFamily.SM90_TMA_WGMMA:
+            return f"split_k_mode atomic: the sm90 conv family's split-k wgrad only, not {self.family.value}"
         if self.epi_tile is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
             return f"epi_tile: a field of the GEMM 1x1 family only, not {self.family.value}"
         if self.epi_stages is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
@@ -338,7 +340,7 @@ class KernelConfig:
         if self.element_bias is not None:
             if self.kind is not ConvKind.FPROP:
                 return f"element_bias: the bias-vector epilogue is fprop only, got {self.kind.value}"
-            if self.split_k_mode is SplitKMode.PARALLEL:
+            if self.split_k_mode.fp32_sums:
                 return "element_bias: parallel split-k applies the epilogue in its reduction, which has no bias vector"
             if self.family not in (KernelFamily.SM80_IMPLICIT_GEMM, KernelFamily.SM90_TMA_WGMMA):
                 return f"element_bias: no bias-vector epilogue in the {self.family.value} family"
@@ -363,9 +365,10 @@ class KernelConfig:
             if self.smem_bytes > 227 * 1024:
                 return f"{self.smem_bytes} bytes of shared memory, past the 227 KiB an H200 CTA can have"
         if self.family is KernelFamily.SM90_TMA_WGMMA:
-            if self.split_k_mode is SplitKMode.PARALLEL:
+            if self.split_k_mode.fp32_sums:
                 # The project's own split-k (templates/conv2d_sm90_tma_wgmma.cu.j2): slices of the N*P*Q reduction
-                # into fp32 partials, one reduction kernel; CUTLASS 3.x conv has no split-k of its own.
+                # into fp32 partials and one reduction kernel (parallel), or added into one fp32 buffer by TMA
+                # reduce-add stores (atomic); CUTLASS 3.x conv has no split-k of its own.
                 if self.kind is not ConvKind.WGRAD:
                     return f"split_k_mode: the sm90 family splits wgrad only (fp32 partials + reduction), not {self.kind.value}"
                 if self.element_acc is not DType.F32:
@@ -382,7 +385,7 @@ class KernelConfig:
             if self.is_conv_pingpong:
                 # templates/conv2d_sm90_tma_wgmma.cu.j2, cb_pingpong: two consumer warp groups each holding a whole
                 # tile's fp32 accumulators; the sub-pixel strided dgrad's phases walked as one list of tiles.
-                if self.split_k_mode is SplitKMode.PARALLEL:
+                if self.split_k_mode.fp32_sums:
                     return "schedule: the ping-pong conv kernel has no split-k (the split-k wgrad is non-persistent)"
                 if self.stride_support is StrideSupport.STRIDED and self.cluster != (1, 1, 1):
                     return (f"cluster {self.cluster}: the ping-pong sub-pixel dgrad walks its phases' tiles one CTA at a "
@@ -621,9 +624,9 @@ class LaunchConfig:
                 and self.kernel.kind is not ConvKind.WGRAD:
             raise ValueError("split_k_slices: only depthwise wgrad splits its reduction over N*P*Q")
         if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_TMA_WGMMA \
-                and self.kernel.split_k_mode is not SplitKMode.PARALLEL:
+                and not self.kernel.split_k_mode.fp32_sums:
             raise ValueError("split_k_slices: this sm90 kernel has no split-k; the sm90 family splits wgrad with "
-                             "split_k_mode parallel (fp32 partials + reduction)")
+                             "split_k_mode parallel (fp32 partials + reduction) or atomic (TMA reduce-adds)")
         if self.split_k_slices > 1 and self.kernel.family is KernelFamily.SM90_GEMM_1X1 \
                 and not self.kernel.splits_at_launch:
             raise ValueError(f"split_k_slices: only the stream-K scheduler splits K at launch; "

@@ -49,12 +49,12 @@ def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_
                   one_wave: bool = False) -> list[int]:
     """The split-k slice counts to try with `kernel` on `problem`: the 2.x kernels take every count
     `split_k_slice_candidates` offers; the sm90 split-k kernels (wgrad, split_k_mode PARALLEL: fp32 partials and a
-    reduction, built by the project) take those above 1 (with one slice the plain sm90 kernel does the same work
+    reduction, built by the project; ATOMIC: the sums added into one buffer) take those above 1 (with one slice the plain sm90 kernel does the same work
     without the partials; with `one_wave`, only those whose CTAs fit one wave: `one_wave_slices`); the GEMM family's
     stream-K kernels take every count too (1: stream-K's own decomposition); every other kernel runs unsplit."""
     if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
         return split_k_slice_candidates(problem, kernel.tile, sms)
-    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode is SplitKMode.PARALLEL:
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode.fp32_sums:
         counts = [s for s in split_k_slice_candidates(problem, kernel.tile, sms) if s > 1]
         return one_wave_slices(problem, kernel, counts, sms) if one_wave else counts
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:  # wgrad's splits of N*P*Q ([1] for fprop and dgrad)
@@ -262,6 +262,9 @@ def _implicit_gemm_us(problem: Conv2dProblem, launch: LaunchConfig, m: int, n: i
     extra_us = 0.0
     if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch
         bytes_ += 2 * slices * m * n * 4
+        extra_us += LAUNCH_US
+    elif c.split_k_mode is SplitKMode.ATOMIC:  # each slice's reduce-adds, and the memset zeroing the sums first
+        bytes_ += (slices + 1) * m * n * 4
         extra_us += LAUNCH_US
     elif slices > 1:
         extra_us += 0.3 * slices  # serialised epilogues through the semaphore

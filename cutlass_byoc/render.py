@@ -85,6 +85,7 @@ def render(config: KernelConfig, compile_command: str) -> str:
         compile_command=compile_command,
         abi_version=ABI_VERSION,
         parallel=config.split_k_mode is SplitKMode.PARALLEL,
+        atomic=config.split_k_mode is SplitKMode.ATOMIC,
         # (ReLU6 has neither: only the depthwise template takes it, with its own clamp)
         activation_header=None if config.element_bias else _ACTIVATION_HEADERS.get(config.activation),
         elementwise_op=_ELEMENTWISE_OPS.get(config.activation),

@@ -44,17 +44,23 @@ def choose(problem: Conv2dProblem, mode: SelectMode | str = SelectMode.CACHED) -
 
 def honour_determinism(launch: Optional[LaunchConfig], deterministic: bool) -> Optional[LaunchConfig]:
     """`launch`, or under ``torch.use_deterministic_algorithms(True)`` (`deterministic`) its deterministic twin where
-    its kernel adds partial sums in arrival order (the GEMM family's nondeterministic stream-K reduction; a decision
-    recorded without the flag may hold one): the same tile, cluster and slices, the partials added in k order."""
-    if launch is None or not deterministic or launch.kernel.family is not KernelFamily.SM90_GEMM_1X1:
+    its kernel adds partial sums in arrival order (the GEMM family's nondeterministic stream-K reduction, the sm90
+    family's atomic split-k wgrad; a decision recorded without the flag may hold one): the same tile, cluster and
+    slices, the partials added in k order."""
+    if launch is None or not deterministic:
         return launch
-    from .gemm1x1 import deterministic_twin  # noqa: PLC0415
-
+    if launch.kernel.family is KernelFamily.SM90_GEMM_1X1:
+        from .gemm1x1 import deterministic_twin  # noqa: PLC0415
+        how = "stream-K partials added in k order"
+    elif launch.kernel.family is KernelFamily.SM90_TMA_WGMMA:
+        from .sm90 import deterministic_twin  # noqa: PLC0415
+        how = "split-k partials per slice, summed in slice order"
+    else:
+        return launch
     twin = deterministic_twin(launch.kernel)
     if twin == launch.kernel:
         return launch
-    log.info("deterministic algorithms requested: %s runs as %s (stream-K partials added in k order)",
-             launch.kernel.name, twin.name)
+    log.info("deterministic algorithms requested: %s runs as %s (%s)", launch.kernel.name, twin.name, how)
     return dataclasses.replace(launch, kernel=twin)
 
 

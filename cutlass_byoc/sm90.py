@@ -135,14 +135,40 @@ def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
                                                kernel.element_kernel_out, cap=DEEP_MAX_STAGES))
 
 
+def atomic_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
+    """The split-k wgrad kernel `kernel` (split_k_mode PARALLEL) with its slices' sums added into one zeroed fp32
+    buffer by TMA reduce-add stores (split_k_mode ATOMIC): the output itself where it is fp32 and the launch has no
+    source (a training step's wgrad with the fp32 cast fused), else a one-slice workspace that the reduction kernel
+    then reads once. Same tile, stages and slices: it drops the partials' second pass (each slice's K*R*S*C floats
+    read back) and, for a direct fp32 output, the reduction's launch, for a memset of the output and adds in L2 whose
+    order varies from run to run. None for any other kernel. The planner times it beside its twin (profiler.plan),
+    never under torch.use_deterministic_algorithms(True), where a decision holding it runs its twin
+    (select.honour_determinism)."""
+    if kernel.family is not KernelFamily.SM90_TMA_WGMMA or kernel.split_k_mode is not SplitKMode.PARALLEL:
+        return None
+    try:
+        return dataclasses.replace(kernel, split_k_mode=SplitKMode.ATOMIC)
+    except ValueError:  # static_error: no such kernel
+        return None
+
+
+def deterministic_twin(kernel: KernelConfig) -> KernelConfig:
+    """`kernel` itself, or for an atomic split-k kernel its deterministic twin (the same kernel with fp32 partials
+    per slice, summed in slice order by the reduction kernel)."""
+    if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode is SplitKMode.ATOMIC:
+        return dataclasses.replace(kernel, split_k_mode=SplitKMode.PARALLEL)
+    return kernel
+
+
 def sm90_config(problem: Conv2dProblem, tile: Shape3, cluster: Shape3 = (1, 1, 1),
                 split_k_mode: SplitKMode = SplitKMode.SERIAL, schedule: str = SCHEDULE) -> KernelConfig:
     """The sm90 config of `problem` with this tile and cluster (16-byte alignments; raises ValueError if invalid).
-    `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials.
+    `split_k_mode` PARALLEL (wgrad only) gives the split-k kernel, whose CUTLASS epilogue stores fp32 partials;
+    ATOMIC its twin that adds them into one fp32 buffer instead (`atomic_twin`).
     A strided dgrad gets the sub-pixel config (stride_support STRIDED: the same kernel, launched once per phase).
     `schedule` PINGPONG gives the project's persistent ping-pong kernel on the same collectives."""
     p = problem
-    kernel_out = p.element_acc if split_k_mode is SplitKMode.PARALLEL else p.element_out
+    kernel_out = p.element_acc if split_k_mode.fp32_sums else p.element_out
     return KernelConfig(
         family=KernelFamily.SM90_TMA_WGMMA, kind=p.kind,
         element_a=p.element_a, element_b=p.element_b, element_out=p.element_out, element_acc=p.element_acc,

@@ -100,10 +100,22 @@ class SplitKMode(str, enum.Enum):
     # (depthwise wgrad) the splits of a channel block are one thread-block cluster, reduced in distributed shared
     # memory by the same kernel: no workspace, no second kernel; at most MAX_CLUSTER_SPLITS splits
     CLUSTER = "cluster"
+    # (sm90 wgrad) the slices add their fp32 sums into one zeroed fp32 buffer, each tile with TMA's reduce-add store
+    # (cp.reduce.async.bulk.tensor .add, performed in L2): no partials per slice and no pass summing them, but the
+    # order of the adds, and so the sum's last bits, varies from run to run (nondeterministic, like cuDNN's atomic
+    # wgrad); PARALLEL is its deterministic twin
+    ATOMIC = "atomic"
 
     @property
     def cutlass(self) -> str:
-        return {"none": "kSerial", "serial": "kSerial", "parallel": "kParallel", "cluster": "kParallel"}[self.value]
+        return {"none": "kSerial", "serial": "kSerial", "parallel": "kParallel", "cluster": "kParallel",
+                "atomic": "kParallel"}[self.value]
+
+    @property
+    def fp32_sums(self) -> bool:
+        """Whether the implicit-GEMM kernel stores fp32 sums (each slice's partials, or reduce-adds into one buffer)
+        rather than the output in its own type: PARALLEL, ATOMIC."""
+        return self in (SplitKMode.PARALLEL, SplitKMode.ATOMIC)
 
 
 class Activation(str, enum.Enum):

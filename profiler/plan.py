@@ -66,7 +66,7 @@ SMEM_IM2COL_BUDGET = 8
 #: others: they won some stride-1 1x1 cells by up to 7% and lost others by up to 15%, which the model cannot tell.
 GEMM_WAVE_BUDGET = 1
 #: Below this budget per problem (a quick tune, e.g. --max-candidates 1 or 2) the plan takes neither the whole-wave
-#: tiles nor a wgrad's deep-pipeline twins (_deep_twins) on top.
+#: tiles nor a wgrad's deep-pipeline twins (_deep_twins) nor its atomic split-k twins (_atomic_twins) on top.
 SMALL_BUDGET = 4
 #: The 3.x conv family's persistent ping-pong kernels (the project's own, sm90.PINGPONG), up to this many of the
 #: model's best (one per tile shape first) on top of the others: the model does not see the overlap of one tile's
@@ -248,6 +248,7 @@ def plan_problem(
             chosen = _take_budget(by_family, budget) + side
             if max_candidates >= SMALL_BUDGET:
                 chosen += _deep_twins(kp, chosen, sms)
+                chosen += _atomic_twins(kp, chosen, sms)
             for _, kc, launches in chosen:
                 # a "cols" wgrad kernel: every split count (its model cannot tell the CTAs an SM holds, which decide
                 # whether the last wave is nearly empty or nearly full); a cluster split: each of its few counts
@@ -390,6 +391,36 @@ def _deep_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
             taken.add(twin)
             out.append((launches[0][0], twin, launches))
     return out
+
+
+def _atomic_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
+    """For a wgrad, the atomic twin of each 3.x split-k kernel in `chosen`, deep twins included (sm90.atomic_twin: the
+    slices' sums added into one fp32 buffer by TMA reduce-adds instead of partials and a reduction kernel) with its
+    launches, timed beside it: the model cannot tell what the partials' second pass costs against adds in L2. None
+    under torch.use_deterministic_algorithms(True), where the order of those adds must not vary."""
+    if problem.kind is not ConvKind.WGRAD or _deterministic():
+        return []
+    try:
+        from ..sm90 import atomic_twin  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - the 3.x families are optional
+        return []
+    taken = {t[1] for t in chosen}
+    out = []
+    for _, kc, _ in chosen:
+        twin = atomic_twin(kc)
+        if twin is None or twin in taken or twin.reject_reason(problem) is not None:
+            continue
+        launches = launches_for(problem, twin, sms)
+        if launches:
+            taken.add(twin)
+            out.append((launches[0][0], twin, launches))
+    return out
+
+
+def _deterministic() -> bool:
+    from ..gemm1x1 import deterministic_required  # noqa: PLC0415
+
+    return deterministic_required()
 
 
 def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:

@@ -1,7 +1,8 @@
 """What the planner's extra candidates won in a tune: for each problem of a `cutlass-byoc tune --json` report (the
-round's tune.json, TUNE_JSON=1) whose winner is a deep-pipeline twin (sm90.deep_twin, gemm1x1.deep_twin) or a
-whole-wave tile (gemm1x1.WAVE_TILES), its time against the best launch of the plan without those extras, both
-from the same tune. A CPU-side reading of a GPU run.
+round's tune.json, TUNE_JSON=1) whose winner is a deep-pipeline twin (sm90.deep_twin, gemm1x1.deep_twin), an atomic
+split-k twin (sm90.atomic_twin) or a whole-wave tile (gemm1x1.WAVE_TILES), its time against the best launch of the
+plan without those extras, both from the same tune; then each atomic split-k launch against its split-k twin's
+launch of the same slice count, won or not. A CPU-side reading of a GPU run.
 
     python scripts/tune_twins.py TUNE.json [--workload default] [--max-candidates 8]
 """
@@ -16,10 +17,15 @@ from pathlib import Path
 from cutlass_byoc import workloads
 from cutlass_byoc.config import LaunchConfig
 from cutlass_byoc.profiler import plan
+from cutlass_byoc.sm90 import deterministic_twin
+from cutlass_byoc.types import SplitKMode
 
 
 def extra_kind(launch: LaunchConfig) -> str | None:
-    """'deep' (KernelConfig.is_deep_twin), 'wave' (plan.is_wave_tile), or None: a launch of the families' shares."""
+    """'atomic' (split_k_mode ATOMIC), 'deep' (KernelConfig.is_deep_twin), 'wave' (plan.is_wave_tile), or None: a
+    launch of the families' shares."""
+    if launch.kernel.split_k_mode is SplitKMode.ATOMIC:
+        return "atomic"
     if launch.kernel.is_deep_twin:
         return "deep"
     return "wave" if plan.is_wave_tile(launch.kernel) else None
@@ -46,6 +52,26 @@ def rows(report: dict, planned: dict) -> list[dict]:
     return out
 
 
+def atomic_pairs(report: dict, planned: dict) -> list[dict]:
+    """Each atomic split-k launch the tune timed (status ok) beside its split-k twin's launch of the same slice count:
+    the same kernel but for the reduction, so their ratio is what the reduce-adds gain or lose."""
+    out = []
+    for o in report["outcomes"]:
+        if o["problem"] not in planned:
+            continue
+        layer, launches = planned[o["problem"]]
+        us = {r["launch"]: r["median_us"] for r in o["results"] if r["status"] == "ok" and r.get("median_us")}
+        for name, t in us.items():
+            launch = launches.get(name)
+            if launch is None or launch.kernel.split_k_mode is not SplitKMode.ATOMIC:
+                continue
+            twin = LaunchConfig(deterministic_twin(launch.kernel), launch.split_k_slices, launch.pad_c, launch.pad_k,
+                                launch.s2d)
+            if twin.name in us:
+                out.append({"layer": layer, "launch": name, "us": t, "twin_us": us[twin.name]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report")
@@ -64,6 +90,14 @@ def main() -> None:
               f" us ({gain:.3f}x)  {r['launch']}")
     if logs:
         print(f"{len(logs)} problems won by an extra; geomean gain {math.exp(sum(logs) / len(logs)):.3f}x")
+    pairs = atomic_pairs(json.loads(Path(a.report).read_text()), planned)
+    for r in pairs:
+        print(f"{r['layer']:26s} atomic {r['us']:7.2f} us, split-k twin {r['twin_us']:7.2f} us "
+              f"({r['twin_us'] / r['us']:.3f}x)  {r['launch']}")
+    if pairs:
+        g = math.exp(sum(math.log(r["twin_us"] / r["us"]) for r in pairs) / len(pairs))
+        print(f"{len(pairs)} atomic split-k launches against their split-k twins: geomean {g:.3f}x "
+              f"(above 1: the reduce-adds faster)")
 
 
 if __name__ == "__main__":

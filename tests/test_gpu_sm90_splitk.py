@@ -1,11 +1,13 @@
 """The project's split-k for CUTLASS 3.x wgrad (issue 11, part 2) on the H200: the sm90 split-k kernel (grid z over
 slices of the N*P*Q reduction's k tiles, fp32 partials, one reduction kernel) against the float64 reference, for
 1..64 slices (batch 64 for 64) and 256, uneven slice sizes, fp16 and fp32 outputs, a cluster of two, accumulate-into,
-and the reduction's programmatic dependent launch captured in a CUDA graph.
+and the reduction's programmatic dependent launch captured in a CUDA graph; and the atomic twin (split_k_mode
+ATOMIC: the slices' sums added by TMA reduce-adds into the zeroed fp32 output, or into a workspace the reduction then
+casts) likewise.
 
-Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 4 sm90 kernels (~60-90 s
-each): split wgrad 64x128x64 fp16 out, the same with fp32 out, 64x128x64 with a 2x1x1 cluster, fp16 out, and the
-64x64x64 kernel's deep-pipeline twin (11 stages), fp16 out.
+Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 6 sm90 kernels (~60-90 s
+each): split wgrad 64x128x64 fp16 out, the same with fp32 out, 64x128x64 with a 2x1x1 cluster, fp16 out, the
+64x64x64 kernel's deep-pipeline twin (11 stages), fp16 out, and the atomic twins of the first two.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ torch = pytest.importorskip("torch")
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
-from cutlass_byoc.sm90 import deep_twin, sm90_config  # noqa: E402
+from cutlass_byoc.sm90 import atomic_twin, deep_twin, sm90_config  # noqa: E402
 from cutlass_byoc.types import DType, SourceKind, SplitKMode  # noqa: E402
 
 from gpu_util import (  # noqa: E402
@@ -52,7 +54,8 @@ def deep_config(p: Conv2dProblem):
 def used_configs():
     """The module's kernels: a config never depends on the shape, only on the output type and the cluster."""
     p16, p32 = problem(LAYERS[0], 32, "f16"), problem(LAYERS[0], 32, "f32")
-    return [split_config(p16), split_config(p32), split_config(p16, (2, 1, 1)), deep_config(p16)]
+    return [split_config(p16), split_config(p32), split_config(p16, (2, 1, 1)), deep_config(p16),
+            atomic_twin(split_config(p16)), atomic_twin(split_config(p32))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -227,3 +230,81 @@ def test_sm90_split_k_reduction_dependent_launch_in_a_cuda_graph(slices):
         for name, got in (("replayed", out), ("uncaptured", eager)):
             err = rel_err(got, ref)
             assert err < TOLERANCE[DType.F16], f"{launch.name} {name}: {err:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------ atomic twin
+ATOMIC_SLICES = (1, 2, 3, 7, 16, 64, 256)
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda l: f"{l[0]}to{l[1]}_{l[2]}x{l[2]}_s{l[3]}_{l[4]}")
+def test_sm90_wgrad_atomic_split_k(layer, out):
+    """The atomic twin against float64 on every layer and slice count: with an fp32 output the slices add straight
+    into it (zeroed by the launch's memset, so the NaN poison must be gone), with fp16 into a workspace the reduction
+    casts; and against its split-k twin (the same sums, added in another order: close, not bitwise)."""
+    p = problem(layer, 32, out)
+    twin = split_config(p)
+    cfg = atomic_twin(twin)
+    x, w, dy = operands(p, seed=3 + layer[0] + layer[1])
+    a, b = kernel_operands(p, x, w, dy)
+    ref = reference(p, x, w, dy)
+    from cutlass_byoc.runtime import load_kernel  # noqa: PLC0415
+
+    lib = load_kernel(cfg)
+    assert (lib.workspace_size(p, 16) == 0) == (out == "f32")  # fp32 out, no source: the sums are the output
+    ran = 0
+    for slices in ATOMIC_SLICES:
+        launch = LaunchConfig(cfg, slices)
+        if launch.reject_reason(p):
+            continue
+        got = run(p, launch, a, b)
+        err = rel_err(got, ref)
+        assert not math.isnan(err), f"NaN (unwritten output): {launch.name}"
+        assert err < TOLERANCE[p.element_out], f"{launch.name}: {err:.3e}"
+        other = run(p, LaunchConfig(twin, slices), a, b)
+        assert rel_err(got, other) < TOLERANCE[p.element_out], f"{launch.name} vs its split-k twin"
+        ran += 1
+    assert ran >= 5
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+def test_sm90_atomic_split_k_accumulates_into(out):
+    """accumulate_into (the residual source): the sums go to the workspace and the reduction adds the existing
+    gradient once, for an fp32 output too (its sums cannot go straight into an output that holds the source)."""
+    p = problem(LAYERS[2], 32, out, Epilogue(source=SourceKind.RESIDUAL))
+    x, w, dy = operands(p, seed=13)
+    prev = torch.randn(p.k, p.c, p.r, p.s, device="cuda").to(TORCH[p.element_out]).contiguous(
+        memory_format=torch.channels_last)
+    ref = reference(p, x, w, dy) + prev.double()
+    launch = LaunchConfig(atomic_twin(split_config(p)), 8)
+    got = ops.conv2d_wgrad(dy, x, w.shape, 1, 1, out_dtype=TORCH[p.element_out], accumulate_into=prev, config=launch)
+    torch.cuda.synchronize()
+    assert rel_err(got, ref) < TOLERANCE[p.element_out]
+
+
+@pytest.mark.parametrize("out", ["f16", "f32"])
+def test_sm90_atomic_split_k_in_a_cuda_graph(out):
+    """The memset zeroing the sums is captured with the kernel: a CUDA graph replayed with new dy and x (its output
+    poisoned between replays), back to back with an uncaptured launch, matches float64 each time."""
+    p = problem(LAYERS[0], 64, out)
+    launch = LaunchConfig(atomic_twin(split_config(p)), 16)
+    x, w, dy = operands(p, seed=50)
+    a, b = kernel_operands(p, x, w, dy)
+    out_t = poisoned_output(p)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.run_problem(p, a, b, out_t, config=launch)
+    for seed in (51, 52):
+        x_new, _, dy_new = operands(p, seed=seed)
+        a_new, b_new = kernel_operands(p, x_new, w, dy_new)
+        a.copy_(a_new)
+        b.copy_(b_new)
+        ref = reference(p, x_new, w, dy_new)
+        eager = poisoned_output(p)
+        out_t.fill_(float("nan"))
+        ops.run_problem(p, a, b, eager, config=launch)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got in (("replayed", out_t), ("uncaptured", eager)):
+            err = rel_err(got, ref)
+            assert err < TOLERANCE[p.element_out], f"{launch.name} {name}: {err:.3e}"

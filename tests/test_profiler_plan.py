@@ -22,6 +22,17 @@ def is_deep(k: KernelConfig) -> bool:
     return k.family in (KernelFamily.SM90_TMA_WGMMA, KernelFamily.SM90_GEMM_1X1) and k.stages > 8
 
 
+def is_atomic(k: KernelConfig) -> bool:
+    """An atomic split-k twin (sm90.atomic_twin): the 3.x split-k wgrad kernel adding its slices' sums with TMA
+    reduce-adds."""
+    return k.split_k_mode is SplitKMode.ATOMIC
+
+
+def on_top(k: KernelConfig) -> bool:
+    """A twin the plan times beside a kernel of the budget, on top of it: deep-pipeline or atomic split-k."""
+    return is_deep(k) or is_atomic(k)
+
+
 def same_but_stages(a: KernelConfig, b: KernelConfig) -> bool:
     return {**a.to_dict(), "stages": 0} == {**b.to_dict(), "stages": 0}
 
@@ -40,19 +51,22 @@ def test_default_workload_plan_fits_budget(workload_plan):
         # SMEM_IM2COL_BUDGET
         # and the 3.x conv ping-pong kernels one of PINGPONG_BUDGET (+ SUBPIXEL_PINGPONG_EXTRA for a strided dgrad)
         # for the problem as it is and for each of its channel-padded or folded twins
-        # and, on top: a wgrad's deep-pipeline twins of its 3.x kernels (each beside its capped twin), and the GEMM
-        # 1x1 family's whole-wave tiles (GEMM_WAVE_BUDGET, fprop and dgrad only)
-        deep = {k for k in pp.kernels if is_deep(k)}
-        assert not deep or pp.problem.kind is ConvKind.WGRAD
+        # and, on top: a wgrad's deep-pipeline twins of its 3.x kernels (each beside its capped twin), the atomic
+        # twins of its 3.x split-k kernels (each beside its split-k twin), and the GEMM 1x1 family's whole-wave tiles
+        # (GEMM_WAVE_BUDGET, fprop and dgrad only)
+        atomic = {k for k in pp.kernels if is_atomic(k)}
+        deep = {k for k in pp.kernels if is_deep(k)} - atomic
+        assert not (deep or atomic) or pp.problem.kind is ConvKind.WGRAD
         assert all(any(k != d and same_but_stages(k, d) for k in pp.kernels) for d in deep)
+        assert all(dataclasses.replace(a, split_k_mode=SplitKMode.PARALLEL) in pp.kernels for a in atomic)
         wave = {k for k in pp.kernels if k.family is KernelFamily.SM90_GEMM_1X1 and k.tile in WAVE_TILES}
         assert not (wave and pp.problem.kind is ConvKind.WGRAD) and not any(k.lowering for k in wave)
         lowered = [k for k in pp.kernels if k.lowering and k not in deep]
         pingpong = {k for k in pp.kernels if k.is_conv_pingpong and k not in deep}
-        folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1} - pingpong - deep - wave
+        folded = {c.launch.kernel for c in pp.candidates if c.launch.s2d > 1} - pingpong - deep - atomic - wave
         gathered = [k for k in pp.kernels if k.family is KernelFamily.SMEM_IM2COL]
         assert len(pp.kernels) - len(lowered) - len(folded) - len(gathered) - len(pingpong) - len(deep) \
-            - len(wave) <= 8 and len(lowered) <= 4 and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
+            - len(atomic) - len(wave) <= 8 and len(lowered) <= 4 and len(folded) <= 4 and len(gathered) <= SMEM_IM2COL_BUDGET
         ways = {(c.launch.s2d, c.launch.pad_c, c.launch.pad_k) for c in pp.candidates}
         budget = PINGPONG_BUDGET + SUBPIXEL_PINGPONG_EXTRA * pp.problem.is_strided_dgrad
         assert len(pingpong) <= budget * len(ways)
@@ -205,11 +219,11 @@ def test_hopeless_other_family_candidates_give_their_share_back():
     project's own) and the 1x1-as-GEMM family's stream-K kernels compete, both splitting the reduction."""
     p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 1)
     pp = plan_problem(p, 8)
-    assert len([k for k in pp.kernels if not is_deep(k)]) == 8  # and the deep twins of some on top
+    assert len([k for k in pp.kernels if not on_top(k)]) == 8  # and the deep and atomic twins of some on top
     for c in pp.candidates:
         k = c.launch.kernel
         if k.family is KernelFamily.SM90_TMA_WGMMA:
-            assert k.split_k_mode is SplitKMode.PARALLEL and c.launch.split_k_slices > 1
+            assert k.split_k_mode.fp32_sums and c.launch.split_k_slices > 1
         elif k.family is KernelFamily.SM90_GEMM_1X1:
             assert k.splits_at_launch  # a stream-K schedule (either reduction)
     assert max(c.launch.split_k_slices for c in pp.candidates) > 64
@@ -225,7 +239,7 @@ def test_three_families_share_the_budget_equally_the_rest_to_3x():
     2026-12-01); with two families (a 3x3 conv: 2.x and 3.x conv) the split stays 4 + 4."""
     one = Conv2dProblem.make("wgrad", 32, 256, 14, 14, 1024, 1)
     counts = collections.Counter(k.family for k in plan_problem(one, 8).kernels
-                                 if not k.is_conv_pingpong and not is_deep(k))  # not the deep twins on top
+                                 if not k.is_conv_pingpong and not on_top(k))  # not the twins on top
     assert counts == {KernelFamily.SM80_IMPLICIT_GEMM: 2, KernelFamily.SM90_TMA_WGMMA: 3,
                       KernelFamily.SM90_GEMM_1X1: 3}, counts
     three = Conv2dProblem.make("fprop", 32, 256, 14, 14, 256, 3, padding=1)
@@ -365,3 +379,35 @@ def test_gemm_1x1_whole_wave_tiles_have_a_budget_on_top():
     assert not [k for k in plan_problem(wgrad, 8).kernels if k.tile in WAVE_TILES]
     stem = Conv2dProblem.make("fprop", 32, 3, 224, 224, 64, 7, stride=2, padding=3)
     assert not [k for k in im2col_candidates(stem) if k.tile in WAVE_TILES]
+
+
+def test_wgrad_times_atomic_twins_beside_its_split_k_kernels():
+    """A wgrad's 3.x split-k kernels, deep twins included, are timed beside their atomic twins (sm90.atomic_twin: the
+    slices' sums added by TMA reduce-adds into one buffer) with the same slice counts, on budgets of 4 kernels and
+    more; never under torch.use_deterministic_algorithms(True), where a decision holding one runs its split-k twin."""
+    torch = pytest.importorskip("torch")
+    from cutlass_byoc import sm90  # noqa: PLC0415
+    from cutlass_byoc.select import honour_determinism  # noqa: PLC0415
+
+    p = Conv2dProblem.make("wgrad", 32, 64, 56, 56, 64, 3, padding=1, out_dtype="f32")
+    pp = plan_problem(p, 8)
+    atomic = [k for k in pp.kernels if is_atomic(k)]
+    split = [k for k in pp.kernels if k.family is KernelFamily.SM90_TMA_WGMMA and k.split_k_mode is SplitKMode.PARALLEL]
+    assert split and sorted(map(sm90.atomic_twin, split), key=str) == sorted(atomic, key=str)
+    assert any(is_deep(k) for k in atomic)
+    slices = lambda k: sorted(c.launch.split_k_slices for c in pp.candidates if c.launch.kernel == k)  # noqa: E731
+    assert all(slices(sm90.atomic_twin(k)) == slices(k) for k in split)
+    assert not [k for k in plan_problem(p, 2).kernels if is_atomic(k)]  # not on small budgets
+    assert [k for k in pp.kernels if not is_atomic(k)] == [k for k in plan_problem(p, 8).kernels if not is_atomic(k)]
+    for kind in ("fprop", "dgrad"):
+        assert not [k for k in plan_problem(p.replace(kind=ConvKind(kind)), 8).kernels if is_atomic(k)]
+    launch = next(c.launch for c in pp.candidates if is_atomic(c.launch.kernel))
+    assert honour_determinism(launch, False) is launch
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not [k for k in plan_problem(p, 8).kernels if is_atomic(k)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    twin = honour_determinism(launch, True)
+    assert twin == dataclasses.replace(launch, kernel=sm90.deterministic_twin(launch.kernel))
+    assert twin.kernel.split_k_mode is SplitKMode.PARALLEL and twin.split_k_slices == launch.split_k_slices

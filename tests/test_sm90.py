@@ -180,7 +180,10 @@ def test_split_k_is_planned_for_early_wgrad(monkeypatch):
     assert launches and all(l.split_k_slices > 1 for _, l in launches)
     sm90 = [c.launch for c in plan_problem(p, 8).candidates if c.launch.kernel.family is KernelFamily.SM90_TMA_WGMMA
             and c.launch.kernel.schedule != PINGPONG]  # (the ping-pong kernels, unsplit, come on a budget of their own)
-    assert sm90 and all(l.kernel.split_k_mode is SplitKMode.PARALLEL and l.split_k_slices > 1 for l in sm90)
+    assert sm90 and all(l.kernel.split_k_mode.fp32_sums and l.split_k_slices > 1 for l in sm90)
+    # each split-k kernel beside its atomic twin, with the same slice counts (profiler.plan._atomic_twins)
+    assert {(sm90_mod.atomic_twin(l.kernel), l.split_k_slices) for l in sm90 if l.kernel.split_k_mode is SplitKMode.PARALLEL} == \
+        {(l.kernel, l.split_k_slices) for l in sm90 if l.kernel.split_k_mode is SplitKMode.ATOMIC}
 
 
 def test_render_split_k_wgrad():
@@ -427,6 +430,42 @@ def test_compile_one_split_k_wgrad_kernel(shared_cache):
     assert lib.can_implement(p, 64) is None
 
 
+@pytest.mark.compile
+@pytest.mark.timeout(900)
+def test_compile_one_atomic_split_k_wgrad_kernel(shared_cache):
+    """The atomic twin (CUTLASS's epilogue with its TMA store swapped for the reduce-add store) builds for sm_90a with
+    an fp32 output: it needs no workspace where the sums are the output (no source), one slice of fp32 sums where a
+    source is added by the reduction, and a 16-byte aligned output for its TMA reduce-adds."""
+    from cutlass_byoc.build import build  # noqa: PLC0415
+    from cutlass_byoc.runtime import KernelLibrary, make_args  # noqa: PLC0415
+
+    p = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype="f32")
+    cfg = sm90_mod.atomic_twin(split_one(p, tile=(64, 128, 64)))
+    result = build([cfg], jobs=1, cache=shared_cache)[cfg]
+    assert result.ok, result.error_report()
+    assert "error" not in result.entry.log.lower()
+    lib = KernelLibrary(cfg, result.library)
+    raw = lib._lib
+    fake = dict(a=0x10000, b=0x20000, d=0x30000)
+
+    def why(q, slices, **kw):
+        args = make_args(q, slices, **{**fake, **kw})
+        buf = ctypes.create_string_buffer(512)
+        rc = raw.cb_can_implement(ctypes.byref(args), buf, len(buf))
+        return rc, buf.value.decode()
+
+    for slices in (1, 2, 16, 1568):
+        assert why(p, slices) == (0, ""), slices
+        assert lib.workspace_size(p, slices) == 0  # the sums are the output
+    rc, msg = why(p, 1569)  # N*P*Q = 100352 is 1568 k tiles of 64
+    assert rc and "split_k_slices" in msg
+    rc, msg = why(p, 4, d=0x30008)  # TMA reduce-adds of fp32 rows: 16-byte aligned
+    assert rc and "output address" in msg
+    res = p.replace(epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    assert why(res, 8, source=0x40000) == (0, "")
+    assert lib.workspace_size(res, 8) == lib.workspace_size(res, 2) == p.k * p.r * p.s * p.c * 4  # one slice's sums
+    assert lib.can_implement(p, 64) is None
+
 def test_split_k_is_offered_for_every_output_type():
     """The project's 3.x split-k wgrad is a candidate for 16-bit and fp32 outputs alike (the 16-bit reduction was
     fixed after it stored nothing on the H200), and never for fprop or dgrad."""
@@ -436,6 +475,68 @@ def test_split_k_is_offered_for_every_output_type():
         assert any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(p)), out
     assert not any(c.split_k_mode is SplitKMode.PARALLEL for c in sm90_candidates(problem("fprop", n=32, h=56, w=56, c=64, k=64)))
 
+
+
+def test_atomic_split_k_twin():
+    """The atomic split-k wgrad kernel (split_k_mode ATOMIC: the slices' sums added into one fp32 buffer by TMA
+    reduce-adds) is the split-k kernel's twin and nothing else's: same tile, stages and slices, fp32 sums; its
+    deterministic twin is the split-k kernel; no other kind, schedule or family has one."""
+    from cutlass_byoc.candidates import sm80_candidates  # noqa: PLC0415
+
+    p = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype="f32")
+    split = split_one(p, tile=(64, 128, 64))
+    twin = sm90_mod.atomic_twin(split)
+    assert twin == dataclasses.replace(split, split_k_mode=SplitKMode.ATOMIC)
+    assert twin.name == split.name.replace("_splitk_parallel_", "_splitk_atomic_")
+    assert twin.element_kernel_out is DType.F32 and twin.stages == split.stages
+    assert KernelConfig.from_dict(twin.to_dict()) == twin
+    assert sm90_mod.deterministic_twin(twin) == split and sm90_mod.deterministic_twin(split) is split
+    assert sm90_mod.atomic_twin(one(p)) is None and sm90_mod.atomic_twin(twin) is None
+    for slices in (2, 16, 64):
+        assert LaunchConfig(twin, slices).reject_reason(p) is None
+    # not among the family's candidates: the planner adds it beside its twin (profiler.plan._atomic_twins)
+    assert not any(c.split_k_mode is SplitKMode.ATOMIC for c in sm90_candidates(p))
+    for kind in ("fprop", "dgrad"):
+        with pytest.raises(ValueError, match="splits wgrad only"):
+            dataclasses.replace(one(problem(kind)), split_k_mode=SplitKMode.ATOMIC, align_c=4)
+    with pytest.raises(ValueError, match="ping-pong conv kernel has no split-k"):
+        dataclasses.replace(twin, schedule=PINGPONG)
+    sm80 = next(c for c in sm80_candidates(p) if c.split_k_mode is SplitKMode.PARALLEL)
+    with pytest.raises(ValueError, match="split_k_mode atomic"):
+        dataclasses.replace(sm80, split_k_mode=SplitKMode.ATOMIC)
+
+
+def test_atomic_split_k_model():
+    """The model charges the atomic twin one pass of adds per slice and a memset, the split-k kernel its partials
+    written and read back: where the sums' traffic binds (layer 4's 3x3 wgrad: 2.4 M weights) the same launch ranks
+    the atomic twin ahead, more so with more slices; where the math binds they tie."""
+    from cutlass_byoc.heuristics import estimate_us  # noqa: PLC0415
+
+    p = problem("wgrad", n=32, h=7, w=7, c=512, k=512, out_dtype="f32")
+    split = split_one(p, tile=(64, 128, 64))
+    twin = sm90_mod.atomic_twin(split)
+    gains = [estimate_us(p, LaunchConfig(split, s)) - estimate_us(p, LaunchConfig(twin, s)) for s in (2, 4, 8, 16)]
+    assert gains[0] == 0 < gains[1] < gains[2] < gains[3]
+
+
+def test_render_atomic_split_k_wgrad():
+    """The atomic twin renders the split-k kernel with CUTLASS's epilogue store swapped for TMA's reduce-add store
+    into batch 0 of one buffer, zeroed first; the reduction runs only where that buffer is not the output. The
+    split-k kernel's own source is left as it was."""
+    p = problem("wgrad")
+    split = split_one(p)
+    src = render(sm90_mod.atomic_twin(split), "nvcc")
+    assert "cute::SM90_TMA_REDUCE_ADD" in src and "using SplitKernel = cutlass::conv::kernel::ConvUniversal<" in src
+    assert "static_assert(std::is_same_v<ElementKernelOut, float>" in src
+    assert "make_coord(m_coord, n_coord, _, 0)" in src and "cb_split_wgrad_kernel(CUTLASS_GRID_CONSTANT" in src
+    body = src[src.index("int prepare_split("):]
+    order = ["cudaMemsetAsync(sums, 0, sum_bytes, s)", "cb_split_wgrad_kernel", "if (into_output) return 0;",
+             "cb_splitk_reduce"]
+    assert [body.index(t) for t in order] == sorted(body.index(t) for t in order)
+    assert "return adds_into_output(x) ? 0 :" in src
+    plain = render(split, "nvcc")
+    assert "SM90_TMA_REDUCE_ADD" not in plain and "cudaMemsetAsync" not in plain and "SplitKernel" not in plain
+    assert "make_coord(m_coord, n_coord, _, int(blockIdx.z))" in plain
 
 # ---------------------------------------------------------------------------------------------- sub-pixel dgrad
 def _subpixel_dgrad_f64(p: Conv2dProblem, dy, w):
