@@ -66,6 +66,8 @@ epilogue source (their fp32 GEMM output is not the conv's output), dgrad no acti
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Callable, Iterator, Optional
@@ -168,9 +170,34 @@ def is_deterministic(cfg: KernelConfig) -> bool:
     return cfg.schedule not in DETERMINISTIC_TWIN
 
 
+#: Set inside `forced_determinism` (OffloadOptions.deterministic): deterministic kernels only, whatever PyTorch's flag.
+_FORCED_DETERMINISM: contextvars.ContextVar[bool] = contextvars.ContextVar("cutlass_byoc_determinism", default=False)
+
+
+@contextlib.contextmanager
+def forced_determinism(on: bool = True) -> Iterator[None]:
+    """Within the block, `deterministic_required` holds where `on` (the backend's ``deterministic`` option around
+    its partitioning and its call sites' binding): the planner offers no nondeterministic kernel and a decision holding
+    one launches its deterministic twin, as under ``torch.use_deterministic_algorithms(True)``, without asking that of
+    the rest of PyTorch. `on` False leaves the requirement as it was."""
+    token = _FORCED_DETERMINISM.set(True) if on else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _FORCED_DETERMINISM.reset(token)
+
+
+def determinism_forced() -> bool:
+    """Whether the caller is inside `forced_determinism` (the partitioner records it in the call sites it makes)."""
+    return _FORCED_DETERMINISM.get()
+
+
 def deterministic_required() -> bool:
-    """Whether PyTorch was asked for deterministic algorithms (``torch.use_deterministic_algorithms(True)``); False
-    without torch (the CLI's planning on a machine without it)."""
+    """Whether deterministic algorithms are required: inside `forced_determinism`, or PyTorch was asked for them
+    (``torch.use_deterministic_algorithms(True)``); False without torch (the CLI's planning on a machine without it)."""
+    if _FORCED_DETERMINISM.get():
+        return True
     try:
         import torch  # noqa: PLC0415
     except ImportError:  # pragma: no cover - torch is a dependency of every launching path

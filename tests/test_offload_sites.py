@@ -147,6 +147,11 @@ def test_partitioner_gives_every_op_its_own_site():
         site = library.site(s)
         assert site.kind == {library.FPROP: "fprop", library.DGRAD: "dgrad", library.WGRAD: "wgrad"}[n.target]
         assert site.problem.name in {e.problem for e in rep.offloaded}
+        assert not site.deterministic
+    # OffloadOptions.deterministic: every site the partitioner makes binds deterministic kernels only
+    gm, rep = explain(m, torch.randn(2, 8, 8, 8), training=True, options={"require_cuda": False, "deterministic": True})
+    sites = [library.site(n.args[-1]) for n in gm.graph.nodes if n.target in (library.FPROP, library.DGRAD, library.WGRAD)]
+    assert len(sites) == 5 and all(s.deterministic for s in sites)
 
 
 # ---------------------------------------------------------------------------------------------- dynamic batch
@@ -268,3 +273,37 @@ def test_dynamic_site_ops_run_on_every_batch_size(monkeypatch):
                                            "heuristic", dynamic=True))
     torch.testing.assert_close(library.FPROP(x, w, None, None, f.index), F.conv2d(x, w, padding=1), rtol=1e-4,
                                atol=1e-4)
+
+
+def test_a_site_made_under_forced_determinism_binds_deterministic_twins(monkeypatch, tmp_cache):
+    """OffloadOptions.deterministic: the partitioner makes its sites inside gemm1x1.forced_determinism, and such a
+    site binds a decision's deterministic twin (an atomic split-k wgrad as its split-k twin, the same slices) without
+    torch.use_deterministic_algorithms; a site made outside binds the decision as recorded."""
+    import dataclasses
+
+    from cutlass_byoc import select, sm90
+    from cutlass_byoc.config import LaunchConfig
+    from cutlass_byoc.gemm1x1 import deterministic_required, forced_determinism
+    from cutlass_byoc.offload import OffloadOptions
+    from cutlass_byoc.types import SplitKMode
+
+    p = Conv2dProblem.make("wgrad", 4, 64, 8, 8, 64, 3, padding=1, out_dtype="f32")
+    atomic = LaunchConfig(sm90.atomic_twin(sm90.sm90_config(p, (64, 128, 64), split_k_mode=SplitKMode.PARALLEL)), 2)
+    real_choose = select.choose
+    bound = _fake_binding(monkeypatch, None, decided={p: atomic})
+    monkeypatch.setattr(select, "choose", real_choose)  # the real selection, on the planted decision
+    plain = library.site(library.register_site("wgrad", p, "cached"))
+    assert not deterministic_required()
+    with forced_determinism():
+        assert deterministic_required()
+        forced = library.site(library.register_site("wgrad", p, "cached"))
+    assert not deterministic_required()
+    assert forced.deterministic and not plain.deterministic
+    plain.bind(torch.device("cpu"))
+    forced.bind(torch.device("cpu"))
+    twin = dataclasses.replace(atomic, kernel=sm90.deterministic_twin(atomic.kernel))
+    assert [launch for _, launch in bound] == [atomic, twin] and twin.kernel.split_k_mode is SplitKMode.PARALLEL
+    with forced_determinism(False):
+        assert not deterministic_required()
+    with pytest.raises(ValueError, match="deterministic"):
+        OffloadOptions(deterministic="yes")

@@ -49,7 +49,10 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-overlap, cutlass_byoc-overlap-cudagraphs, cutlass_byoc-overlap2-cudagraphs: overlap_wgrad 1 (2):
 #:   the offloaded wgrads on a side stream beside the rest of the backward, at most one (two) in flight;
 #:   cutlass_byoc-inline, cutlass_byoc-inline-cudagraphs: overlap_wgrad 0, every wgrad in line, whatever the default;
-#: - cutlass_byoc-bnstats-overlap, cutlass_byoc-bnstats-overlap-cudagraphs: fuse_bn_stats and overlap_wgrad 1 together.
+#: - cutlass_byoc-bnstats-overlap, cutlass_byoc-bnstats-overlap-cudagraphs: fuse_bn_stats and overlap_wgrad 1 together;
+#: - cutlass_byoc-deterministic, cutlass_byoc-deterministic-cudagraphs: deterministic kernels only (the atomic split-k
+#:   wgrad and the nondeterministic stream-K reduction of the decisions run as their deterministic twins): what the
+#:   nondeterministic kernels gain in the step, measured beside the plain mode.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -67,6 +70,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-inline-cudagraphs": {"overlap_wgrad": 0},
     "cutlass_byoc-bnstats-overlap": {"fuse_bn_stats": True, "overlap_wgrad": 1},
     "cutlass_byoc-bnstats-overlap-cudagraphs": {"fuse_bn_stats": True, "overlap_wgrad": 1},
+    "cutlass_byoc-deterministic": {"deterministic": True},
+    "cutlass_byoc-deterministic-cudagraphs": {"deterministic": True},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch

@@ -266,10 +266,10 @@ class CallSite:
     the kernel cannot take)."""
 
     __slots__ = ("kind", "problem", "select", "source_shape", "state", "calls", "index", "dynamic", "batches",
-                 "__weakref__")
+                 "deterministic", "__weakref__")
 
     def __init__(self, kind: str, problem, select: str, source_shape: Optional[tuple] = None,
-                 index: int = -1, dynamic: bool = False) -> None:
+                 index: int = -1, dynamic: bool = False, deterministic: bool = False) -> None:
         self.index = index  # in the site table (the ops' `site` argument)
         self.kind = kind
         self.problem = problem
@@ -279,6 +279,8 @@ class CallSite:
         self.calls = 0
         self.dynamic = dynamic  # symbolic batch size: self.problem is the plan, one binding per batch size
         self.batches: dict[int, object] = {}  # dynamic: batch size -> _Bound, or False (general path)
+        # OffloadOptions.deterministic: bound under gemm1x1.forced_determinism (deterministic kernels only)
+        self.deterministic = deterministic
 
     @property
     def launches(self) -> int:
@@ -306,9 +308,12 @@ class CallSite:
 
     def bind(self, device: torch.device):
         """Choose the launch and prepare it (``ops.bind``); False if the site must take the general path."""
+        from ..gemm1x1 import forced_determinism  # noqa: PLC0415
         from ..select import choose  # noqa: PLC0415
 
-        self.state = self._bind(self.problem, (lambda: choose(self.problem, self.select),), self.source_shape, False)
+        with forced_determinism(self.deterministic):
+            self.state = self._bind(self.problem, (lambda: choose(self.problem, self.select),), self.source_shape,
+                                    False)
         return self.state
 
     def bind_batch(self, n: int):
@@ -319,7 +324,10 @@ class CallSite:
             src = self.source_shape
             if src is not None and len(src) == 4:  # a residual: the output's shape at this batch
                 src = (n, *src[1:])
-            st = self.batches[n] = self._bind(problem, self._batch_launches(problem), src, True)
+            from ..gemm1x1 import forced_determinism  # noqa: PLC0415
+
+            with forced_determinism(self.deterministic):
+                st = self.batches[n] = self._bind(problem, self._batch_launches(problem), src, True)
         return st
 
     def _batch_launches(self, problem) -> list:
@@ -517,12 +525,16 @@ _sites_lock = threading.Lock()
 def register_site(kind: str, problem, select: str, source_shape: Optional[Sequence[int]] = None,
                   dynamic: bool = False) -> int:
     """A new call site for `problem` (made by the partitioner for each op it inserts); its index for the op's
-    ``site`` argument. `dynamic`: the graph's batch size is symbolic and `problem` is at its example value."""
+    ``site`` argument. `dynamic`: the graph's batch size is symbolic and `problem` is at its example value. A site made
+    inside gemm1x1.forced_determinism (the partitioner's, with OffloadOptions.deterministic) binds deterministic
+    kernels only."""
+    from ..gemm1x1 import determinism_forced  # noqa: PLC0415
+
     if torch.cuda.is_available():
         native.load()  # built (once per torch install) while the graph compiles, not at its first call
     with _sites_lock:
         site = CallSite(kind, problem, select, tuple(source_shape) if source_shape is not None else None, len(_SITES),
-                        dynamic)
+                        dynamic, determinism_forced())
         _SITES.append(site)
         return site.index
 

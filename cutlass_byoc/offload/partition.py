@@ -809,6 +809,13 @@ def partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions | dict |
     ``report.failure``, and the caller compiles it as it would have without this backend. ``strict=True`` re-raises
     instead (tests)."""
     options = OffloadOptions.from_any(options)
+    from ..gemm1x1 import forced_determinism  # noqa: PLC0415
+
+    with forced_determinism(options.deterministic):  # the selections, the tune and the prebuild below
+        return _partition(graph, options, name)
+
+
+def _partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions, name: str) -> OffloadReport:
     gm = graph if isinstance(graph, fx.GraphModule) else graph.owning_module
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     from ..select import SelectMode  # noqa: PLC0415
