@@ -263,7 +263,7 @@ def _implicit_gemm_us(problem: Conv2dProblem, launch: LaunchConfig, m: int, n: i
     if c.split_k_mode is SplitKMode.PARALLEL:  # fp32 partials out and back in, plus the reduction's launch
         bytes_ += 2 * slices * m * n * 4
         extra_us += LAUNCH_US
-    elif c.split_k_mode is SplitKMode.ATOMIC:  # each slice's reduce-adds, and the memset zeroing the sums first
+    elif c.split_k_mode is SplitKMode.ATOMIC:  # each slice's reduce-adds, and the zeroing of the sums first
         bytes_ += (slices + 1) * m * n * 4
         extra_us += LAUNCH_US
     elif slices > 1:

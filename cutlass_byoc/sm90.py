@@ -140,7 +140,7 @@ def atomic_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
     buffer by TMA reduce-add stores (split_k_mode ATOMIC): the output itself where it is fp32 and the launch has no
     source (a training step's wgrad with the fp32 cast fused), else a one-slice workspace that the reduction kernel
     then reads once. Same tile, stages and slices: it drops the partials' second pass (each slice's K*R*S*C floats
-    read back) and, for a direct fp32 output, the reduction's launch, for a memset of the output and adds in L2 whose
+    read back) and, for a direct fp32 output, the reduction's launch, for a zeroing of the output and adds in L2 whose
     order varies from run to run. None for any other kernel. The planner times it beside its twin (profiler.plan),
     never under torch.use_deterministic_algorithms(True), where a decision holding it runs its twin
     (select.honour_determinism)."""

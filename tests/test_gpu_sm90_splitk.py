@@ -240,8 +240,8 @@ ATOMIC_SLICES = (1, 2, 3, 7, 16, 64, 256)
 @pytest.mark.parametrize("layer", LAYERS, ids=lambda l: f"{l[0]}to{l[1]}_{l[2]}x{l[2]}_s{l[3]}_{l[4]}")
 def test_sm90_wgrad_atomic_split_k(layer, out):
     """The atomic twin against float64 on every layer and slice count: with an fp32 output the slices add straight
-    into it (zeroed by the launch's memset, so the NaN poison must be gone), with fp16 into a workspace the reduction
-    casts; and against its split-k twin (the same sums, added in another order: close, not bitwise)."""
+    into it (zeroed by the launch's own zeroing kernel, so the NaN poison must be gone), with fp16 into a workspace the
+    reduction casts; and against its split-k twin (the same sums, added in another order: close, not bitwise)."""
     p = problem(layer, 32, out)
     twin = split_config(p)
     cfg = atomic_twin(twin)
@@ -284,8 +284,9 @@ def test_sm90_atomic_split_k_accumulates_into(out):
 
 @pytest.mark.parametrize("out", ["f16", "f32"])
 def test_sm90_atomic_split_k_in_a_cuda_graph(out):
-    """The memset zeroing the sums is captured with the kernel: a CUDA graph replayed with new dy and x (its output
-    poisoned between replays), back to back with an uncaptured launch, matches float64 each time."""
+    """The zeroing kernel and the split kernel, its programmatic dependent, are captured together: a CUDA graph
+    replayed with new dy and x (its output poisoned between replays), back to back with an uncaptured launch, matches
+    float64 each time."""
     p = problem(LAYERS[0], 64, out)
     launch = LaunchConfig(atomic_twin(split_config(p)), 16)
     x, w, dy = operands(p, seed=50)

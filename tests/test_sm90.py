@@ -507,7 +507,7 @@ def test_atomic_split_k_twin():
 
 
 def test_atomic_split_k_model():
-    """The model charges the atomic twin one pass of adds per slice and a memset, the split-k kernel its partials
+    """The model charges the atomic twin one pass of adds per slice and a zeroing, the split-k kernel its partials
     written and read back: where the sums' traffic binds (layer 4's 3x3 wgrad: 2.4 M weights) the same launch ranks
     the atomic twin ahead, more so with more slices; where the math binds they tie."""
     from cutlass_byoc.heuristics import estimate_us  # noqa: PLC0415
@@ -521,8 +521,9 @@ def test_atomic_split_k_model():
 
 def test_render_atomic_split_k_wgrad():
     """The atomic twin renders the split-k kernel with CUTLASS's epilogue store swapped for TMA's reduce-add store
-    into batch 0 of one buffer, zeroed first; the reduction runs only where that buffer is not the output. The
-    split-k kernel's own source is left as it was."""
+    into batch 0 of one buffer, zeroed first by a kernel whose programmatic dependent it is (its consumers wait for the
+    zeroing before the epilogue, not before the loads); the reduction runs only where that buffer is not the output.
+    The split-k kernel's own source is left as it was."""
     p = problem("wgrad")
     split = split_one(p)
     src = render(sm90_mod.atomic_twin(split), "nvcc")
@@ -530,12 +531,17 @@ def test_render_atomic_split_k_wgrad():
     assert "static_assert(std::is_same_v<ElementKernelOut, float>" in src
     assert "make_coord(m_coord, n_coord, _, 0)" in src and "cb_split_wgrad_kernel(CUTLASS_GRID_CONSTANT" in src
     body = src[src.index("int prepare_split("):]
-    order = ["cudaMemsetAsync(sums, 0, sum_bytes, s)", "cb_split_wgrad_kernel", "if (into_output) return 0;",
+    order = ["cb_splitk_zero<<<", "cudaLaunchAttributeProgrammaticStreamSerialization",
+             "cudaLaunchKernelEx(&cfg, cb_split_wgrad_kernel, params, slices)", "if (into_output) return 0;",
              "cb_splitk_reduce"]
     assert [body.index(t) for t in order] == sorted(body.index(t) for t in order)
+    zero = src[src.index("cb_splitk_zero(float4*"):]
+    assert zero.index("griddepcontrol.launch_dependents") < zero.index("sums[i] = zero")
+    consumer = src[src.index("collective_mainloop.mma_tail("):]
+    assert consumer.index("griddepcontrol.wait") < consumer.index("collective_epilogue.store(")
     assert "return adds_into_output(x) ? 0 :" in src
     plain = render(split, "nvcc")
-    assert "SM90_TMA_REDUCE_ADD" not in plain and "cudaMemsetAsync" not in plain and "SplitKernel" not in plain
+    assert "SM90_TMA_REDUCE_ADD" not in plain and "cb_splitk_zero" not in plain and "SplitKernel" not in plain
     assert "make_coord(m_coord, n_coord, _, int(blockIdx.z))" in plain
 
 # ---------------------------------------------------------------------------------------------- sub-pixel dgrad
