@@ -378,12 +378,23 @@ def _deep_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
     faster on most ResNet-50 wgrad cells and slower on a few. None for other kinds (they gained nothing as a rule)."""
     if problem.kind is not ConvKind.WGRAD:
         return []
+
+    def twin_of(kc: KernelConfig) -> Optional[KernelConfig]:
+        if kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is not SplitKMode.PARALLEL:
+            return None  # measured on the split-k kernels only (the unsplit and ping-pong ones were not timed deep)
+        return deep_twin(kc)
+
+    return _timed_twins(problem, chosen, sms, twin_of)
+
+
+def _timed_twins(problem: Conv2dProblem, chosen: list, sms: int,
+                 twin_of: Callable[[KernelConfig], Optional[KernelConfig]]) -> list:
+    """(estimate, twin, launches) for each kernel of `chosen` whose twin (`twin_of`; None: none) is a kernel not in
+    `chosen` yet that can implement `problem` and has launches."""
     taken = {t[1] for t in chosen}
     out = []
     for _, kc, _ in chosen:
-        if kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is not SplitKMode.PARALLEL:
-            continue  # measured on the split-k kernels only (the unsplit and ping-pong ones were not timed deep)
-        twin = deep_twin(kc)
+        twin = twin_of(kc)
         if twin is None or twin in taken or twin.reject_reason(problem) is not None:
             continue
         launches = launches_for(problem, twin, sms)
@@ -404,17 +415,7 @@ def _atomic_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
         from ..sm90 import atomic_twin  # noqa: PLC0415
     except ImportError:  # pragma: no cover - the 3.x families are optional
         return []
-    taken = {t[1] for t in chosen}
-    out = []
-    for _, kc, _ in chosen:
-        twin = atomic_twin(kc)
-        if twin is None or twin in taken or twin.reject_reason(problem) is not None:
-            continue
-        launches = launches_for(problem, twin, sms)
-        if launches:
-            taken.add(twin)
-            out.append((launches[0][0], twin, launches))
-    return out
+    return _timed_twins(problem, chosen, sms, atomic_twin)
 
 
 def _deterministic() -> bool:

@@ -390,13 +390,29 @@ def test_compile_one_fprop_kernel(tmp_path):
     assert lib.cb_can_implement(ctypes.byref(args), buf, len(buf)) and b"output size" in buf.value
 
 
+def _split_why(lib):
+    """The split-k library's own cb_can_implement on a problem and slice count, with fake, 16-byte aligned addresses
+    (overridden by keyword): (return code, message)."""
+    from cutlass_byoc.runtime import make_args  # noqa: PLC0415
+
+    fake = dict(a=0x10000, b=0x20000, d=0x30000)
+
+    def why(q, slices, **kw):
+        args = make_args(q, slices, **{**fake, **kw})
+        buf = ctypes.create_string_buffer(512)
+        rc = lib._lib.cb_can_implement(ctypes.byref(args), buf, len(buf))
+        return rc, buf.value.decode()
+
+    return why
+
+
 @pytest.mark.compile
 @pytest.mark.timeout(900)
 def test_compile_one_split_k_wgrad_kernel(shared_cache):
     """The project's split-k wgrad kernel (its own kernel body over a grid z of slices, fp32 partials, reduction
     kernel) builds for sm_90a; its host API sizes the partials and refuses what it cannot do."""
     from cutlass_byoc.build import build  # noqa: PLC0415
-    from cutlass_byoc.runtime import KernelLibrary, make_args  # noqa: PLC0415
+    from cutlass_byoc.runtime import KernelLibrary  # noqa: PLC0415
 
     p = problem("wgrad", n=32, h=56, w=56, c=64, k=64)
     cfg = split_one(p, tile=(64, 128, 64))
@@ -404,15 +420,7 @@ def test_compile_one_split_k_wgrad_kernel(shared_cache):
     assert result.ok, result.error_report()
     assert "error" not in result.entry.log.lower()
     lib = KernelLibrary(cfg, result.library)
-    raw = lib._lib
-
-    fake = dict(a=0x10000, b=0x20000, d=0x30000)
-
-    def why(q, slices, **kw):
-        args = make_args(q, slices, **{**fake, **kw})
-        buf = ctypes.create_string_buffer(512)
-        rc = raw.cb_can_implement(ctypes.byref(args), buf, len(buf))
-        return rc, buf.value.decode()
+    why = _split_why(lib)
 
     partial = p.k * p.r * p.s * p.c * 4  # one slice's fp32 partials
     for slices in (1, 2, 16, 64, 1568):
@@ -437,7 +445,7 @@ def test_compile_one_atomic_split_k_wgrad_kernel(shared_cache):
     an fp32 output: it needs no workspace where the sums are the output (no source), one slice of fp32 sums where a
     source is added by the reduction, and a 16-byte aligned output for its TMA reduce-adds."""
     from cutlass_byoc.build import build  # noqa: PLC0415
-    from cutlass_byoc.runtime import KernelLibrary, make_args  # noqa: PLC0415
+    from cutlass_byoc.runtime import KernelLibrary  # noqa: PLC0415
 
     p = problem("wgrad", n=32, h=56, w=56, c=64, k=64, out_dtype="f32")
     cfg = sm90_mod.atomic_twin(split_one(p, tile=(64, 128, 64)))
@@ -445,14 +453,7 @@ def test_compile_one_atomic_split_k_wgrad_kernel(shared_cache):
     assert result.ok, result.error_report()
     assert "error" not in result.entry.log.lower()
     lib = KernelLibrary(cfg, result.library)
-    raw = lib._lib
-    fake = dict(a=0x10000, b=0x20000, d=0x30000)
-
-    def why(q, slices, **kw):
-        args = make_args(q, slices, **{**fake, **kw})
-        buf = ctypes.create_string_buffer(512)
-        rc = raw.cb_can_implement(ctypes.byref(args), buf, len(buf))
-        return rc, buf.value.decode()
+    why = _split_why(lib)
 
     for slices in (1, 2, 16, 1568):
         assert why(p, slices) == (0, ""), slices
