@@ -5,6 +5,10 @@ plan without those extras, both from the same tune; then each atomic split-k lau
 launch of the same slice count, won or not. A CPU-side reading of a GPU run.
 
     python scripts/tune_twins.py TUNE.json [--workload default] [--max-candidates 8]
+    python scripts/tune_twins.py tune-model.json --model resnet50 --batch 32 [--inference]
+
+A model's tune (the round's tune-model step, TUNE_JSON=1) is read against the problems `cutlass-byoc tune --model`
+traces: tests/models.py's resnet18 / resnet50 / mobilenet_v2 (torchvision's twins) or a `pkg.module:factory` spec.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from cutlass_byoc import workloads
@@ -72,15 +77,37 @@ def atomic_pairs(report: dict, planned: dict) -> list[dict]:
     return out
 
 
+def model_problems(spec: str, batch: int, training: bool) -> list:
+    """The problems `cutlass-byoc tune --model SPEC --batch B [--training] --amp fp16` tunes, in its order (its report
+    numbers them MODEL#i the same way)."""
+    import torch  # noqa: PLC0415
+
+    from cutlass_byoc.offload.trace import load_model, model_problems as traced  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from models import MODELS  # noqa: PLC0415 - tests/models.py: torchvision's twins, without torchvision
+
+    torch.manual_seed(0)
+    model = MODELS[spec]() if spec in MODELS else load_model(spec)
+    return traced(model, batch, training=training)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report")
     ap.add_argument("--workload", default="default", help="the workload the tune ran (its plan is recomputed)")
     ap.add_argument("--max-candidates", type=int, default=plan.DEFAULT_MAX_CANDIDATES, help="the tune's budget")
+    ap.add_argument("--model", default=None, help="the tune was `tune --model MODEL` (its traced problems, not --workload)")
+    ap.add_argument("--batch", type=int, default=32, help="with --model: the tune's batch")
+    ap.add_argument("--inference", action="store_true", help="with --model: the tune traced the inference graph")
     a = ap.parse_args()
-    planned = {it.problem.name: (f"{it.layer} {it.problem.kind.value}",
-                                 {c.name: c.launch for c in plan.plan_problem(it.problem, a.max_candidates).candidates})
-               for it in workloads.workload(a.workload)}
+    if a.model:
+        items = [(f"{a.model}#{i}", p) for i, p in enumerate(model_problems(a.model, a.batch, not a.inference))]
+    else:
+        items = [(it.layer, it.problem) for it in workloads.workload(a.workload)]
+    planned = {p.name: (f"{layer} {p.kind.value}",
+                        {c.name: c.launch for c in plan.plan_problem(p, a.max_candidates).candidates})
+               for layer, p in items}
     logs = []
     for r in rows(json.loads(Path(a.report).read_text()), planned):
         gain = r["best_without_us"] / r["us"] if r["best_without_us"] else float("nan")

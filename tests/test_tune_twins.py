@@ -38,3 +38,13 @@ def test_atomic_twins_read_against_their_split_k_twins():
     assert won[0]["best_without_us"] == 25.0  # the best launch that is no extra: the split-k twin
     pairs = tune_twins.atomic_pairs(report, planned)
     assert [(r["launch"], r["us"], r["twin_us"]) for r in pairs] == [(a.name, 20.0, 25.0)]
+
+
+def test_a_model_tune_is_read_against_the_traced_problems():
+    """--model: the problems `tune --model resnet50 --batch 32` traces (68 for the training step), each with its
+    plan's atomic twins among the wgrads'."""
+    pytest.importorskip("torch")
+    problems = tune_twins.model_problems("resnet50", 32, True)
+    assert len(problems) == 68
+    wgrads = [p for p in problems if p.kind.value == "wgrad"]
+    assert any(tune_twins.extra_kind(c.launch) == "atomic" for p in wgrads for c in plan_problem(p, 8).candidates)
