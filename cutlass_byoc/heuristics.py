@@ -49,9 +49,10 @@ def launch_slices(problem: Conv2dProblem, kernel: KernelConfig, sms: int = H200_
                   one_wave: bool = False) -> list[int]:
     """The split-k slice counts to try with `kernel` on `problem`: the 2.x kernels take every count
     `split_k_slice_candidates` offers; the sm90 split-k kernels (wgrad, split_k_mode PARALLEL: fp32 partials and a
-    reduction, built by the project; ATOMIC: the sums added into one buffer) take those above 1 (with one slice the plain sm90 kernel does the same work
-    without the partials; with `one_wave`, only those whose CTAs fit one wave: `one_wave_slices`); the GEMM family's
-    stream-K kernels take every count too (1: stream-K's own decomposition); every other kernel runs unsplit."""
+    reduction, built by the project; ATOMIC: the sums added into one buffer) take those above 1 (with one slice the
+    plain sm90 kernel does the same work without the partials; with `one_wave`, only those whose CTAs fit one wave:
+    `one_wave_slices`); the GEMM family's stream-K kernels take every count too (1: stream-K's own decomposition);
+    every other kernel runs unsplit."""
     if kernel.family is KernelFamily.SM80_IMPLICIT_GEMM:
         return split_k_slice_candidates(problem, kernel.tile, sms)
     if kernel.family is KernelFamily.SM90_TMA_WGMMA and kernel.split_k_mode.fp32_sums:

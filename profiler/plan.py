@@ -409,19 +409,15 @@ def _atomic_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
     slices' sums added into one fp32 buffer by TMA reduce-adds instead of partials and a reduction kernel) with its
     launches, timed beside it: the model cannot tell what the partials' second pass costs against adds in L2. None
     under torch.use_deterministic_algorithms(True), where the order of those adds must not vary."""
-    if problem.kind is not ConvKind.WGRAD or _deterministic():
+    from ..gemm1x1 import deterministic_required  # noqa: PLC0415
+
+    if problem.kind is not ConvKind.WGRAD or deterministic_required():
         return []
     try:
         from ..sm90 import atomic_twin  # noqa: PLC0415
     except ImportError:  # pragma: no cover - the 3.x families are optional
         return []
     return _timed_twins(problem, chosen, sms, atomic_twin)
-
-
-def _deterministic() -> bool:
-    from ..gemm1x1 import deterministic_required  # noqa: PLC0415
-
-    return deterministic_required()
 
 
 def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:

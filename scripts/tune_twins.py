@@ -108,8 +108,9 @@ def main() -> None:
     planned = {p.name: (f"{layer} {p.kind.value}",
                         {c.name: c.launch for c in plan.plan_problem(p, a.max_candidates).candidates})
                for layer, p in items}
+    report = json.loads(Path(a.report).read_text())
     logs = []
-    for r in rows(json.loads(Path(a.report).read_text()), planned):
+    for r in rows(report, planned):
         gain = r["best_without_us"] / r["us"] if r["best_without_us"] else float("nan")
         if math.isfinite(gain):
             logs.append(math.log(gain))
@@ -117,7 +118,7 @@ def main() -> None:
               f" us ({gain:.3f}x)  {r['launch']}")
     if logs:
         print(f"{len(logs)} problems won by an extra; geomean gain {math.exp(sum(logs) / len(logs)):.3f}x")
-    pairs = atomic_pairs(json.loads(Path(a.report).read_text()), planned)
+    pairs = atomic_pairs(report, planned)
     for r in pairs:
         print(f"{r['layer']:26s} atomic {r['us']:7.2f} us, split-k twin {r['twin_us']:7.2f} us "
               f"({r['twin_us'] / r['us']:.3f}x)  {r['launch']}")

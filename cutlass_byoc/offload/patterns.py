@@ -116,10 +116,11 @@ class OffloadOptions:
     # default: on ResNet-50 training under CUDA graphs, H200, it took 0.06-0.09 ms off a step's 6.4-10.9 ms of GPU
     # busy time, the kernels beside the wgrads slowing down by almost as much; README, runs 33-34)
     overlap_wgrad: int = 0
-    # deterministic kernels only for the offloaded convs, as under torch.use_deterministic_algorithms(True) but without
-    # asking it of the rest of PyTorch: the 3.x split-k wgrad's atomic twin and the GEMM family's nondeterministic
-    # stream-K reduction run as their deterministic twins (the same tile and slices, the partials summed in order), and a
-    # tune at compile time does not time them. False: as PyTorch's flag says (which, set, requires them anyway)
+    # deterministic kernels only for the offloaded convs, as under torch.use_deterministic_algorithms(True) but
+    # without asking it of the rest of PyTorch: the 3.x split-k wgrad's atomic twin and the GEMM family's
+    # nondeterministic stream-K reduction run as their deterministic twins (the same tile and slices, the partials
+    # summed in order), and a tune at compile time does not time them. False: as PyTorch's flag says (which, set,
+    # requires them anyway)
     deterministic: bool = False
 
     def __post_init__(self) -> None:
