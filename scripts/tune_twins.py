@@ -80,16 +80,12 @@ def atomic_pairs(report: dict, planned: dict) -> list[dict]:
 def model_problems(spec: str, batch: int, training: bool) -> list:
     """The problems `cutlass-byoc tune --model SPEC --batch B [--training] --amp fp16` tunes, in its order (its report
     numbers them MODEL#i the same way)."""
-    import torch  # noqa: PLC0415
-
-    from cutlass_byoc.offload.trace import load_model, model_problems as traced  # noqa: PLC0415
+    from cutlass_byoc.offload.trace import model_problems as traced  # noqa: PLC0415
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from models import MODELS  # noqa: PLC0415 - tests/models.py: torchvision's twins, without torchvision
+    from models import model_from_spec  # noqa: PLC0415 - tests/models.py: torchvision's twins, without torchvision
 
-    torch.manual_seed(0)
-    model = MODELS[spec]() if spec in MODELS else load_model(spec)
-    return traced(model, batch, training=training)[0]
+    return traced(model_from_spec(spec), batch, training=training)[0]
 
 
 def main() -> None:
@@ -97,7 +93,8 @@ def main() -> None:
     ap.add_argument("report")
     ap.add_argument("--workload", default="default", help="the workload the tune ran (its plan is recomputed)")
     ap.add_argument("--max-candidates", type=int, default=plan.DEFAULT_MAX_CANDIDATES, help="the tune's budget")
-    ap.add_argument("--model", default=None, help="the tune was `tune --model MODEL` (its traced problems, not --workload)")
+    ap.add_argument("--model", default=None,
+                    help="the tune was `tune --model MODEL` (its traced problems, not --workload)")
     ap.add_argument("--batch", type=int, default=32, help="with --model: the tune's batch")
     ap.add_argument("--inference", action="store_true", help="with --model: the tune traced the inference graph")
     a = ap.parse_args()

@@ -38,7 +38,7 @@ from cutlass_byoc.build import build  # noqa: E402
 from cutlass_byoc.cache import KernelCache  # noqa: E402
 from cutlass_byoc.config import KernelConfig  # noqa: E402
 from cutlass_byoc.offload.bench import host_overhead_problems  # noqa: E402
-from models import DYNAMIC_BATCHES, DYNAMIC_FAMILIES, FAMILIES, MODELS, input_channels  # noqa: E402
+from models import DYNAMIC_BATCHES, DYNAMIC_FAMILIES, FAMILIES, MODELS, input_channels, model_from_spec  # noqa: E402
 
 #: (model, batch, channels_last, training) of the offload GPU tests and benchmark, at 224x224
 OFFLOAD_RUNS = [("resnet50", 16, True, True), ("mobilenet_v2", 16, True, True), ("resnet18", 16, False, True),
@@ -138,13 +138,11 @@ def tune_model_kernels(models: list[str], batch: int, training: bool, max_candid
     """The kernels `cutlass-byoc tune --model M --batch B [--training] --amp fp16 --max-candidates K` plans for each
     model (tests/models.py's resnet18 / resnet50 / mobilenet_v2, torchvision's twins; or a `pkg.module:factory`
     spec), traced on fake tensors here: carried to the GPU round, its tune-model step then compiles nothing."""
-    from cutlass_byoc.offload.trace import load_model, model_problems  # noqa: PLC0415
+    from cutlass_byoc.offload.trace import model_problems  # noqa: PLC0415
 
     out: list[KernelConfig] = []
     for spec in models:
-        torch.manual_seed(0)
-        model = MODELS[spec]() if spec in MODELS else load_model(spec)
-        problems, _ = model_problems(model, batch, training=training)
+        problems, _ = model_problems(model_from_spec(spec), batch, training=training)
         kernels = list(_plan_kernels(problems, max_candidates))
         print(f"tune --model {spec} --batch {batch}: {len(problems)} problems, {len(kernels)} kernels", flush=True)
         out += kernels

@@ -313,6 +313,18 @@ MODELS = {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_
           "efficientnet_b0": efficientnet_b0}
 
 
+def model_from_spec(spec: str) -> nn.Module:
+    """The model `cutlass-byoc tune --model SPEC` traces, built under seed 0: one of MODELS by name (torchvision's
+    twins, without torchvision), else `offload.trace.load_model`'s ``torchvision:NAME``, ``timm:NAME`` or
+    ``package.module:factory``."""
+    torch.manual_seed(0)
+    if spec in MODELS:
+        return MODELS[spec]()
+    from cutlass_byoc.offload.trace import load_model  # noqa: PLC0415
+
+    return load_model(spec)
+
+
 def conv_counts(model: nn.Module) -> dict[str, int]:
     """How many Conv2d modules a model has: all, depthwise (groups == C == K) and grouped non-depthwise."""
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
