@@ -52,7 +52,9 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-bnstats-overlap, cutlass_byoc-bnstats-overlap-cudagraphs: fuse_bn_stats and overlap_wgrad 1 together;
 #: - cutlass_byoc-deterministic, cutlass_byoc-deterministic-cudagraphs: deterministic kernels only (the atomic split-k
 #:   wgrad and the nondeterministic stream-K reduction of the decisions run as their deterministic twins): what the
-#:   nondeterministic kernels gain in the step, measured beside the plain mode.
+#:   nondeterministic kernels gain in the step, measured beside the plain mode;
+#: - cutlass_byoc-unbatched, cutlass_byoc-unbatched-cudagraphs: batch_params off, each parameter cast and batch-norm
+#:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -72,6 +74,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-bnstats-overlap-cudagraphs": {"fuse_bn_stats": True, "overlap_wgrad": 1},
     "cutlass_byoc-deterministic": {"deterministic": True},
     "cutlass_byoc-deterministic-cudagraphs": {"deterministic": True},
+    "cutlass_byoc-unbatched": {"batch_params": False},
+    "cutlass_byoc-unbatched-cudagraphs": {"batch_params": False},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..types import Activation, ConvKind, DType, SourceKind
 from . import library
+from .batching import batch_counters, batch_param_casts
 from .patterns import (
     CONV,
     CONV_BACKWARD,
@@ -834,6 +835,9 @@ def _partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions, name: 
         if changed:
             rw.fix_layouts()
             rw.overlap_wgrad()
+            if options.batch_params:
+                report.batched_casts = batch_param_casts(g, options.require_cuda)
+                report.batched_counters = batch_counters(g, options.require_cuda)
             g.lint()
     except Exception as e:  # noqa: BLE001 - any failure of ours must leave the user's graph as it was
         if options.strict:

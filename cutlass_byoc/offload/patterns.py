@@ -122,6 +122,10 @@ class OffloadOptions:
     # summed in order), and a tune at compile time does not time them. False: as PyTorch's flag says (which, set,
     # requires them anyway)
     deterministic: bool = False
+    # per-parameter small ops in multi-tensor launches (batching.py) instead of a kernel each, in the graphs this
+    # backend changed: the casts of graph inputs (under autocast every conv and linear weight, fp32 to fp16/bf16, on
+    # each step) and the increments of 0-dim integer inputs (batch norms' num_batches_tracked)
+    batch_params: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))

@@ -85,6 +85,10 @@ class OffloadReport:
     bn_stats: int = 0
     #: offloaded wgrads launched on a side stream beside the rest of the backward (OffloadOptions.overlap_wgrad)
     overlapped_wgrads: int = 0
+    #: casts of graph inputs (parameters) and counter increments batched into multi-tensor launches
+    #: (OffloadOptions.batch_params)
+    batched_casts: int = 0
+    batched_counters: int = 0
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -94,7 +98,7 @@ class OffloadReport:
         self.launches.clear()
         self.problems.clear()
         self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
-        self.overlapped_wgrads = 0
+        self.overlapped_wgrads = self.batched_casts = self.batched_counters = 0
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
@@ -137,7 +141,9 @@ class OffloadReport:
                  f"{self.layout_conversions} channels_last conversions, {self.output_restrides} output re-strides, "
                  f"{self.layout_restores} layout restores"
                  + (f"; {self.bn_stats} batch-norm statistics in the convs' epilogues" if self.bn_stats else "")
-                 + (f"; {self.overlapped_wgrads} wgrads on a side stream" if self.overlapped_wgrads else "")]
+                 + (f"; {self.overlapped_wgrads} wgrads on a side stream" if self.overlapped_wgrads else "")
+                 + (f"; {self.batched_casts} parameter casts batched" if self.batched_casts else "")
+                 + (f"; {self.batched_counters} counter increments batched" if self.batched_counters else "")]
         lines += ["  " + e.line() for e in self.entries]
         return "\n".join(lines)
 
@@ -148,7 +154,9 @@ class OffloadReport:
                              self.layout_restores + other.layout_restores, self.launches + other.launches,
                              self.problems + other.problems,
                              "; ".join(f for f in (self.failure, other.failure) if f) or None,
-                             self.bn_stats + other.bn_stats, self.overlapped_wgrads + other.overlapped_wgrads)
+                             self.bn_stats + other.bn_stats, self.overlapped_wgrads + other.overlapped_wgrads,
+                             self.batched_casts + other.batched_casts,
+                             self.batched_counters + other.batched_counters)
 
     def __str__(self) -> str:
         return self.summary()
