@@ -128,6 +128,27 @@ def _add(g: fx.Graph, p: fx.Node, n) -> fx.Node:
     return node
 
 
+def test_incoming_gradients_are_not_batched_with_the_forward_inputs():
+    """A joint graph's tangents are known only in the backward: a cast of one stays where it is (batched with the
+    parameters' casts, it took them into the backward, and AOTAutograd's partitioner failed: fuzz seeds 8049, 8060,
+    8113)."""
+    g = fx.Graph()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    ps = []
+    for name in ("primals_1", "primals_2", "tangents_1", "tangents_2"):
+        p = g.placeholder(name)
+        p.meta["val"] = mode.from_tensor(torch.randn(4, 4))
+        ps.append(p)
+    casts = [_cast(g, p, torch.bfloat16) for p in ps]
+    g.output(tuple(casts))
+    assert batch_param_casts(g, require_cuda=False) == 2
+    (call,) = [n for n in g.nodes if n.target is library.CAST_PARAMS]
+    assert call.args[0] == ps[:2]
+    assert [n for n in g.nodes if n.target is prims.convert_element_type.default] == casts[2:]
+
+
 def test_which_counters_are_batched():
     """0-dim integer inputs plus the same int, per (dtype, addend); not floats, not tensors with elements, not a
     group of one."""

@@ -12,10 +12,11 @@ backend changed:
   ``aten._foreach_add.Scalar``, which Inductor compiles as one foreach kernel, as it does a compiled optimizer's
   step counters.
 
-What is batched: inputs that are placeholders with static shape and dense strides (a cast's result then has its
-input's strides, as the cast it replaces), on one device, the same dtype pair (casts) or dtype and addend
-(counters); a group of fewer than two is left alone. The batch runs where the group's first op was (its inputs,
-placeholders all, are defined before every other node); the values are the same, so nothing downstream changes.
+What is batched: inputs that are placeholders (not a joint graph's incoming gradients) with static shape and dense
+strides (a cast's result then has its input's strides, as the cast it replaces), on one device, the same dtype pair
+(casts) or dtype and addend (counters); a group of fewer than two is left alone. The batch runs where the group's
+first op was (its inputs, placeholders all, are defined before every other node); the values are the same, so
+nothing downstream changes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _placeholder_val(node: fx.Node, require_cuda: bool) -> Optional[torch.Tensor
     if node.op != "call_function" or node.kwargs or len(node.args) != 2:
         return None
     src = node.args[0]
-    if not isinstance(src, fx.Node) or src.op != "placeholder":
+    if not isinstance(src, fx.Node) or src.op != "placeholder" or _is_tangent(src):
         return None
     v = src.meta.get("val")
     if not isinstance(v, torch.Tensor) or (require_cuda and v.device.type != "cuda"):
@@ -45,6 +46,13 @@ def _placeholder_val(node: fx.Node, require_cuda: bool) -> Optional[torch.Tensor
     if not all(isinstance(d, int) for d in (*v.shape, *v.stride())) or v.numel() == 0:
         return None
     return v if _dense(tuple(v.shape), tuple(v.stride())) else None
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    """Whether a placeholder of a joint graph is an incoming gradient (AOTAutograd names them tangents_N, as its
+    partitioner's _is_tangent reads them): known only in the backward, so never batched with the forward's inputs
+    (the batch would then be computed in the backward, and the forward's values with it)."""
+    return "tangents" in str(node.target)
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
