@@ -529,6 +529,11 @@ def test_render_atomic_split_k_wgrad():
     split = split_one(p)
     src = render(sm90_mod.atomic_twin(split), "nvcc")
     assert "cute::SM90_TMA_REDUCE_ADD" in src and "using SplitKernel = cutlass::conv::kernel::ConvUniversal<" in src
+    # issued by one lane: CUTLASS's epilogue issues its TMA store from a whole warp, which for a reduce-add added every
+    # tile 32 times (the H100, 2026-12-05)
+    once = src[src.index("struct Copy_Traits<cb_splitk::TmaReduceAddOnce"):]
+    assert once.index("if (cute::elect_one_sync())") < once.index("traits.copy_unpack_(")
+    assert "std::is_same_v<Args, cute::SM90_TMA_STORE>, TmaReduceAddOnce, Args>" in src
     assert "static_assert(std::is_same_v<ElementKernelOut, float>" in src
     assert "make_coord(m_coord, n_coord, _, 0)" in src and "cb_split_wgrad_kernel(CUTLASS_GRID_CONSTANT" in src
     body = src[src.index("int prepare_split("):]
