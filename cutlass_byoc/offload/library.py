@@ -914,7 +914,6 @@ def _fprop_stats_site_fake(input, weight, site):
     return y, input.new_empty((2, k), dtype=torch.float32)
 
 
-
 # ---------------------------------------------------------------------------------------------- parameter casts
 # One launch for all of a graph's parameter casts (batching.py inserts it): under autocast every conv and linear
 # weight is cast to fp16/bf16 on each step, one small elementwise kernel each (ResNet-50: 57 per training step, ~2 us
