@@ -377,4 +377,29 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
         us = estimate_launch_us(problem, launch, sms)
         if best is None or us < best[0]:
             best = (us, launch)
-    return best[1] if best else None
+    return atomic_default(problem, best[1]) if best else None
+
+
+def atomic_default(problem: Conv2dProblem, launch: LaunchConfig) -> LaunchConfig:
+    """`launch`, or for a 3.x split-k wgrad that stores fp32 without a source (a training step's wgrad with the fp32
+    cast fused), on the problem as it is, its atomic twin (sm90.atomic_twin: the slices' sums added by TMA
+    reduce-adds straight into the zeroed output, no partials and no reduction kernel): same tile and slices. In the
+    ResNet-50 training step's tunes on the H100 (2026-12-05, b32 and b64, each pair timed by the tuner) the twin was
+    the faster of the two in 344 of 359 such pairs, by 1.11x (median; 1.02-1.5x); with a 16-bit output (adds into
+    a workspace the reduction still reads) it won none of the default workload's 16 wgrads, and channel-padded or
+    folded launches tied. Never under deterministic algorithms, where the order of those adds must not vary."""
+    k = launch.kernel
+    if (problem.kind is not ConvKind.WGRAD or k.family is not KernelFamily.SM90_TMA_WGMMA
+            or k.split_k_mode is not SplitKMode.PARALLEL or launch.split_k_slices < 2 or launch.padded
+            or problem.element_out is not DType.F32 or problem.epilogue.source is not SourceKind.NONE):
+        return launch
+    from .gemm1x1 import deterministic_required  # noqa: PLC0415
+    from .sm90 import atomic_twin  # noqa: PLC0415
+
+    if deterministic_required():
+        return launch
+    twin = atomic_twin(k)
+    if twin is None:
+        return launch
+    atomic = dataclasses.replace(launch, kernel=twin)
+    return atomic if atomic.reject_reason(problem) is None else launch

@@ -187,6 +187,39 @@ def test_default_launch_considers_the_3x_family():
     assert default_launch(fp32).kernel.family is KernelFamily.SM80_IMPLICIT_GEMM
 
 
+def test_untuned_fp32_split_wgrad_adds_atomically_unless_deterministic():
+    """A training step's wgrad stores fp32 (the cast fused): its untuned 3.x split-k launch is the atomic twin (the
+    slices' sums added into the zeroed output, no partials or reduction; 1.11x its twin in the median of 359 pairs
+    the H100's tunes timed), the same tile and slices. A 16-bit output, a channel-padded launch and deterministic
+    algorithms keep the split-k kernel with partials."""
+    torch = pytest.importorskip("torch")
+    from cutlass_byoc import sm90  # noqa: PLC0415
+    from cutlass_byoc.gemm1x1 import forced_determinism  # noqa: PLC0415
+    from cutlass_byoc.heuristics import atomic_default  # noqa: PLC0415
+
+    for c, hw, k, r in [(64, 56, 64, 3), (64, 56, 64, 1), (512, 28, 128, 1), (128, 28, 128, 3)]:
+        p = P("wgrad", 32, c, hw, k, r, out_dtype="f32")
+        launch = default_launch(p)
+        assert launch.kernel.split_k_mode is SplitKMode.ATOMIC and launch.split_k_slices > 1, launch.name
+        twin = dataclasses.replace(launch, kernel=sm90.deterministic_twin(launch.kernel))
+        assert twin.kernel.split_k_mode is SplitKMode.PARALLEL and atomic_default(p, twin) == launch
+        half = default_launch(P("wgrad", 32, c, hw, k, r))  # fp16 out: the twin would add into a workspace
+        assert half.kernel.split_k_mode is not SplitKMode.ATOMIC
+        with forced_determinism():
+            assert default_launch(p) == twin
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert default_launch(p) == twin
+        finally:
+            torch.use_deterministic_algorithms(False)
+        padded = dataclasses.replace(twin, pad_c=8)
+        assert atomic_default(p, padded) is padded
+    stem = P("wgrad", 32, 3, 224, 64, 7, stride=2, out_dtype="f32")  # runs folded or padded: no atomic twin
+    assert default_launch(stem).kernel.split_k_mode is not SplitKMode.ATOMIC
+    fprop = P("fprop", 32, 64, 56, 64, 3, out_dtype="f32")
+    assert atomic_default(fprop, default_launch(fprop)) == default_launch(fprop)
+
+
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 @pytest.mark.parametrize("c,hw,k", [(64, 56, 64), (256, 56, 64), (64, 56, 256), (1024, 14, 256), (256, 14, 1024)])
 def test_default_launch_of_memory_bound_1x1_convs_is_3x(kind, c, hw, k):
@@ -217,7 +250,8 @@ def test_untuned_3x_split_wgrad_fits_one_wave(c, hw, k, stride, slices):
     p = P("wgrad", 32, c, hw, k, 3, stride=stride, out_dtype="f32")
     launch = default_launch(p)
     kc = launch.kernel
-    assert kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is SplitKMode.PARALLEL, launch.name
+    # (the atomic twin of the split-k kernel, with fp32 out: test_untuned_fp32_split_wgrad_adds_atomically_...)
+    assert kc.family is KernelFamily.SM90_TMA_WGMMA and kc.split_k_mode is SplitKMode.ATOMIC, launch.name
     m, n, _ = _sm90_tiled_mnk(p, kc.tile)
     tiles = math.ceil(m / kc.tile[0]) * math.ceil(n / kc.tile[1])
     assert launch.split_k_slices == slices and tiles * slices <= 132 < tiles * 2 * slices

@@ -5,9 +5,10 @@ and the reduction's programmatic dependent launch captured in a CUDA graph; and 
 ATOMIC: the slices' sums added by TMA reduce-adds into the zeroed fp32 output, or into a workspace the reduction then
 casts) likewise.
 
-Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 6 sm90 kernels (~60-90 s
+Every output is poisoned (NaN) first and the inputs are fresh random tensors. Compiles 8 sm90 kernels (~60-90 s
 each): split wgrad 64x128x64 fp16 out, the same with fp32 out, 64x128x64 with a 2x1x1 cluster, fp16 out, the
-64x64x64 kernel's deep-pipeline twin (11 stages), fp16 out, and the atomic twins of the first two.
+64x64x64 kernel's deep-pipeline twin (11 stages), fp16 out, the atomic twins of the first two, and the untuned
+default of layer 1's 3x3 wgrad with fp32 out (an atomic twin) with its split-k twin.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ torch = pytest.importorskip("torch")
 from cutlass_byoc import ops  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
-from cutlass_byoc.sm90 import atomic_twin, deep_twin, sm90_config  # noqa: E402
+from cutlass_byoc.sm90 import atomic_twin, deep_twin, deterministic_twin, sm90_config  # noqa: E402
 from cutlass_byoc.types import DType, SourceKind, SplitKMode  # noqa: E402
 
 from gpu_util import (  # noqa: E402
@@ -51,11 +52,19 @@ def deep_config(p: Conv2dProblem):
     return deep_twin(sm90_config(p, (64, 64, 64), split_k_mode=SplitKMode.PARALLEL))
 
 
+def untuned_launch():
+    """The untuned default of layer 1's 3x3 wgrad with fp32 out (heuristics.atomic_default: the atomic twin)."""
+    from cutlass_byoc.heuristics import default_launch  # noqa: PLC0415
+
+    return default_launch(problem(LAYERS[0], 32, "f32"))
+
+
 def used_configs():
     """The module's kernels: a config never depends on the shape, only on the output type and the cluster."""
     p16, p32 = problem(LAYERS[0], 32, "f16"), problem(LAYERS[0], 32, "f32")
+    untuned = untuned_launch().kernel
     return [split_config(p16), split_config(p32), split_config(p16, (2, 1, 1)), deep_config(p16),
-            atomic_twin(split_config(p16)), atomic_twin(split_config(p32))]
+            atomic_twin(split_config(p16)), atomic_twin(split_config(p32)), untuned, deterministic_twin(untuned)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -294,3 +303,33 @@ def test_sm90_atomic_split_k_in_a_cuda_graph(out):
     float64 each time."""
     p = problem(LAYERS[0], 64, out)
     check_graph_replays(p, LaunchConfig(atomic_twin(split_config(p)), 16), seed=50)
+
+
+def test_untuned_fp32_wgrad_adds_atomically_unless_deterministic():
+    """Untuned (the model's launch, no decision), a wgrad that stores fp32 runs its split-k kernel's atomic twin
+    (heuristics.atomic_default) and matches float64; under torch.use_deterministic_algorithms(True) the same call
+    runs the split-k kernel with partials instead, bitwise the same from run to run, and close to the atomic sums."""
+    p = problem(LAYERS[0], 32, "f32")
+    launch = untuned_launch()
+    assert launch.kernel.split_k_mode is SplitKMode.ATOMIC and launch.split_k_slices > 1, launch.name
+    x, w, dy = operands(p, seed=71)
+    ref = reference(p, x, w, dy)
+
+    def call():
+        got = ops.conv2d_wgrad(dy, x, w.shape, 1, 1, out_dtype=torch.float32, select="heuristic")
+        torch.cuda.synchronize()
+        return got
+
+    from cutlass_byoc.select import choose  # noqa: PLC0415
+
+    assert choose(p, "heuristic") == launch
+    atomic = call()
+    assert rel_err(atomic, ref) < TOLERANCE[p.element_out]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert choose(p, "heuristic") == LaunchConfig(deterministic_twin(launch.kernel), launch.split_k_slices)
+        first, second = call(), call()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first, second)
+    assert rel_err(first, ref) < TOLERANCE[p.element_out] and rel_err(first, atomic) < TOLERANCE[p.element_out]

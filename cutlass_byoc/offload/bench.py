@@ -53,6 +53,8 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-deterministic, cutlass_byoc-deterministic-cudagraphs: deterministic kernels only (the atomic split-k
 #:   wgrad and the nondeterministic stream-K reduction of the decisions run as their deterministic twins): what the
 #:   nondeterministic kernels gain in the step, measured beside the plain mode;
+#:   cutlass_byoc-untuned-deterministic, cutlass_byoc-untuned-deterministic-cudagraphs: both, the untuned plan with
+#:   its fp32 split-k wgrads on partials and a reduction instead of their atomic twins (heuristics.atomic_default);
 #: - cutlass_byoc-unbatched, cutlass_byoc-unbatched-cudagraphs: batch_params off, each parameter cast and batch-norm
 #:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
@@ -74,6 +76,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-bnstats-overlap-cudagraphs": {"fuse_bn_stats": True, "overlap_wgrad": 1},
     "cutlass_byoc-deterministic": {"deterministic": True},
     "cutlass_byoc-deterministic-cudagraphs": {"deterministic": True},
+    "cutlass_byoc-untuned-deterministic": {"select": "heuristic", "deterministic": True},
+    "cutlass_byoc-untuned-deterministic-cudagraphs": {"select": "heuristic", "deterministic": True},
     "cutlass_byoc-unbatched": {"batch_params": False},
     "cutlass_byoc-unbatched-cudagraphs": {"batch_params": False},
 }
