@@ -249,7 +249,6 @@ def plan_problem(
             if max_candidates >= SMALL_BUDGET:
                 chosen += _deep_twins(kp, chosen, sms)
                 chosen += _atomic_twins(kp, chosen, sms)
-                chosen += _store_twins(kp, chosen, sms)
             for _, kc, launches in chosen:
                 # a "cols" wgrad kernel: every split count (its model cannot tell the CTAs an SM holds, which decide
                 # whether the last wave is nearly empty or nearly full); a cluster split: each of its few counts
@@ -419,21 +418,6 @@ def _atomic_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
     except ImportError:  # pragma: no cover - the 3.x families are optional
         return []
     return _timed_twins(problem, chosen, sms, atomic_twin)
-
-
-def _store_twins(problem: Conv2dProblem, chosen: list, sms: int) -> list:
-    """For a fprop or dgrad, the store-stages twin of each sourceless GEMM 1x1 kernel in `chosen`
-    (gemm1x1.store_stages_twin: one TMA-store D buffer per epilogue sub-tile, every store of a tile in flight at once,
-    where CUTLASS's builder gives two) with its launches, timed beside it: on these memory-bound GEMMs of one to a few
-    k tiles the epilogue's waits for its buffers can set an SM's pace, which the model does not see. None for wgrad
-    (its GEMM kernels' epilogue runs once per tile, after a reduction over every output pixel)."""
-    if problem.kind is ConvKind.WGRAD:
-        return []
-    try:
-        from ..gemm1x1 import store_stages_twin  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - the GEMM family is optional
-        return []
-    return _timed_twins(problem, chosen, sms, store_stages_twin)
 
 
 def deep_twin(kernel: KernelConfig) -> Optional[KernelConfig]:
