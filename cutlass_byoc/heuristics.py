@@ -387,7 +387,8 @@ def atomic_default(problem: Conv2dProblem, launch: LaunchConfig) -> LaunchConfig
     ResNet-50 training step's tunes on the H100 (2026-12-05, b32 and b64, each pair timed by the tuner) the twin was
     the faster of the two in 344 of 359 such pairs, by 1.11x (median; 1.02-1.5x); with a 16-bit output (adds into
     a workspace the reduction still reads) it won none of the default workload's 16 wgrads, and channel-padded or
-    folded launches tied. Never under deterministic algorithms, where the order of those adds must not vary."""
+    folded launches gained nothing (0.84-1.0x). Never under deterministic algorithms, where the order of those adds
+    must not vary."""
     k = launch.kernel
     if (problem.kind is not ConvKind.WGRAD or k.family is not KernelFamily.SM90_TMA_WGMMA
             or k.split_k_mode is not SplitKMode.PARALLEL or launch.split_k_slices < 2 or launch.padded
