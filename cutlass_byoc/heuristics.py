@@ -389,18 +389,14 @@ def atomic_default(problem: Conv2dProblem, launch: LaunchConfig) -> LaunchConfig
     a workspace the reduction still reads) it won none of the default workload's 16 wgrads, and channel-padded or
     folded launches gained nothing (0.84-1.0x). Never under deterministic algorithms, where the order of those adds
     must not vary."""
-    k = launch.kernel
-    if (problem.kind is not ConvKind.WGRAD or k.family is not KernelFamily.SM90_TMA_WGMMA
-            or k.split_k_mode is not SplitKMode.PARALLEL or launch.split_k_slices < 2 or launch.padded
+    if (problem.kind is not ConvKind.WGRAD or launch.split_k_slices < 2 or launch.padded
             or problem.element_out is not DType.F32 or problem.epilogue.source is not SourceKind.NONE):
         return launch
     from .gemm1x1 import deterministic_required  # noqa: PLC0415
     from .sm90 import atomic_twin  # noqa: PLC0415
 
-    if deterministic_required():
-        return launch
-    twin = atomic_twin(k)
-    if twin is None:
+    twin = atomic_twin(launch.kernel)  # None unless a 3.x split-k kernel
+    if twin is None or deterministic_required():
         return launch
     atomic = dataclasses.replace(launch, kernel=twin)
     return atomic if atomic.reject_reason(problem) is None else launch
