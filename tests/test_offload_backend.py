@@ -297,6 +297,9 @@ def test_profile_breakdown_splits_the_conv_ops_per_step():
     both = profile_breakdown(avg, [(0.0, 1000.0, long), (1000.0, 3000.0, long[:-2] + "23"), (3000.0, 4000.0, "k")],
                              steps=1, wall_ms=4.0)
     assert both["triton_kernels"] == [[2.0, 1.0, long[:-2] + "23"], [1.0, 1.0, long]]  # whole names, all of them
+    # every other source's kernels, whole names, by source (Triton's are triton_kernels)
+    assert both["kernels_by_source"] == {"cutlass_byoc": [], "cudnn/cublas": [], "aten": [], "other": [[1.0, 1.0, "k"]]}
+    assert out["kernels_by_source"]["other"] == out["top_kernels"] + [[0.5, 0.5, f"k{i}"] for i in range(10, 20)]
 
 
 def test_device_work_leaves_out_annotation_ranges():

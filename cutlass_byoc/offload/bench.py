@@ -395,7 +395,11 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
            "gpu_ms_by_source": gpu_ms_by_source(kernels, steps),
            # every Inductor kernel, whole names (their numeric suffixes tell apart the fused groups), so two modes'
            # Triton kernels can be compared one by one
-           "triton_kernels": [k for k in every if kernel_source(k[2]) == "triton"]}
+           "triton_kernels": [k for k in every if kernel_source(k[2]) == "triton"],
+           # the other sources' kernels, whole names, so a source's total can be read kernel by kernel (which convs
+           # are cuDNN's, which of PyTorch's kernels a mode adds)
+           "kernels_by_source": {tag: [k for k in every if kernel_source(k[2]) == tag]
+                                 for tag in SOURCE_ORDER if tag != "triton"}}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
@@ -818,6 +822,10 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
                              + ", ".join(f"{k} {v:.3f}" for k, v in src.items()))
             for ms, n, name in q.get("top_kernels", []):
                 lines.append(f"  {r.label} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
+            for tag in ("cudnn/cublas", "aten", "other"):  # whole names, each of these sources' kernels
+                for ms, n, name in q.get("kernels_by_source", {}).get(tag, []):
+                    lines.append(f"  {r.label} {tag} GPU ms per step {ms:7.3f} in {n:5.1f} launches: "
+                                 f"{short_kernel_name(name)[:240]}")
     return "\n".join(lines)
 
 
