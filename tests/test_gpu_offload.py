@@ -142,9 +142,10 @@ def test_bench_fused_optimizer_steps_without_a_host_sync():
             model = copy.deepcopy(base)
             opt = make_optimizer(name, model.parameters())
             _step(model, x, y, opt, torch.float16, scaler)
-        after[name] = [p.detach().float() for p in model.parameters()]
-    for a, b in zip(after["sgd"], after["sgd-fused"]):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+        after[name] = [(p.detach() - p0.detach()).float() for p, p0 in zip(model.parameters(), base.parameters())]
+    for a, b in zip(after["sgd"], after["sgd-fused"]):  # the updates themselves (the bench's lr is small)
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * a.abs().max().item())
 
 
 def test_profile_leaves_out_annotations_and_names_the_launchers():

@@ -3,6 +3,8 @@ compiling around the ops (training and inference), the ops' fake implementations
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn as nn
@@ -422,7 +424,7 @@ def test_bench_optimizers():
     plain, fused = bench.make_optimizer("sgd", params), bench.make_optimizer("sgd-fused", params)
     for opt in (plain, fused):
         assert isinstance(opt, torch.optim.SGD)
-        assert opt.defaults["lr"] == 0.01 and opt.defaults["momentum"] == 0.9
+        assert opt.defaults["lr"] == bench.BENCH_LR == 1e-4 and opt.defaults["momentum"] == 0.9
     assert fused.defaults["fused"] and getattr(fused, "_step_supports_amp_scaling", False)
     assert not plain.defaults.get("fused") and not getattr(plain, "_step_supports_amp_scaling", False)
     with pytest.raises(ValueError, match="adam"):
@@ -435,3 +437,27 @@ def test_bench_optimizers():
     row.optimizer, row.training = "", False  # inference: no optimizer
     assert "optimizer" not in row.record()
     assert bench.OPTIMIZERS[0] == "sgd"  # the default, and what rows published without the field ran
+
+
+def test_bench_counts_the_updates_gradscaler_skipped():
+    """A timed training step must run the update it claims: the bench's GradScaler starts at the compared first
+    step's LOSS_SCALE and never grows, so each halving of its scale over the timed steps is one update skipped for
+    non-finite gradients; a row records the count and its line says so."""
+    from cutlass_byoc.offload import bench
+
+    made = []
+    with mock.patch.object(torch.amp, "GradScaler", lambda *a, **kw: made.append((a, kw))):
+        bench.make_scaler()
+        bench.make_scaler(enabled=False)
+    assert made[0][0] == ("cuda",) and made[0][1]["init_scale"] == bench.LOSS_SCALE
+    assert made[0][1]["growth_interval"] >= 1_000_000 and made[0][1]["enabled"] and not made[1][1]["enabled"]
+    assert bench.skipped_updates(4096.0, 4096.0) == 0
+    assert bench.skipped_updates(4096.0, 512.0) == 3 and bench.skipped_updates(4096.0, 2048.0) == 1
+    assert bench.skipped_updates(4096.0, 8192.0) == 0 and bench.skipped_updates(None, 1.0) == 0
+    row = bench.BenchRow("resnet50", "inductor-cudagraphs", 9.0, 1.0, 1.0, 0.0, 0.0, 0.0, batch=32,
+                         optimizer="sgd-fused")
+    assert "skipped_updates" not in row.record() and "skipped" not in row.line()  # not counted (inference, bf16)
+    row.skipped_updates = 0
+    assert row.record()["skipped_updates"] == 0 and "skipped" not in row.line()
+    row.skipped_updates = 57
+    assert row.record()["skipped_updates"] == 57 and "57 of the timed updates skipped" in row.line()

@@ -95,11 +95,33 @@ DYNAMIC_FRACTION = 0.75
 OPTIMIZERS = ("sgd", "sgd-fused")
 
 
+#: The timed steps' learning rate. Every mode trains its own copy of the model on the same batch for ~70 steps; at
+#: lr 0.01 (momentum 0.9) some copies reached non-finite gradients within them (ResNet-50 on the H100, 2026-12-05:
+#: Inductor's at b32, every mode's at b64), after which GradScaler skipped each of their updates and its non-finite
+#: check slowed down, so those modes timed a different step (0.27 ms of fused update missing, 0.19 ms of found-inf
+#: writes added). A small rate keeps every copy next to its validated first step; the update costs the same.
+BENCH_LR = 1e-4
+
+
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    """The benchmark's optimizer `name` (OPTIMIZERS) over `params`: lr 0.01, momentum 0.9."""
+    """The benchmark's optimizer `name` (OPTIMIZERS) over `params`: lr BENCH_LR, momentum 0.9."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {name!r}")
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if name == "sgd-fused" else {}))
+    return torch.optim.SGD(params, lr=BENCH_LR, momentum=0.9, **({"fused": True} if name == "sgd-fused" else {}))
+
+
+def make_scaler(enabled: bool = True):
+    """The timed steps' GradScaler (disabled: bf16, whose steps need none): it starts at LOSS_SCALE (the scale the
+    compared first step ran finite at) and never grows within a benchmark, so every halving of its scale is one
+    skipped update (skipped_updates)."""
+    return torch.amp.GradScaler("cuda", init_scale=LOSS_SCALE, growth_interval=1_000_000, enabled=enabled)
+
+
+def skipped_updates(scale_before: float, scale_after: float) -> int:
+    """Updates GradScaler skipped between two reads of its scale (make_scaler's: each skip halves it, none grows it)."""
+    if not scale_before or not scale_after or scale_after >= scale_before:
+        return 0
+    return int(round(math.log2(scale_before / scale_after)))
 
 
 @dataclasses.dataclass
@@ -123,6 +145,7 @@ class BenchRow:
     rounds_ms: Optional[list] = None  # --rounds > 1: each round's ms per step (step_ms is their median)
     launch_memo: Optional[tuple] = None  # cutlass_byoc modes: (relaunches, full-path launches) of the timed steps
     optimizer: str = ""  # training: the timed steps' optimizer (OPTIMIZERS); "" for inference
+    skipped_updates: Optional[int] = None  # training: timed (and profiled) steps whose update GradScaler skipped
 
     @property
     def label(self) -> str:
@@ -140,12 +163,15 @@ class BenchRow:
                 **({"step_ms_rounds": [round(t, 4) for t in self.rounds_ms]} if self.rounds_ms else {}),
                 **({"launch_memo": {"relaunches": self.launch_memo[0], "full": self.launch_memo[1]}}
                    if self.launch_memo else {}),
+                **({"skipped_updates": self.skipped_updates} if self.skipped_updates is not None else {}),
                 **({"profile": self.profile} if self.profile else {})}
 
     def line(self) -> str:
         return (f"{self.model:14s} {self.label:13s} {self.step_ms:9.2f} {self.speedup_vs_inductor:8.3f} "
                 f"{self.first_step_s:8.1f} {self.loss_rel_err:10.2e} {self.grad_rel_err:10.2e} "
-                f"{self.grad_rel_err_max:10.2e}")
+                f"{self.grad_rel_err_max:10.2e}"
+                + (f"  {self.skipped_updates} of the timed updates skipped (non-finite gradients)"
+                   if self.skipped_updates else ""))
 
 
 HEADER = (f"{'model':14s} {'mode':13s} {'step ms':>9s} {'vs ind.':>8s} {'first s':>8s} {'loss err':>10s} "
@@ -514,6 +540,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
     small = max(1, int(case.batch * DYNAMIC_FRACTION))  # the dynamic modes' smaller batch
     rows: list[BenchRow] = []
     steppers: list[Callable[[], None]] = []
+    scales: list[tuple] = []  # each stepper's enabled GradScaler (None: inference, bf16) and its scale before timing
     ref = None
     interleave = rounds > 1
     if interleave:
@@ -543,14 +570,16 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
                 ref = (loss, grads)
             lerr, gerr, gmax = relative_errors(loss, grads, *ref)
             steps_of = {}
+            scaler_of: dict = {}
             for name in dict.fromkeys(optimizers):
                 opt = make_optimizer(name, model.parameters())
-                scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+                scaler = make_scaler(enabled=dtype == torch.float16)
 
                 def one(run=run, mark=mark, opt=opt, scaler=scaler) -> None:
                     mark()
                     _step(run, x, y, opt, dtype, scaler)
                 steps_of[name] = one
+                scaler_of[name] = scaler
             value = loss.item()
         else:
             def fwd(run=run, mark=mark):
@@ -573,11 +602,15 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             def one(fwd=fwd) -> None:
                 fwd()
             steps_of = {"": one}
+            scaler_of = {}
         for opt_name, one in steps_of.items():
             if mode == "cutlass_byoc-memo-off":
                 one = _memo_off(one)
             for _ in range(warmup):
                 one()
+            scaler = scaler_of.get(opt_name)
+            scaler = scaler if scaler is not None and scaler.is_enabled() else None
+            scale0 = scaler.get_scale() if scaler is not None else None  # after the warm-up steps (a sync)
             ms = math.nan  # interleaved: timed in the rounds below
             if not interleave:
                 memo0 = launch_memo_counts()  # the timed steps' launches only
@@ -591,8 +624,11 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
                 row.fallbacks = len(library.RUNTIME.fallbacks)
                 if not interleave:
                     row.launch_memo = (memo1[0] - memo0[0], memo1[1] - memo0[1])
+            if scaler is not None and not interleave:
+                row.skipped_updates = skipped_updates(scale0, scaler.get_scale())
             rows.append(row)
             steppers.append(one)
+            scales.append((scaler, scale0))
             if not interleave:
                 log.info("%s", row.line())
     if interleave:
@@ -608,13 +644,15 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             return ms
 
         times = interleaved_rounds(steppers, rounds, time_one)
-        for row, one, ts in zip(rows, steppers, times):
+        for row, one, ts, (scaler, scale0) in zip(rows, steppers, times, scales):
             row.rounds_ms = ts
             if row.mode.startswith("cutlass_byoc"):
                 row.launch_memo = tuple(memo.get(id(one), (0, 0)))
             row.step_ms = statistics.median(ts)
             if profile:
                 row.profile = profile_steps(one)
+            if scaler is not None:
+                row.skipped_updates = skipped_updates(scale0, scaler.get_scale())
             log.info("%s", row.line())
     modes_run = {q.mode for q in rows}
     for r in rows:
