@@ -151,9 +151,12 @@ def offload_tables(data: dict) -> list[str]:
            f"channels_last, {data.get('steps')} timed steps (per round where rounds are given: the modes of a case "
            "interleaved, the median round); `vs Inductor` = Inductor's time in the same mode, with or "
            "without CUDA graphs, over this row's, in the same run; `run` = the device call that measured the row, "
-           "numbered as in the host-overhead table (`-`: published before rows carried it)):", "",
-           "| run | model | batch | training | mode | step ms | rounds: min-max ms | vs Inductor | fallbacks | offloaded |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "numbered as in the host-overhead table (`-`: published before rows carried it); `skipped updates` = "
+           "timed training steps whose update GradScaler skipped for non-finite gradients (`-`: not counted, rows "
+           "published before the bench counted them)):", "",
+           "| run | model | batch | training | mode | step ms | rounds: min-max ms | vs Inductor | fallbacks | offloaded "
+           "| skipped updates |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
         # the conv passes the backend offloaded (the rest left to PyTorch: no kernel, or cuDNN measured faster)
         # (inference graphs have fprop only)
@@ -164,7 +167,7 @@ def offload_tables(data: dict) -> list[str]:
         out.append(f"| {r.get('run', '-')} | {r['model']} | {r['batch']} | {r['training']} | {mode_label(r)} | "
                    f"{r['step_ms']:.2f} | {spread} | "
                    f"{_f(r.get('speedup_vs_inductor_same_mode'), '.3f')} | {r.get('fallbacks', 0)} | "
-                   f"{m.group(1) if m else '-'} |")
+                   f"{m.group(1) if m else '-'} | {_f(r.get('skipped_updates'), 'd')} |")
     memo = [r for r in data.get("rows", []) if r.get("launch_memo")]
     if memo:
         out += ["", "The kernel libraries' launch memo over each mode's timed steps (relaunches of a prepared launch, "

@@ -238,7 +238,20 @@ def test_offload_table_names_the_offloaded_passes_of_training_and_inference(pr):
     infer["offload"] = ("cutlass_byoc offload report for all graphs+graph0(forward): fprop 32/53 offloaded (21 left to "
                         "cuDNN, measured faster); 0 channels_last conversions")
     text = "\n".join(pr.offload_tables(offload_file([train, infer], [])))
-    assert "| 0 | fprop 26/53, dgrad 21/52, wgrad 52/53 |" in text and "| 0 | fprop 32/53 |" in text, text
+    assert "| 0 | fprop 26/53, dgrad 21/52, wgrad 52/53 | - |" in text and "| 0 | fprop 32/53 | - |" in text, text
+
+
+def test_offload_table_says_how_many_timed_updates_were_skipped(pr):
+    """The "skipped updates" column: a training row's count of updates GradScaler skipped (the bench's
+    skipped_updates), `-` where the row did not count them (inference, rows published before the count)."""
+    healthy = dict(offload_row("resnet50", 32, True, "inductor-cudagraphs", 8.0), skipped_updates=0)
+    skipping = dict(offload_row("resnet50", 64, True, "inductor-cudagraphs", 13.0), skipped_updates=57)
+    old = offload_row("resnet50", 64, True, "cutlass_byoc", 12.0)
+    lines = pr.offload_tables(offload_file([healthy, skipping, old], []))
+    header = next(line for line in lines if line.startswith("| run |"))
+    assert header.rstrip(" |").endswith("skipped updates")
+    rows = [line for line in lines if line.startswith("| - | resnet50")]
+    assert [r.rsplit("|", 2)[1].strip() for r in rows] == ["0", "57", "-"], rows
 
 
 def test_merge_offload_twice_adds_no_host_run_again(pr, tmp_path):
