@@ -145,7 +145,8 @@ class BenchRow:
     rounds_ms: Optional[list] = None  # --rounds > 1: each round's ms per step (step_ms is their median)
     launch_memo: Optional[tuple] = None  # cutlass_byoc modes: (relaunches, full-path launches) of the timed steps
     optimizer: str = ""  # training: the timed steps' optimizer (OPTIMIZERS); "" for inference
-    skipped_updates: Optional[int] = None  # training: timed (and profiled) steps whose update GradScaler skipped
+    skipped_updates: Optional[int] = None  # training: steps after the warm-up (timed, the rounds' own warm-up step,
+    # profiled) whose update GradScaler skipped for non-finite gradients; None: not counted (inference, bf16)
 
     @property
     def label(self) -> str:
