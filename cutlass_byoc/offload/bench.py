@@ -415,6 +415,9 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
     nothing there, and the launch counts say how the step was captured (one replay per graph or partition; launches
     outside graphs are host work)."""
     every = top_kernels(kernels, steps, top=None, width=None)
+    by_source: dict[str, list] = {tag: [] for tag in SOURCE_ORDER}
+    for k in every:
+        by_source[kernel_source(k[2])].append(k)
     out = {"steps": steps, "wall_ms": wall_ms,
            "gpu_kernel_ms": sum(stop - start for start, stop, _ in kernels) / steps / 1e3,
            **kernel_timeline(kernels, steps),
@@ -422,11 +425,10 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
            "gpu_ms_by_source": gpu_ms_by_source(kernels, steps),
            # every Inductor kernel, whole names (their numeric suffixes tell apart the fused groups), so two modes'
            # Triton kernels can be compared one by one
-           "triton_kernels": [k for k in every if kernel_source(k[2]) == "triton"],
+           "triton_kernels": by_source.pop("triton"),
            # the other sources' kernels, whole names, so a source's total can be read kernel by kernel (which convs
            # are cuDNN's, which of PyTorch's kernels a mode adds)
-           "kernels_by_source": {tag: [k for k in every if kernel_source(k[2]) == tag]
-                                 for tag in SOURCE_ORDER if tag != "triton"}}
+           "kernels_by_source": by_source}
     for tag, names in (("graph_launches", GRAPH_LAUNCH_APIS), ("kernel_launches", KERNEL_LAUNCH_APIS)):
         out[tag] = sum(e.count for e in averages if e.key in names) / steps
     for tag, names in (("offloaded", OFFLOADED_OPS), ("aten_conv", ATEN_CONV_OPS)):
@@ -570,8 +572,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             if ref is None:
                 ref = (loss, grads)
             lerr, gerr, gmax = relative_errors(loss, grads, *ref)
-            steps_of = {}
-            scaler_of: dict = {}
+            steps_of = {}  # optimizer name -> (step, its enabled GradScaler or None)
             for name in dict.fromkeys(optimizers):
                 opt = make_optimizer(name, model.parameters())
                 scaler = make_scaler(enabled=dtype == torch.float16)
@@ -579,8 +580,7 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
                 def one(run=run, mark=mark, opt=opt, scaler=scaler) -> None:
                     mark()
                     _step(run, x, y, opt, dtype, scaler)
-                steps_of[name] = one
-                scaler_of[name] = scaler
+                steps_of[name] = (one, scaler if scaler.is_enabled() else None)
             value = loss.item()
         else:
             def fwd(run=run, mark=mark):
@@ -602,15 +602,12 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
 
             def one(fwd=fwd) -> None:
                 fwd()
-            steps_of = {"": one}
-            scaler_of = {}
-        for opt_name, one in steps_of.items():
+            steps_of = {"": (one, None)}
+        for opt_name, (one, scaler) in steps_of.items():
             if mode == "cutlass_byoc-memo-off":
                 one = _memo_off(one)
             for _ in range(warmup):
                 one()
-            scaler = scaler_of.get(opt_name)
-            scaler = scaler if scaler is not None and scaler.is_enabled() else None
             scale0 = scaler.get_scale() if scaler is not None else None  # after the warm-up steps (a sync)
             ms = math.nan  # interleaved: timed in the rounds below
             if not interleave:
