@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time on these GPUs of this host, one worker each (all the same GPU model); the compile "
                         "step is shared. Default: the current device")
     t.add_argument("--json", dest="json_out", default=None, help="write the tuning report as JSON here")
+    t.add_argument("--in-step", action="store_true",
+                   help="with --model, after the tune: time each offloaded pass inside the model's compiled step, on "
+                        "its tuned kernel and on cuDNN, and record both in its decision; where both are recorded they "
+                        "decide which of the two the backend runs (needs the GPU, a minute or two)")
     t.add_argument("--no-progress", action="store_true")
 
     b = sub.add_parser("bench", parents=[sub_common], help="time the chosen kernels against cuDNN")
@@ -263,6 +267,39 @@ def step_summary(items: list, outcomes, host_credit_us: float, untuned: Optional
     return line
 
 
+def _tune_in_step(args, names: dict) -> dict:
+    """tune --model --in-step: the passes timed inside the model's step (offload.step_times), printed, and recorded in
+    the decisions. The JSON report's "in_step" part."""
+    import torch  # noqa: PLC0415
+
+    from .decisions import lookup  # noqa: PLC0415
+    from .offload import step_times  # noqa: PLC0415
+    from .offload.trace import load_model  # noqa: PLC0415
+
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
+    what = f"{args.model} b{args.batch} {'training' if args.training else 'inference'} {args.amp}"
+    print(f"\nin-step times: {what}, each pass on its tuned kernel and on cuDNN, inside the compiled step")
+    passes, offload = step_times.measure(load_model(args.model), args.batch, training=args.training, autocast=amp,
+                                         image=args.image)
+    problems = step_times.per_problem(passes)
+    tune = {}  # the tune's own times, each problem timed alone
+    for p in problems:
+        d = lookup(p.problem)
+        tune[p.problem] = (d.time_us, d.cudnn_us) if d is not None and d.cudnn_us is not None else None
+    sums = step_times.step_sums(problems, tune.get)
+    for line in step_times.table(problems, names, tune.get):
+        print(line)
+    written, skipped = step_times.record(problems, what)
+    print(f"per step (GPU ms of the {sums['problems']} problems' passes inside the step): all on ours "
+          f"{sums['all_ours']:.3f}, all on cuDNN {sums['all_cudnn']:.3f}; the faster per problem as the tune timed "
+          f"them {sums['tune_choice']:.3f} ({sums['cudnn_by_tune']} on cuDNN), as timed in the step "
+          f"{sums['in_step_choice']:.3f} ({sums['cudnn_in_step']} on cuDNN)")
+    print(f"recorded in {written} decisions" + (f"; not in {len(skipped)}: " + "; ".join(skipped) if skipped else ""))
+    log.info("%s", offload)
+    return {"model": what, "sums": sums, "passes": [p.to_dict() for p in passes], "recorded": written,
+            "skipped": skipped}
+
+
 # ---------------------------------------------------------------------------------------------- tune
 def _fmt(v: Optional[float], spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
@@ -285,6 +322,8 @@ def cmd_tune(args) -> int:
             devices = parse_gpus(args.gpus, visible_gpu_count())
         except GpuSelectionError as e:
             raise UsageError(str(e)) from None
+    if args.in_step and not args.model:
+        raise UsageError("--in-step needs --model: it times the passes inside that model's step")
     items = _items_from_args(args)
     names = {it.problem: it.layer for it in items}
     report = tune_workload([it.problem for it in items], jobs=args.jobs, max_candidates=mc,
@@ -313,6 +352,9 @@ def cmd_tune(args) -> int:
         summary = step_summary(items, report.outcomes, DEFAULT_HOST_CREDIT_US, untuned)
         if summary:
             print(summary)
+    in_step = None
+    if args.in_step and report.timed:
+        in_step = _tune_in_step(args, names)
     counts: dict[str, int] = {}
     for o in report.outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1
@@ -340,6 +382,8 @@ def cmd_tune(args) -> int:
         if args.model:  # the traced step: each problem's layer, passes and untuned launch (scripts/default_regret.py)
             doc["passes"] = [{"problem": it.problem.name, "layer": it.layer, "count": it.count,
                               "untuned": untuned[it.problem].name if untuned[it.problem] else None} for it in items]
+        if in_step is not None:
+            doc["in_step"] = in_step
         Path(args.json_out).write_text(json.dumps(doc, indent=1, default=str))
     if not report.timed and not args.compile_only:
         print("\n" + report.message, file=sys.stderr)

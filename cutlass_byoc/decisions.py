@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -145,6 +146,14 @@ class Decision:
     #: cuDNN's time for the problem, measured with the candidates (None: not measured). Where it is below `time_us`
     #: the partitioner leaves the conv to PyTorch (select.cudnn_faster).
     cudnn_us: Optional[float] = None
+    #: The problem's pass measured inside a model's compiled step (`cutlass-byoc tune --model ... --in-step`,
+    #: offload.step_times): the median GPU time of its calls there on `launch` and on cuDNN, with the neighbouring
+    #: kernels and the cache state of the step, not the tune's operands rotated through more than L2. Where both are
+    #: set they, not `time_us` and `cudnn_us`, decide whether cuDNN is faster (select.cudnn_faster). None: not measured.
+    step_us: Optional[float] = None
+    step_cudnn_us: Optional[float] = None
+    #: what the step measurement ran in (e.g. "torchvision:resnet50 b32 training fp16")
+    step_model: Optional[str] = None
 
     def to_dict(self) -> dict:
         return {
@@ -152,6 +161,8 @@ class Decision:
             "launch_name": self.launch.name, "time_us": self.time_us, "candidates_timed": self.candidates_timed,
             "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "max_error": self.max_error,
             "recorded_at": self.recorded_at, "cudnn_us": self.cudnn_us,
+            **({"step_us": self.step_us, "step_cudnn_us": self.step_cudnn_us, "step_model": self.step_model}
+               if self.step_us is not None or self.step_cudnn_us is not None else {}),
         }
 
     @classmethod
@@ -163,8 +174,18 @@ class Decision:
         return cls(
             key, LaunchConfig.from_dict(d["launch"]), float(d["time_us"]), int(d.get("candidates_timed", 0)),
             d.get("runner_up"), d.get("runner_up_us"), d.get("max_error"), float(d.get("recorded_at", 0.0)),
-            d.get("cudnn_us"),
+            d.get("cudnn_us"), _opt_float(d.get("step_us")), _opt_float(d.get("step_cudnn_us")),
+            d.get("step_model"),
         )
+
+    @property
+    def in_step(self) -> bool:
+        """Both times of the in-step measurement are recorded."""
+        return self.step_us is not None and self.step_cudnn_us is not None
+
+
+def _opt_float(v) -> Optional[float]:
+    return None if v is None else float(v)
 
 
 _generation = 0
@@ -334,4 +355,24 @@ def record_decision(
     dec = Decision(DecisionKey.for_problem(problem, gpu), launch, float(time_us), candidates_timed, runner_up,
                    runner_up_us, max_error, time.time(), cudnn_us)
     (store or default_store()).record(dec)
+    return dec
+
+
+def record_step_times(problem: Conv2dProblem, launch_name: str, step_us: float, step_cudnn_us: float, model: str,
+                      *, gpu: Optional[GpuInfo] = None, store: Optional[DecisionStore] = None) -> Optional[Decision]:
+    """Add a pass's in-step times (Decision.step_us, step_cudnn_us) to the recorded decision of `problem`, if that
+    decision's launch is `launch_name` (the one that ran in the step). None, nothing written, otherwise: no decision,
+    or one recorded since with another launch, whose step times would be another kernel's."""
+    gpu = gpu or current_gpu()
+    if gpu is None:
+        raise RuntimeError("record_step_times: no CUDA device; pass gpu= to record times measured elsewhere")
+    for name, v in (("step_us", step_us), ("step_cudnn_us", step_cudnn_us)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"record_step_times: {name} must be a finite time > 0 us, got {v!r}")
+    st = store or default_store()
+    dec = lookup(problem, gpu=gpu, store=st)
+    if dec is None or dec.launch.name != launch_name:
+        return None
+    dec = dataclasses.replace(dec, step_us=float(step_us), step_cudnn_us=float(step_cudnn_us), step_model=model)
+    st.record(dec)
     return dec

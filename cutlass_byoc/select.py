@@ -97,9 +97,20 @@ def keeps_cudnn(cudnn_us: float, time_us: float, host_credit_us: float = 0.0) ->
     return cudnn_us + host_credit_us <= time_us
 
 
+def decision_times(dec) -> Optional[tuple[float, float]]:
+    """(our kernel's us, cuDNN's us) that decide between them for a recorded decision: the in-step times where the
+    decision has both (measured inside a model's step, Decision.in_step), else the tune's; None without a cuDNN time."""
+    if dec is None:
+        return None
+    if dec.in_step:
+        return dec.step_us, dec.step_cudnn_us
+    return (dec.time_us, dec.cudnn_us) if dec.cudnn_us is not None else None
+
+
 def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optional[str]:
     """Why the backend should leave `problem` to PyTorch (cuDNN): its recorded decision measured cuDNN faster than the
-    tuned winner (both timed by the profiler on the same operands) by more than `host_credit_us`, the host time an
+    tuned winner (`decision_times`: inside a model's step where it was measured there, else both timed by the profiler
+    on the same operands) by more than `host_credit_us`, the host time an
     offloaded call saves over aten's convolution where the step is launched op by op (OffloadOptions.host_credit_us;
     0 under CUDA graphs, where host time is gone). None when there is no decision, no cuDNN time in it, or the kernel
     is faster after the credit. Remembered like `choose`."""
@@ -109,10 +120,12 @@ def cudnn_faster(problem: Conv2dProblem, host_credit_us: float = 0.0) -> Optiona
 
         dec = lookup(problem)
         why = None
-        if dec is not None and dec.cudnn_us is not None and keeps_cudnn(dec.cudnn_us, dec.time_us, host_credit_us):
+        times = decision_times(dec)
+        if times is not None and keeps_cudnn(times[1], times[0], host_credit_us):
             credit = f" + {host_credit_us:.1f} us host credit" if host_credit_us else ""
-            why = (f"{CUDNN_FASTER}: {dec.cudnn_us:.1f} us{credit} vs {dec.time_us:.1f} us for the tuned "
-                   f"{dec.launch.name} (decision cache; prefer_cudnn=False offloads it anyway)")
+            where = f"in the step of {dec.step_model}" if dec.in_step else "decision cache"
+            why = (f"{CUDNN_FASTER}: {times[1]:.1f} us{credit} vs {times[0]:.1f} us for the tuned "
+                   f"{dec.launch.name} ({where}; prefer_cudnn=False offloads it anyway)")
         _cudnn_memo[key] = why
     return _cudnn_memo[key]
 
@@ -124,8 +137,8 @@ def host_credit_note(problem: Conv2dProblem, host_credit_us: float) -> Optional[
         return None
     from .decisions import lookup  # noqa: PLC0415
 
-    dec = lookup(problem)
-    return (f"{HOST_CREDIT}: cuDNN measured {dec.cudnn_us:.1f} us vs {dec.time_us:.1f} us, within the "
+    ours, cudnn = decision_times(lookup(problem))
+    return (f"{HOST_CREDIT}: cuDNN measured {cudnn:.1f} us vs {ours:.1f} us, within the "
             f"{host_credit_us:.1f} us an offloaded call saves in host time")
 
 

@@ -195,7 +195,7 @@ for step in "${steps[@]}"; do
     tune-model)
       cutlass-byoc tune --no-progress --model "${MODEL:-torchvision:resnet50}" --batch "${MODEL_BATCH:-32}" \
         $([ -n "${MODEL_INFERENCE:-}" ] && echo --inference || echo --training) --amp fp16 \
-        ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune-model.json"} 2>&1 \
+        ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune-model.json"} ${TUNE_IN_STEP:+--in-step} 2>&1 \
         | tee -a "$OUT/offload-bench.log" || rc=1
       export_tuned "$CUTLASS_BYOC_CACHE_DIR" ;;
     import)

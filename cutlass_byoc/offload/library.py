@@ -392,7 +392,7 @@ class CallSite:
             (n, c, h, w), (h * w * c, 1, w * c, c), el[p.element_out.value],
             source_shape if src != "none" else None, prep.lib.name,
             ctypes.create_string_buffer(256), dt_src, prep.source_bytes or prep.align_bytes[2],
-            el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,))
+            el[p.element_bias.value] if src == "bias_residual" else None, prep.bias_bytes, (p.k,), launch)
         nat = native.load()
         if nat is not None and self.index >= 0:
             try:
@@ -496,6 +496,7 @@ class _Bound:
     dt_bias: Optional[torch.dtype] = None  # bias and residual: the bias's type (else None: no bias pointer)
     align_bias: int = 0
     bias_shape: tuple = ()
+    launch: object = None  # the LaunchConfig bound (what step_times reports a site ran)
 
     def native_spec(self) -> "native.SiteSpec":
         """This binding for the C++ call-site ops (the same checks, the same launch)."""
