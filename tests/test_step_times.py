@@ -138,3 +138,34 @@ def test_cli_in_step_needs_a_model(capsys):
     rc = main(["tune", "--kind", "fprop", "--n", "1", "--c", "8", "--h", "8", "--w", "8", "--k", "8", "--r", "3",
                "--s", "3", "--in-step"])
     assert rc == 2 and "--in-step needs --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("stride, padding", [(1, 1), (2, 0)])
+def test_cudnn_stand_ins_compute_what_the_reference_does(kind, stride, padding):
+    """The measurement's cuDNN side must compute the pass (the training steps go on from its results): each stand-in
+    against library's fp32 reference, on the CPU in fp32 (the same aten ops the GPU runs in 16 bits)."""
+    import torch
+
+    from cutlass_byoc.offload import library
+
+    g = torch.Generator().manual_seed(0)
+    CL = torch.channels_last
+    x = torch.randn(2, 8, 9, 9, generator=g).contiguous(memory_format=CL)
+    w = torch.randn(16, 8, 3, 3, generator=g).contiguous(memory_format=CL)
+    y = torch.nn.functional.conv2d(x, w, None, stride, padding)
+    dy = torch.randn(y.shape, generator=g).contiguous(memory_format=CL)
+    fns = st.cudnn_fallbacks()
+    conv = ([stride] * 2, [padding] * 2, [1, 1], 1)
+    if kind == "fprop":
+        b, res = torch.randn(16, generator=g), torch.randn(y.shape, generator=g).contiguous(memory_format=CL)
+        got = fns["reference_fprop"](x, w, b, res, *conv, "relu", torch.float32)
+        want = library.reference_fprop(x, w, b, res, *conv, "relu", torch.float32)
+    elif kind == "dgrad":
+        got = fns["reference_dgrad"](dy, w, list(x.shape), *conv, torch.float32)
+        want = library.reference_dgrad(dy, w, list(x.shape), *conv, torch.float32)
+    else:
+        got = fns["reference_wgrad"](dy, x, list(w.shape), *conv, torch.float32)
+        want = library.reference_wgrad(dy, x, list(w.shape), *conv, torch.float32)
+    assert got.shape == want.shape and got.is_contiguous(memory_format=CL)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
