@@ -24,7 +24,8 @@
 #           MODEL_INFERENCE=1: the inference graph's problems instead of the training step's;
 #           TUNE_MAX=N: --max-candidates N; TUNE_EXPORT=1: the cache's decisions exported to $OUT/tuned.tar.gz;
 #           TUNE_JSON=1: the tune's report, every candidate's time and cuDNN's, to $OUT/tune-model.json, which
-#           scripts/default_regret.py reads)
+#           scripts/default_regret.py reads; TUNE_IN_STEP=1: --in-step, each pass then timed inside the model's
+#           compiled step on its kernel and on cuDNN and both recorded in its decision, which they then decide)
 # import:   a carried tuned.tar.gz (decisions and their kernels, from an earlier call's TUNE_EXPORT=1) or
 #           decisions.tar.gz (decisions alone, TUNE_EXPORT=decisions; their kernels from the carried .kcache.tar.xz or
 #           compiled here) imported into the offload cache (and the tune cache where a tune or bench step follows), so a
