@@ -169,3 +169,31 @@ def test_cudnn_stand_ins_compute_what_the_reference_does(kind, stride, padding):
         want = library.reference_wgrad(dy, x, list(w.shape), *conv, torch.float32)
     assert got.shape == want.shape and got.is_contiguous(memory_format=CL)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_loss_takes_any_output_of_tensors():
+    import torch
+
+    t = torch.ones(2, 3, dtype=torch.float16)
+    assert st._loss(t).item() == 1.0 and st._loss(t).dtype == torch.float32
+    assert st._loss((t, [2 * t], {"a": t})).item() == 6.0
+    with pytest.raises(TypeError, match="output holds tensors"):
+        st._loss("logits")
+
+
+def test_cli_in_step_failure_keeps_the_tune_and_says_so(monkeypatch, capsys):
+    import argparse
+
+    from cutlass_byoc import cli
+
+    def boom(*a, **k):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(st, "measure", boom)
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("cutlass_byoc.offload.trace"), "load_model", lambda spec: object())
+    args = argparse.Namespace(model="torchvision:resnet50", batch=8, training=True, amp="fp16", image=224)
+    got = cli._tune_in_step(args, {})
+    assert got == {"model": "torchvision:resnet50 b8 training fp16", "error": "RuntimeError: no GPU here"}
+    assert "in-step measurement failed (RuntimeError: no GPU here)" in capsys.readouterr().err

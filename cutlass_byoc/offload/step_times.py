@@ -174,9 +174,11 @@ class _Sides:
 def measure(model: torch.nn.Module, batch: int, *, training: bool = True, autocast: Optional[torch.dtype] =
             torch.float16, image: int = 224, in_channels: int = 3, steps: int = 3, rounds: int = 3,
             options: Optional[dict] = None, seed: int = 0) -> tuple[list[PassTime], str]:
-    """Every offloaded pass of `model`'s step (training: forward, backward and a fused SGD update under a GradScaler;
-    inference: a no-grad forward) timed inside the step on its kernel and on cuDNN, `rounds` rounds of `steps`
-    profiled steps per side, the sides alternating. The passes in site order and the partition report's first line."""
+    """Every offloaded pass of `model`'s step (training: forward, a loss, backward and a fused SGD update under a
+    GradScaler; inference: a no-grad forward) timed inside the step on its kernel and on cuDNN, `rounds` rounds of
+    `steps` profiled steps per side, the sides alternating. The passes in site order and the partition report's first
+    line. The loss is the mean square of the outputs (`_loss`), so any model's output serves; the convs' problems do
+    not depend on it."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     from . import bench, library  # noqa: PLC0415
@@ -189,7 +191,6 @@ def measure(model: torch.nn.Module, batch: int, *, training: bool = True, autoca
     model = model.cuda().to(memory_format=fmt).train(training)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(batch, in_channels, image, image, device="cuda", generator=g).contiguous(memory_format=fmt)
-    y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
     opts = {**(options or {}), "select": "cached", "prefer_cudnn": False, "cudagraphs": False}
     run, backend = bench.compile_mode(model, "cutlass_byoc", opts)
     amp = autocast is not None
@@ -199,7 +200,12 @@ def measure(model: torch.nn.Module, batch: int, *, training: bool = True, autoca
         scaler = bench.make_scaler(enabled=dtype == torch.float16 and amp)
 
         def step() -> None:
-            bench._step(run, x, y, opt, dtype, scaler if scaler.is_enabled() else None, autocast=amp)
+            with torch.autocast("cuda", dtype=dtype, enabled=amp):
+                out = run(x)
+            scaler.scale(_loss(out)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
     else:
         def step() -> None:
             with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=amp):
@@ -233,6 +239,18 @@ def measure(model: torch.nn.Module, batch: int, *, training: bool = True, autoca
                                len(times["ours"][site]) / n,
                                statistics.median(times["ours"][site]), statistics.median(times["cudnn"][site])))
     return passes, backend.report().summary().splitlines()[0]
+
+
+def _loss(out) -> torch.Tensor:
+    """A scalar from any model output (a tensor, or a tuple, list or dict of them): the mean square of each tensor,
+    summed, in fp32."""
+    if isinstance(out, torch.Tensor):
+        return out.float().square().mean()
+    parts = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    losses = [_loss(o) for o in parts if isinstance(o, (torch.Tensor, tuple, list, dict))]
+    if not losses:
+        raise TypeError(f"the in-step measurement needs a model whose output holds tensors, got {type(out).__name__}")
+    return torch.stack(losses).sum()
 
 
 def record(problems: Sequence[ProblemTime], model: str) -> tuple[int, list[str]]:
