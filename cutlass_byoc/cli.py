@@ -494,8 +494,10 @@ def cmd_cache(args) -> int:
                         state = "stale"
                 except Exception:  # noqa: BLE001
                     pass
+            in_step = (f" (in the step: {dec.step_us:.2f} us, cuDNN {dec.step_cudnn_us:.2f})"
+                       if dec.in_step else "")
             print(f"{path.stem[:12]}  {state:7s}  {dec.key.gpu_name} sm_{dec.key.gpu_arch}  "
-                  f"{dec.key.problem.name}  {dec.time_us:.2f} us  {dec.launch.name}")
+                  f"{dec.key.problem.name}  {dec.time_us:.2f} us{in_step}  {dec.launch.name}")
         print(f"{n} decisions")
         if args.kernels:
             counts: dict[str, int] = {}

@@ -197,3 +197,15 @@ def test_cli_in_step_failure_keeps_the_tune_and_says_so(monkeypatch, capsys):
     got = cli._tune_in_step(args, {})
     assert got == {"model": "torchvision:resnet50 b8 training fp16", "error": "RuntimeError: no GPU here"}
     assert "in-step measurement failed (RuntimeError: no GPU here)" in capsys.readouterr().err
+
+
+def test_cache_list_shows_the_in_step_times(gpu_here, capsys):
+    from cutlass_byoc import cli
+
+    launch = default_launch(P)
+    record_decision(P, launch, 10.0, gpu=GPU, cudnn_us=12.0)
+    assert cli.main(["cache", "list"]) == 0
+    assert "in the step" not in capsys.readouterr().out
+    record_step_times(P, launch.name, 9.0, 7.5, "m")
+    assert cli.main(["cache", "list"]) == 0
+    assert f"{P.name}  10.00 us (in the step: 9.00 us, cuDNN 7.50)  {launch.name}" in capsys.readouterr().out
