@@ -209,3 +209,18 @@ def test_cache_list_shows_the_in_step_times(gpu_here, capsys):
     record_step_times(P, launch.name, 9.0, 7.5, "m")
     assert cli.main(["cache", "list"]) == 0
     assert f"{P.name}  10.00 us (in the step: 9.00 us, cuDNN 7.50)  {launch.name}" in capsys.readouterr().out
+
+
+def test_ran_launch_of_a_bound_site_and_of_the_general_path(gpu_here, monkeypatch):
+    import types
+
+    from cutlass_byoc import select
+
+    launch = default_launch(P)
+    bound = types.SimpleNamespace(launch=launch)
+    assert st.ran_launch(types.SimpleNamespace(state=bound, problem=P, select="cached"), False) is launch
+    # the general path runs what select.choose gives the problem (here the untuned default), unless calls fell back
+    general = types.SimpleNamespace(state=False, problem=P, select="cached")
+    assert st.ran_launch(general, False) == select.choose(P, "cached") == launch
+    assert st.ran_launch(general, True) is None
+    assert st.ran_launch(types.SimpleNamespace(state=None, problem=P, select="cached"), False) is None

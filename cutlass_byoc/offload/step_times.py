@@ -43,7 +43,7 @@ class PassTime:
     site: int
     kind: str
     problem: object  # Conv2dProblem
-    launch: Optional[str]  # the launch the site ran (None: it took the general path)
+    launch: Optional[str]  # the launch the site ran (ran_launch; None: not known)
     calls_per_step: float
     ours_us: float
     cudnn_us: float
@@ -231,14 +231,29 @@ def measure(model: torch.nn.Module, batch: int, *, training: bool = True, autoca
                     times[s].setdefault(site, []).extend(ts)
     n = rounds * steps
     passes = []
+    fell_back = bool(library.RUNTIME.fallbacks)
     for site in sorted(set(times["ours"]) & set(times["cudnn"])):
         cs = library.site(site)
-        st = cs.state
-        bound = getattr(st, "launch", None) if st else None  # False / None: the general path, or not bound
-        passes.append(PassTime(site, cs.kind, cs.problem, bound.name if bound is not None else None,
+        launch = ran_launch(cs, fell_back)
+        passes.append(PassTime(site, cs.kind, cs.problem, launch.name if launch is not None else None,
                                len(times["ours"][site]) / n,
                                statistics.median(times["ours"][site]), statistics.median(times["cudnn"][site])))
     return passes, backend.report().summary().splitlines()[0]
+
+
+def ran_launch(site, fell_back: bool):
+    """The launch a call site ran on the kernels' side: its binding's; for a site on the general path (a launch the
+    C++ and Python call sites cannot bind: channel-padded or space-to-depth), the one the general path chooses for
+    its problem, unless some call fell back to PyTorch (`fell_back`: then no site's kernel is certain); None for a site
+    never bound."""
+    st = site.state
+    if st:
+        return getattr(st, "launch", None)
+    if st is False and not fell_back:
+        from ..select import choose  # noqa: PLC0415
+
+        return choose(site.problem, site.select)
+    return None
 
 
 def _loss(out) -> torch.Tensor:
@@ -261,7 +276,7 @@ def record(problems: Sequence[ProblemTime], model: str) -> tuple[int, list[str]]
     written, skipped = 0, []
     for p in problems:
         if p.launch is None:
-            skipped.append(f"{p.problem.name}: its sites ran different launches or the general path")
+            skipped.append(f"{p.problem.name}: its sites ran different launches, or one not known")
         elif p.ours_us <= 0 or p.cudnn_us <= 0:
             skipped.append(f"{p.problem.name}: no GPU time recorded ({p.ours_us:.2f} / {p.cudnn_us:.2f} us)")
         elif record_step_times(p.problem, p.launch, p.ours_us, p.cudnn_us, model) is None:
