@@ -190,17 +190,22 @@ def _items_from_args(args) -> list:
         raise UsageError(str(e)) from None
 
 
+def _amp_dtype(amp: str):
+    """--amp's autocast dtype (None: no autocast)."""
+    import torch  # noqa: PLC0415
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[amp]
+
+
 def _model_items(args) -> list:
     """The problems the backend would offload from --model (traced on fake tensors), named by layer position."""
     from .workloads import WorkloadItem  # noqa: PLC0415
 
     try:
-        import torch  # noqa: PLC0415
-
-        from .offload.trace import model_problems  # noqa: PLC0415
+        from .offload.trace import model_problems  # noqa: PLC0415  (imports torch)
     except ImportError as e:
         raise UsageError(f"--model needs PyTorch: {e}") from None
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
+    amp = _amp_dtype(args.amp)
     try:
         problems, report = model_problems(args.model, args.batch, training=args.training, autocast=amp,
                                           image=args.image)
@@ -270,13 +275,11 @@ def step_summary(items: list, outcomes, host_credit_us: float, untuned: Optional
 def _tune_in_step(args, names: dict) -> dict:
     """tune --model --in-step: the passes timed inside the model's step (offload.step_times), printed, and recorded in
     the decisions. The JSON report's "in_step" part."""
-    import torch  # noqa: PLC0415
-
     from .decisions import lookup  # noqa: PLC0415
     from .offload import step_times  # noqa: PLC0415
     from .offload.trace import load_model  # noqa: PLC0415
 
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
+    amp = _amp_dtype(args.amp)
     what = f"{args.model} b{args.batch} {'training' if args.training else 'inference'} {args.amp}"
     print(f"\nin-step times: {what}, each pass on its tuned kernel and on cuDNN, inside the compiled step")
     try:

@@ -28,6 +28,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..select import keeps_cudnn
+
 log = logging.getLogger("cutlass_byoc.offload")
 
 #: the call-site ops (as the profiler names them) and the position of their `site` argument
@@ -98,22 +100,29 @@ def per_problem(passes: Sequence[PassTime]) -> list[ProblemTime]:
     return out
 
 
+def cudnn_by_tune(p: ProblemTime, tune_times: Callable[[object], Optional[tuple[float, float]]]) -> bool:
+    """Whether the tune's times (`tune_times(problem)` -> (ours us, cuDNN us), or None: ours) leave the problem to
+    cuDNN under CUDA graphs (select.keeps_cudnn, no host credit)."""
+    t = tune_times(p.problem)
+    return t is not None and keeps_cudnn(t[1], t[0])
+
+
+def cudnn_in_step(p: ProblemTime) -> bool:
+    """Whether the in-step times leave the problem to cuDNN under CUDA graphs (the same rule)."""
+    return keeps_cudnn(p.cudnn_us, p.ours_us)
+
+
 def step_sums(problems: Sequence[ProblemTime], tune_times: Callable[[object], Optional[tuple[float, float]]]) -> dict:
     """GPU ms per step of the measured passes: all on ours, all on cuDNN, the choice the tune's times make (the faster
-    per problem as the tune timed it alone; `tune_times(problem)` -> (ours us, cuDNN us) or None: ours) and the choice
-    the in-step times make (the faster per problem in the step)."""
+    per problem as the tune timed it alone, `cudnn_by_tune`) and the choice the in-step times make (`cudnn_in_step`)."""
     def ms(pick: Callable[[ProblemTime], float]) -> float:
         return round(sum(pick(p) * p.calls_per_step for p in problems) / 1e3, 4)
 
-    def by_tune(p: ProblemTime) -> bool:
-        t = tune_times(p.problem)
-        return t is not None and t[1] <= t[0]
-
     return {"all_ours": ms(lambda p: p.ours_us), "all_cudnn": ms(lambda p: p.cudnn_us),
-            "tune_choice": ms(lambda p: p.cudnn_us if by_tune(p) else p.ours_us),
-            "in_step_choice": ms(lambda p: min(p.ours_us, p.cudnn_us)),
-            "problems": len(problems), "cudnn_by_tune": sum(1 for p in problems if by_tune(p)),
-            "cudnn_in_step": sum(1 for p in problems if p.cudnn_us <= p.ours_us)}
+            "tune_choice": ms(lambda p: p.cudnn_us if cudnn_by_tune(p, tune_times) else p.ours_us),
+            "in_step_choice": ms(lambda p: p.cudnn_us if cudnn_in_step(p) else p.ours_us),
+            "problems": len(problems), "cudnn_by_tune": sum(1 for p in problems if cudnn_by_tune(p, tune_times)),
+            "cudnn_in_step": sum(1 for p in problems if cudnn_in_step(p))}
 
 
 def cudnn_fallbacks() -> dict[str, Callable]:
@@ -295,9 +304,9 @@ def table(problems: Sequence[ProblemTime], names: dict, tune_times: Callable) ->
         t = tune_times(p.problem)
         tr = f"{t[1] / t[0]:6.3f}" if t else "     -"
         tt = f"{t[0]:9.2f} {t[1]:8.2f}" if t else f"{'-':>9} {'-':>8}"
-        pick = "cuDNN" if p.cudnn_us <= p.ours_us else "ours"
-        flip = " (tune: " + ("cuDNN" if t and t[1] <= t[0] else "ours") + ")" if t and (
-            (t[1] <= t[0]) != (p.cudnn_us <= p.ours_us)) else ""
+        step, tune = cudnn_in_step(p), cudnn_by_tune(p, tune_times)
+        pick = "cuDNN" if step else "ours"
+        flip = f" (tune: {'cuDNN' if tune else 'ours'})" if t and tune != step else ""
         lines.append(f"{names.get(p.problem, p.problem.name)[:14]:<14} {p.problem.kind.value:<5} "
                      f"{p.calls_per_step:5.0f} {p.ours_us:9.2f} {p.cudnn_us:8.2f} {p.cudnn_us / p.ours_us:6.3f} "
                      f"{tt} {tr}  {pick}{flip}")
