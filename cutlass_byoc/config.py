@@ -282,6 +282,11 @@ class KernelConfig:
 
             return with_alignments(self, align_a, align_b, align_c)
         if self.family is KernelFamily.SMEM_IM2COL:  # x and w are read per element already: the output's accesses
+            if self.kind is ConvKind.WGRAD:  # dy in 16-byte copies, x and dw per element: nothing to narrow
+                if align_a < self.align_a:
+                    raise ValueError(f"align_a: the shared-memory im2col wgrad copies dy {self.align_a} elements at a "
+                                     f"time, got {align_a}")
+                return self
             return dataclasses.replace(self, align_c=align_c)
         narrow = min(align_a * self.element_a.nbytes, align_b * self.element_b.nbytes) < 4
         it = self.iterator

@@ -73,9 +73,9 @@ def render(config: KernelConfig, compile_command: str) -> str:
 
         extra = dict(subpixel_max_phases=SUBPIXEL_MAX_PHASES, stats_slots=CHANNEL_STATS_SLOTS)
     elif config.family is KernelFamily.SMEM_IM2COL:
-        from .smem_im2col import MAX_TAPS  # noqa: PLC0415
+        from .smem_im2col import MAX_SLICES, MAX_TAPS, N_TILES  # noqa: PLC0415
 
-        extra = dict(max_taps=MAX_TAPS)
+        extra = dict(max_taps=MAX_TAPS, n_tiles=N_TILES, max_slices=MAX_SLICES)
     return tmpl.render(
         c=config,
         version=__version__,

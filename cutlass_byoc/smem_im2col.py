@@ -26,6 +26,15 @@ activations but ReLU6, any output type); no bias-vector epilogue, no split.
 dgrad of a stride-1 conv whose dy rows are not 16-byte multiples (the odd 7->33 layer's K=33) is the same kernel on
 `gathered(problem)`: the fprop of dy with the filter rotated 180 degrees and K and C swapped (gathered per element
 when a CTA stages its filter tile), padding dilation * (R - 1) - pad, written to dx; a residual source, no bias.
+
+wgrad of such a conv (the stem's: C=3, K=64) is the template's second kernel: the GEMM dw[k, t] = sum_pixel dy[pixel,
+k] * x_patch[pixel, t], whose reduction runs over the output pixels. A CTA walks pixel tiles as the fprop does,
+copying each tile's dy rows (16-byte cp.async: K a multiple of 8) and input patch into shared memory; dy is read once
+(the 3.x wgrad on the stem's space-to-depth fold streamed it once per filter tap: 120 us at batch 32 on the H100,
+against ~18 us of compulsory traffic). Its fp32 sums stay in registers for all its tiles and go to one slice of an
+fp32 workspace; a second kernel adds the slices in order (deterministic) into dw in any output type. For wgrad the
+config's warps are (along channels, along taps, along the tile's pixels), each warp holding N_TILES n8 tiles of taps,
+align_a = 8 (dy's copies), align_b = align_c = 1; no epilogue (alpha only), no activation.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from typing import Iterator, Optional
 
 from .config import KernelConfig, LaunchConfig
 from .problem import ALIGNMENTS, Conv2dProblem, max_alignment
-from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, SplitKMode, StrideSupport
+from .types import Activation, ConvKind, DType, IteratorAlgorithm, KernelFamily, SourceKind, SplitKMode, StrideSupport
 
 #: The most taps R*S*C a kernel reduces over (its filter tile, tile channels x this, stays in shared memory).
 MAX_TAPS = 512
@@ -60,6 +69,26 @@ SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 16, 16, 8, 1),
     (16, 16, 16, 8, 1),
 )
+#: wgrad's (rows, cols, channels, warps along channels, along taps, along the tile's pixels): a warp holds N_TILES n8
+#: tiles of taps, so a CTA covers warps-along-taps x 40 taps (160 for the stem's 147; the taps are covered by blocks of
+#: that many) and all its channels, reading each gathered x element once.
+WGRAD_SHAPES: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (8, 16, 64, 1, 4, 2),
+    (16, 16, 64, 1, 4, 2),
+    (8, 16, 64, 1, 4, 1),
+    (16, 16, 64, 1, 4, 1),
+    (8, 8, 64, 1, 4, 2),
+    (8, 16, 64, 2, 4, 1),
+    (8, 16, 64, 1, 2, 2),
+    (8, 16, 32, 1, 4, 2),
+)
+#: n8 tiles of taps a wgrad warp holds sums for (kNTiles in the template).
+N_TILES = 5
+#: The most fp32 slices a wgrad launch writes (one per CTA along the pixels; the workspace does not depend on the
+#: device: two CTAs on each of 132 SMs).
+MAX_SLICES = 264
+#: dy elements per copy (16 bytes of f16/bf16): wgrad takes K a multiple of this.
+DY_VEC = 8
 #: Shared memory a CTA may have on sm_90 (opt-in).
 SMEM_LIMIT = 227 * 1024
 H200_SMS = 132
@@ -73,12 +102,12 @@ LAUNCH_US = 3.0
 
 def static_error(c: KernelConfig) -> Optional[str]:
     """Why an SMEM_IM2COL config cannot be a kernel (called from KernelConfig.static_error)."""
-    if c.kind not in (ConvKind.FPROP, ConvKind.DGRAD):
-        return f"kind: the shared-memory im2col family computes fprop and stride-1 dgrad, got {c.kind.value}"
     if c.element_a.bits != 16:
         return f"element_a: the shared-memory im2col family is built for f16/bf16 inputs (mma.sync), got {c.element_a.value}"
     if c.element_acc is not DType.F32:
         return f"element_acc: the shared-memory im2col family accumulates in f32, got {c.element_acc.value}"
+    if c.kind is ConvKind.WGRAD:
+        return _wgrad_static_error(c)
     rows, cols, n = c.tile
     wm, wn, wk = c.warps
     if wk != 1 or wm < 1 or wn < 1 or (rows * cols) % (16 * wm) or n % (8 * wn):
@@ -108,9 +137,43 @@ def static_error(c: KernelConfig) -> Optional[str]:
     return None
 
 
+def _wgrad_static_error(c: KernelConfig) -> Optional[str]:
+    rows, cols, n = c.tile
+    wm, wn, wr = c.warps
+    if min(wm, wn, wr) < 1 or n % (16 * wm) or (rows * cols) % (16 * wr):
+        return (f"tile {c.tile} / warps {c.warps}: wgrad's warps (along channels, taps, pixels) need whole m16 tiles of "
+                "channels and whole k16 steps of pixels")
+    if wm * wn * wr > 8:
+        return f"warps {c.warps}: at most 8 warps"
+    if c.stages != 1:
+        return f"stages: the shared-memory im2col kernel stages one patch per tile, expected 1, got {c.stages}"
+    if (c.align_a, c.align_b, c.align_c) != (DY_VEC, 1, 1):
+        return (f"align_a, align_b, align_c: wgrad copies dy {DY_VEC} elements at a time and reads x and writes dw per "
+                f"element, expected ({DY_VEC}, 1, 1), got ({c.align_a}, {c.align_b}, {c.align_c})")
+    if c.split_k_mode is not SplitKMode.SERIAL:
+        return "split_k_mode: the shared-memory im2col wgrad splits the pixels by itself (leave SERIAL)"
+    if c.activation is not Activation.IDENTITY:
+        return f"activation: wgrad has no epilogue, got {c.activation.value}"
+    if c.element_bias is not None:
+        return "element_bias: wgrad has no epilogue"
+    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.prefetch, c.lowering) != \
+            (None, (1, 1, 1), None, None, None, None, None, None):
+        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks, prefetch and lowering are other "
+                "families' fields")
+    if (c.iterator, c.stride_support, c.swizzle) != (IteratorAlgorithm.OPTIMIZED, StrideSupport.UNITY, 1):
+        return "iterator, stride_support and swizzle: the shared-memory im2col family has none (leave the defaults)"
+    return None
+
+
+def taps_per_cta(c: KernelConfig) -> int:
+    """Taps a wgrad CTA holds sums for (warps along taps x N_TILES n8 tiles)."""
+    return c.warps[1] * N_TILES * 8
+
+
 def gathered(p: Conv2dProblem) -> Conv2dProblem:
     """The fprop the kernel computes for `p`: `p` itself, or for a stride-1 dgrad the fprop of dy (K channels in, C
-    out) with padding dilation * (R - 1) - pad (problem_error refuses a dgrad whose padding is past that)."""
+    out) with padding dilation * (R - 1) - pad (problem_error refuses a dgrad whose padding is past that). A wgrad is
+    itself too (its patches are x's, as the fprop's)."""
     if p.kind is not ConvKind.DGRAD:
         return p
     return p.replace(kind=ConvKind.FPROP, h=p.p, w=p.q, c=p.k, k=p.c,
@@ -133,6 +196,11 @@ def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
     rows, cols, n = c.tile
     taps = p.r * p.s * p.c
     ph, pw = patch_dims(c, p)
+    if c.kind is ConvKind.WGRAD:  # the template's wgrad smem_layout
+        dy = rows * cols * (n + 8) * 2
+        sums = n * (taps_per_cta(c) + 4) * 4
+        zero = ((p.r - 1) * p.dilation_h * pw + (p.s - 1) * p.dilation_w + 1) * p.c
+        return r16(max(2 * dy, sums)) + 2 * r16(ph * pw * p.c * 2) + 2 * r16(rows * cols * 4) + r16(zero * 2)
     filt = r16(n * (r16(taps) + 8) * 2)
     table = r16(r16(taps) * 4)
     acc = rows * cols * (n + 4) * 4
@@ -141,8 +209,12 @@ def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
 
 def problem_error(p: Conv2dProblem) -> Optional[str]:
     """Why the family does not take `p` whatever the config (None if it does)."""
-    if p.kind not in (ConvKind.FPROP, ConvKind.DGRAD):
-        return f"kind: the shared-memory im2col family computes fprop and stride-1 dgrad, got {p.kind.value}"
+    if p.kind is ConvKind.WGRAD:
+        if p.k % DY_VEC:
+            return f"channels: wgrad copies dy {DY_VEC} channels at a time, K={p.k} is not a multiple"
+        if p.epilogue.source is not SourceKind.NONE or p.epilogue.activation is not Activation.IDENTITY \
+                or p.epilogue.bias_vector:
+            return "epilogue: the shared-memory im2col wgrad has none (no source, no activation)"
     dgrad = p.kind is ConvKind.DGRAD
     if dgrad:
         if (p.stride_h, p.stride_w) != (1, 1):
@@ -168,7 +240,7 @@ def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     if why:
         return why
     out_channels = gathered(p).k
-    if out_channels % c.align_c:
+    if p.kind is not ConvKind.WGRAD and out_channels % c.align_c:
         return (f"alignment: the output's channel extent {out_channels} is not a multiple of the kernel's alignment "
                 f"{c.align_c}")
     overflow = p.int32_overflow
@@ -185,7 +257,8 @@ def name(c: KernelConfig) -> str:
     parts = [
         "cb_im2colsm", c.kind.value,
         f"{c.element_a.value}{c.element_b.value}_{c.element_out.value}_acc{c.element_acc.value}",
-        f"t{rows}x{cols}x{n}_w{c.warps[0]}x{c.warps[1]}", f"align{c.align_a}{c.align_b}{c.align_c}",
+        f"t{rows}x{cols}x{n}_w{c.warps[0]}x{c.warps[1]}" + (f"x{c.warps[2]}" if c.kind is ConvKind.WGRAD else ""),
+        f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
     if c.activation is not Activation.IDENTITY:
         parts.append(c.activation.value)
@@ -194,13 +267,24 @@ def name(c: KernelConfig) -> str:
 
 
 def output_alignment(p: Conv2dProblem) -> int:
-    """The widest output access the output's channels allow (K for fprop, C for dgrad; at most 16 bytes)."""
+    """The widest output access the output's channels allow (K for fprop, C for dgrad; at most 16 bytes; wgrad
+    writes dw per element)."""
+    if p.kind is ConvKind.WGRAD:
+        return 1
     return max_alignment(gathered(p).k, p.element_out)
 
 
-def config(problem: Conv2dProblem, shape: tuple[int, int, int, int, int] = SHAPES[0], arch: int = 90) -> KernelConfig:
-    rows, cols, n, wm, wn = shape
+def config(problem: Conv2dProblem, shape: Optional[tuple[int, ...]] = None, arch: int = 90) -> KernelConfig:
+    """The config of `shape` (one of SHAPES, or of WGRAD_SHAPES for a wgrad; the first by default) for `problem`."""
     p = problem
+    if p.kind is ConvKind.WGRAD:
+        rows, cols, n, wm, wn, wr = shape or WGRAD_SHAPES[0]
+        return KernelConfig(
+            family=KernelFamily.SMEM_IM2COL, kind=p.kind, element_a=p.element_a, element_b=p.element_b,
+            element_out=p.element_out, element_acc=p.element_acc, tile=(rows, cols, n), warps=(wm, wn, wr), stages=1,
+            align_a=DY_VEC, align_b=1, align_c=1, arch=arch,
+        )
+    rows, cols, n, wm, wn = shape or SHAPES[0]
     return KernelConfig(
         family=KernelFamily.SMEM_IM2COL, kind=p.kind, element_a=p.element_a, element_b=p.element_b,
         element_out=p.element_out, element_acc=p.element_acc, tile=(rows, cols, n), warps=(wm, wn, 1), stages=1,
@@ -213,7 +297,7 @@ def smem_im2col_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
     if problem_error(problem) is not None or problem.epilogue.activation is Activation.RELU6 \
             or problem.epilogue.bias_vector or problem.element_acc is not DType.F32:
         return
-    for shape in SHAPES:
+    for shape in WGRAD_SHAPES if problem.kind is ConvKind.WGRAD else SHAPES:
         try:
             yield config(problem, shape)
         except ValueError:
@@ -226,6 +310,8 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     ldmatrix per two n8 tiles and one mma per tile pair; ~80 per 8-channel output vector in the epilogue; ~20 per
     patch element (the halo counts); against the compulsory bytes at DRAM speed. It ranks the family's configs among
     themselves (measured: 8x16x64 with 4x2 warps 76 us, 16x16x64 with 8x1 warps 64 us, on the stem)."""
+    if problem.kind is ConvKind.WGRAD:
+        return _wgrad_estimate_us(problem, launch, sms)
     c, p = launch.kernel, gathered(problem)
     rows, cols, n = c.tile
     wm, wn, _ = c.warps
@@ -242,3 +328,27 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     written = p.n * p.p * p.q * p.k * p.element_out.nbytes * (2 if p.epilogue.source.has_residual else 1)
     memory_us = (p.n * p.h * p.w * p.c * p.element_a.nbytes + written) / (DRAM_GBS * 1e9) * 1e6
     return max(memory_us, compute_us) + LAUNCH_US
+
+
+def _wgrad_estimate_us(p: Conv2dProblem, launch: LaunchConfig, sms: int) -> float:
+    """wgrad's instructions at the same issue rate: per k16 step and warp, an ldmatrix per m16 tile, two corner loads
+    and, per n8 tile of taps (of the warps with a tap under R*S*C), 4 gathered loads, 3 to pack them and an mma per m16 tile; ~20 per patch element and
+    4 per 16-byte dy copy; against the compulsory bytes (dy and x once, the slices written and read back) at DRAM
+    speed, plus the reduction's launch. An estimate to rank the configs, not measured yet."""
+    c = launch.kernel
+    rows, cols, n = c.tile
+    wm, wn, wr = c.warps
+    taps = p.r * p.s * p.c
+    mt = n // wm // 16
+    tiles = p.n * math.ceil(p.p / rows) * math.ceil(p.q / cols)
+    blocks = math.ceil(p.k / n) * math.ceil(taps / taps_per_cta(c))
+    ksteps = rows * cols // 16 // wr
+    ph, pw = patch_dims(c, p)
+    live_warps = min(wn, math.ceil(min(taps, taps_per_cta(c)) / (N_TILES * 8)))
+    kloop = tiles * blocks * wm * live_warps * wr * ksteps * (mt + 2 + N_TILES * (7 + mt) + 4)
+    copies = tiles * blocks * (ph * pw * p.c * 20 + rows * cols * n // DY_VEC * 4) / 32
+    compute_us = (kloop + copies) / (sms * ISSUE_RATE * CLOCK_GHZ * 1e3)
+    slices = min(tiles, MAX_SLICES, sms * (2 if wm * wn * wr <= 4 else 1))
+    moved = (p.n * p.p * p.q * p.k + p.n * p.h * p.w * p.c) * p.element_a.nbytes + 2 * slices * p.k * taps * 4
+    memory_us = moved / (DRAM_GBS * 1e9) * 1e6
+    return max(memory_us, compute_us) + 2 * LAUNCH_US

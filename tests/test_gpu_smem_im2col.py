@@ -2,8 +2,10 @@
 channels on every config the family has for the RGB stem, then across types (bf16, fp32 output), channel counts
 (C = 1, 3, 5, 7; K not a multiple of 8 or of the channel tile), filters, strides, paddings, dilation, odd image
 sizes and batch 1, and with the fused epilogues (bias, residual, the activations); stride-1 dgrad of few dy
-channels (the odd layer's, dilation, bf16 into fp32, a residual) as the fprop of dy. Against the float64 reference
-on fresh random inputs, outputs poisoned (NaN) first.
+channels (the odd layer's, dilation, bf16 into fp32, a residual) as the fprop of dy; wgrad of few input channels on
+every wgrad config for the stem, then across types, output types, channel and tap blocks, strides, dilation and
+partial tiles, and with an Inf in x that only pixels past P and Q would read. Against the float64 reference on
+fresh random inputs, outputs poisoned (NaN) first.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ torch = pytest.importorskip("torch")
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.profiler.plan import plan_problem  # noqa: E402
-from cutlass_byoc.smem_im2col import SHAPES, config, smem_im2col_candidates  # noqa: E402
+from cutlass_byoc.smem_im2col import SHAPES, WGRAD_SHAPES, config, smem_im2col_candidates  # noqa: E402
 from cutlass_byoc.types import Activation, KernelFamily, SourceKind  # noqa: E402
 
 import layers  # noqa: E402
@@ -49,6 +51,21 @@ CASES = {
     "dgrad_residual": layers.odd("dgrad", n=2, epilogue=Epilogue(source=SourceKind.RESIDUAL)),
 }
 
+#: (name, problem): wgrad of few input channels (the stem's as training runs it: f16 in, fp32 out).
+WGRAD_CASES = {
+    "stem_f16_out": layers.stem("wgrad", n=BATCH),
+    "stem_bf16_f32_out": layers.stem("wgrad", n=BATCH, dtype="bf16", out_dtype="f32"),
+    "stem_bf16": layers.stem("wgrad", n=BATCH, dtype="bf16"),
+    "stem_batch1": layers.stem("wgrad", n=1, out_dtype="f32"),
+    "c3_k96_two_blocks": Conv2dProblem.make("wgrad", 2, 3, 33, 35, 96, 7, stride=2, padding=3, out_dtype="f32"),
+    "c7_343_taps_three_blocks": Conv2dProblem.make("wgrad", 2, 7, 29, 27, 16, 7, padding=3, out_dtype="f32"),
+    "c1_5x5_dil2": Conv2dProblem.make("wgrad", 2, 1, 31, 29, 24, 5, padding=4, dilation=2, out_dtype="f32"),
+    "c5_3x3_s3_odd": Conv2dProblem.make("wgrad", 3, 5, 17, 19, 40, 3, stride=3, out_dtype="f32"),
+    "c3_1x1": Conv2dProblem.make("wgrad", 2, 3, 9, 11, 16, 1, out_dtype="f32"),
+    "c6_rect_s2x1": Conv2dProblem.make("wgrad", 2, 6, 20, 23, 64, 3, 5, stride=(2, 1), padding=(1, 2)),
+    "c3_stem_no_pad": Conv2dProblem.make("wgrad", 2, 3, 45, 47, 64, 7, stride=2, out_dtype="f32"),
+}
+
 EPILOGUES = {
     "bias_relu": Epilogue(Activation.RELU, SourceKind.BIAS),
     "residual": Epilogue(source=SourceKind.RESIDUAL),
@@ -57,6 +74,13 @@ EPILOGUES = {
     "hardswish": Epilogue(Activation.HARDSWISH),
     "sigmoid_residual": Epilogue(Activation.SIGMOID, SourceKind.RESIDUAL),
 }
+
+
+#: The stem's wgrad as training runs it (fp32 weight gradients), a batch of BATCH.
+WGRAD_STEM = layers.stem("wgrad", n=BATCH, out_dtype="f32")
+#: 10x10 in, 3x3 stride 2 without padding: 4x4 out, and x's last row and column read by no output pixel (but by the
+#: pixels past P and Q of a kernel's tile).
+INF_WGRAD = Conv2dProblem.make("wgrad", 2, 3, 10, 10, 16, 3, stride=2, out_dtype="f32")
 
 
 def epilogue_problem(name: str) -> Conv2dProblem:
@@ -75,6 +99,9 @@ def used_configs():
     out += [config(epilogue_problem(e)) for e in EPILOGUES]
     out += [config(stem(out_dtype="f32", epilogue=EPILOGUES["bias_relu"]))]
     out += [config(stem()).with_alignments(1, 1, 1)]  # the misaligned output's narrowing
+    out += [c for c in smem_im2col_candidates(WGRAD_STEM)]
+    out += [config(p) for p in WGRAD_CASES.values()]
+    out += [config(INF_WGRAD)]
     return list(dict.fromkeys(out))
 
 
@@ -129,4 +156,35 @@ def test_misaligned_output_runs_a_narrower_kernel():
     assert launch.kernel.align_c == 8
     ops.run_problem(p, a, b, out, None, config=launch)
     torch.cuda.synchronize()
+    assert rel_err(out, ref) < TOLERANCE[p.element_out]
+
+
+@pytest.mark.parametrize("i", range(len(WGRAD_SHAPES)))
+def test_every_wgrad_config_on_the_stem(i):
+    launches = [LaunchConfig(c) for c in smem_im2col_candidates(WGRAD_STEM)]
+    assert len(launches) == len(WGRAD_SHAPES)
+    check_launch(WGRAD_STEM, launches[i], seed=1000 + i)
+
+
+@pytest.mark.parametrize("case", list(WGRAD_CASES))
+def test_wgrad_types_channels_taps_and_strides(case):
+    p = WGRAD_CASES[case]
+    check_launch(p, LaunchConfig(config(p)), seed=1100 + list(WGRAD_CASES).index(case))
+
+
+def test_wgrad_pixels_past_the_output_add_nothing_whatever_x_holds():
+    """x's last row and column hold Inf, read by no output pixel: the reference does not see them, and neither may the
+    kernel (its tile's pixels past P and Q read a zero window, not the patch)."""
+    from cutlass_byoc import ops  # noqa: PLC0415
+    from gpu_util import TOLERANCE, epilogue_operands, poisoned_output, rel_err  # noqa: PLC0415
+
+    p = INF_WGRAD
+    assert (p.p, p.q) == (4, 4)
+    a, b, _, _, ref = epilogue_operands(p, 1200)
+    b[:, :, 9, :] = float("inf")
+    b[:, :, :, 9] = float("inf")
+    out = poisoned_output(p)
+    ops.run_problem(p, a, b, out, None, config=LaunchConfig(config(p)))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[p.element_out]

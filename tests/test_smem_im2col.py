@@ -1,5 +1,6 @@
 """The shared-memory im2col family (cutlass_byoc/smem_im2col.py) on the CPU: its configs and rules, what the planner
-offers it, its rendered source, and one real sm_90a kernel compiled and asked through its host-side API."""
+offers it, its rendered source, and real sm_90a kernels (fprop, dgrad, wgrad) compiled and asked through their
+host-side API."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import SMEM_IM2COL_BUDGET, plan_problem
 from cutlass_byoc.render import render
-from cutlass_byoc.smem_im2col import MAX_TAPS, SHAPES, config, smem_bytes, smem_im2col_candidates
+from cutlass_byoc.smem_im2col import (MAX_SLICES, MAX_TAPS, SHAPES, WGRAD_SHAPES, config, smem_bytes,
+                                      smem_im2col_candidates)
 from cutlass_byoc.types import Activation, DType, KernelFamily, SourceKind
 
 from compile_util import loaded_kernel, raw_can_implement  # noqa: E402
@@ -39,7 +41,8 @@ def test_output_accesses_follow_k():
     (STEM.replace(c=8), "channels: C=8"),
     (Conv2dProblem.make("fprop", 2, 3, 32, 32, 16, 7, dtype="f32"), "element_a"),
     (Conv2dProblem.make("dgrad", 2, 3, 32, 32, 16, 7, stride=2, padding=3), "stride 1 only"),
-    (Conv2dProblem.make("wgrad", 2, 3, 32, 32, 16, 7, padding=3), "fprop and stride-1 dgrad"),
+    (Conv2dProblem.make("wgrad", 2, 3, 32, 32, 12, 7, padding=3), "K=12 is not a multiple"),
+    (Conv2dProblem.make("wgrad", 2, 8, 32, 32, 16, 7, padding=3), "channels: C=8"),
     (Conv2dProblem.make("dgrad", 2, 7, 32, 32, 33, 3, padding=3), "past dilation * (R - 1)"),
     (Conv2dProblem.make("dgrad", 2, 7, 32, 32, 32, 3, padding=1), "channels: K=32"),
     (Conv2dProblem.make("fprop", 2, 7, 32, 32, 16, 9), f"past the family's {MAX_TAPS} taps"),
@@ -160,3 +163,72 @@ def test_dgrad_kernel_compiles_and_checks_its_problem(shared_cache):
     assert "stride" in raw_can_implement(lib, dgrad.replace(stride_h=2, stride_w=2, h=40, w=48))
     assert "no bias" in raw_can_implement(lib, dgrad, source_kind=1, source=0x50000)
     assert "padding" in raw_can_implement(lib, dgrad.replace(pad_h=3, pad_w=3, h=16, w=20))
+
+
+# ------------------------------------------------------------------------------------------------------------ wgrad
+#: The stem's wgrad as autocast training runs it: f16 dy and x, the weight gradient stored in fp32.
+STEM_WGRAD = STEM.replace(kind=STEM.kind.WGRAD, element_out=DType.F32)
+
+
+def test_wgrad_configs_for_the_stem():
+    cs = list(smem_im2col_candidates(STEM_WGRAD))
+    assert len(cs) == len(WGRAD_SHAPES) and len({c.name for c in cs}) == len(cs)
+    for c, shape in zip(cs, WGRAD_SHAPES):
+        assert c.reject_reason(STEM_WGRAD) is None and KernelConfig.from_dict(c.to_dict()) == c
+        assert (c.align_a, c.align_b, c.align_c) == (8, 1, 1) and c.warps == shape[3:]
+        assert c.name.startswith("cb_im2colsm_wgrad_f16f16_f32_accf32_t")
+    assert cs[0].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_sm90"
+    # the fprop's names are unchanged by the third warp count (their kernels stay in the cache)
+    assert config(STEM).name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_sm90"
+
+
+def test_wgrad_rules_name_the_parameter():
+    c = config(STEM_WGRAD)
+    for change, why in [(dict(align_a=1), "align_a, align_b, align_c"), (dict(align_c=4), "align_c"),
+                        (dict(activation=Activation.RELU), "no epilogue"), (dict(warps=(1, 4, 4)), "at most 8 warps"),
+                        (dict(tile=(8, 16, 40)), "whole m16 tiles"), (dict(warps=(1, 4, 3)), "k16 steps"),
+                        (dict(stages=2), "stages")]:
+        with pytest.raises(ValueError, match=why):
+            dataclasses.replace(c, **change)
+    from cutlass_byoc.smem_im2col import problem_error  # noqa: PLC0415
+
+    biased = STEM_WGRAD.replace(epilogue=Epilogue(source=SourceKind.RESIDUAL))
+    assert "epilogue" in problem_error(biased) and not list(smem_im2col_candidates(biased))
+    # taps past one CTA's (160) are covered by blocks of taps; past MAX_TAPS the patch is refused
+    big = Conv2dProblem.make("wgrad", 2, 7, 40, 40, 16, 7, padding=3)
+    assert big.r * big.s * big.c == 343 and config(big).reject_reason(big) is None
+    assert "taps" in problem_error(Conv2dProblem.make("wgrad", 2, 7, 40, 40, 16, 9, padding=4))
+
+
+def test_the_planner_times_the_wgrad_kernels_on_the_stem():
+    ours = [c.launch for c in plan_problem(STEM_WGRAD).candidates
+            if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
+    assert len(ours) == min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES)) and all(not l.padded for l in ours)
+    assert all(l.kernel.kind is STEM_WGRAD.kind for l in ours)
+
+
+def test_wgrad_source_gathers_x_and_reduces_slices_in_order():
+    c = config(STEM_WGRAD)
+    src = render(c, "nvcc ...")
+    assert src.startswith(f"// {c.name}\n") and "// Compile: nvcc ..." in src
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src and "cp.async.cg.shared.global" in src
+    assert "reduce_slices_kernel" in src and f"kMaxSlices = {MAX_SLICES}" in src
+    assert "using ElementOutput = float;" in src
+
+
+@pytest.mark.compile
+def test_wgrad_kernel_compiles_and_checks_its_problem(shared_cache):
+    p = STEM_WGRAD.replace(n=2, h=40, w=48)
+    cfg = config(p)
+    result = build([cfg], cache=shared_cache)[cfg]
+    src, lib = loaded_kernel(result, cfg, p)
+    tiles = 2 * -(-20 // 8) * -(-24 // 16)  # P=20, Q=24 in 8x16 tiles
+    assert lib.workspace_size(p) == min(tiles, MAX_SLICES) * 64 * 147 * 4
+    assert raw_can_implement(lib, p) is None
+    assert "K=12" in raw_can_implement(lib, p, fields={"k": 12})
+    assert "no epilogue source" in raw_can_implement(lib, p, source_kind=2, source=0x50000)
+    assert "split_k_slices" in raw_can_implement(lib, p, slices=2)
+    assert "taps" in raw_can_implement(lib, p, fields={"c": 11, "r": 7, "s": 7})
+    huge = p.replace(c=5, r=5, s=5, pad_h=2, pad_w=2, dilation_h=40, dilation_w=40, h=512, w=512)
+    assert smem_bytes(cfg, huge) > 227 * 1024 and "shared memory" in cfg.reject_reason(huge)
+    assert "shared memory" in raw_can_implement(lib, huge)
