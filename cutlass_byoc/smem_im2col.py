@@ -34,11 +34,13 @@ copying each tile's dy rows (16-byte cp.async: K a multiple of 8) and input patc
 against ~18 us of compulsory traffic). Its fp32 sums stay in registers for all its tiles and go to one slice of an
 fp32 workspace; a second kernel adds the slices in order (deterministic) into dw in any output type. For wgrad the
 config's warps are (along channels, along taps, along the tile's pixels), each warp holding N_TILES n8 tiles of taps,
-align_a = 8 (dy's copies), align_b = align_c = 1; no epilogue (alpha only), no activation.
+align_a = 8 (dy's copies), align_b = align_c = 1, and `prefetch` (None, or the patch elements a thread loads ahead:
+`prefetch_twin`); no epilogue (alpha only), no activation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterator, Optional
 
@@ -89,6 +91,8 @@ N_TILES = 5
 MAX_SLICES = 264
 #: dy elements per copy (16 bytes of f16/bf16): wgrad takes K a multiple of this.
 DY_VEC = 8
+#: The most patch elements a wgrad thread loads ahead into registers (KernelConfig.prefetch, `prefetch_twin`).
+MAX_PREFETCH = 16
 #: Shared memory a CTA may have on sm_90 (opt-in).
 SMEM_LIMIT = 227 * 1024
 H200_SMS = 132
@@ -156,13 +160,28 @@ def _wgrad_static_error(c: KernelConfig) -> Optional[str]:
         return f"activation: wgrad has no epilogue, got {c.activation.value}"
     if c.element_bias is not None:
         return "element_bias: wgrad has no epilogue"
-    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.prefetch, c.lowering) != \
-            (None, (1, 1, 1), None, None, None, None, None, None):
-        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks, prefetch and lowering are other "
-                "families' fields")
+    if c.prefetch is not None and not 1 <= c.prefetch <= MAX_PREFETCH:
+        return f"prefetch: patch elements a thread loads ahead, 1 to {MAX_PREFETCH} (or None), got {c.prefetch}"
+    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.lowering) != \
+            (None, (1, 1, 1), None, None, None, None, None):
+        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks and lowering are other families' "
+                "fields")
     if (c.iterator, c.stride_support, c.swizzle) != (IteratorAlgorithm.OPTIMIZED, StrideSupport.UNITY, 1):
         return "iterator, stride_support and swizzle: the shared-memory im2col family has none (leave the defaults)"
     return None
+
+
+def prefetch_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
+    """The wgrad config `c` with the next tile's patch loaded into registers before a tile's arithmetic (KernelConfig
+    .prefetch: enough elements a thread for `p`'s whole patch, at most MAX_PREFETCH), or None where `c` has it or is no
+    wgrad. Without it every warp waits for the next patch's global loads at the tile's end (one CTA of 8 warps per SM
+    at 250 registers a thread has no other CTA to run meanwhile); with it the loads are in flight during the
+    arithmetic, for up to MAX_PREFETCH more registers. The model cannot tell which wins: the tuner times both."""
+    if c.kind is not ConvKind.WGRAD or c.prefetch is not None:
+        return None
+    ph, pw = patch_dims(c, p)
+    threads = c.warps[0] * c.warps[1] * c.warps[2] * 32
+    return dataclasses.replace(c, prefetch=min(MAX_PREFETCH, -(-ph * pw * p.c // threads)))
 
 
 def taps_per_cta(c: KernelConfig) -> int:
@@ -260,6 +279,8 @@ def name(c: KernelConfig) -> str:
         f"t{rows}x{cols}x{n}_w{c.warps[0]}x{c.warps[1]}" + (f"x{c.warps[2]}" if c.kind is ConvKind.WGRAD else ""),
         f"align{c.align_a}{c.align_b}{c.align_c}",
     ]
+    if c.prefetch:
+        parts.append(f"pf{c.prefetch}")
     if c.activation is not Activation.IDENTITY:
         parts.append(c.activation.value)
     parts.append(f"sm{c.arch}")
@@ -299,9 +320,13 @@ def smem_im2col_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
         return
     for shape in WGRAD_SHAPES if problem.kind is ConvKind.WGRAD else SHAPES:
         try:
-            yield config(problem, shape)
+            c = config(problem, shape)
         except ValueError:
             continue
+        yield c
+        twin = prefetch_twin(c, problem)
+        if twin is not None:
+            yield twin
 
 
 def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:

@@ -232,8 +232,10 @@ def plan_problem(
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
+            by_family.pop(_IM2COL_AHEAD, None)
         side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
         side += _twins_of(side, by_family.pop(_COLS_AHEAD, []), "prefetch")
+        side += _twins_of(side, by_family.pop(_IM2COL_AHEAD, []), "prefetch")
         side += _twins_of(side, by_family.pop(_COLS_CAPPED, []), "min_blocks")
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
@@ -322,6 +324,7 @@ _PINGPONG = "sm90 ping-pong"
 _COLS = "depthwise cols"
 _COLS_AHEAD = "depthwise cols, prefetch twins"
 _COLS_CAPPED = "depthwise cols fprop/dgrad, register-capped twins"
+_IM2COL_AHEAD = "shared-memory im2col wgrad, patch prefetch twins"
 _CLUSTER = "depthwise wgrad, cluster split"
 _GEMM_WAVE = "GEMM 1x1, whole-wave tiles"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
@@ -342,11 +345,12 @@ def _side_budgets(max_candidates: int, problem: Conv2dProblem) -> dict:
 
 
 def _twins_of(side: list, twins: list, field: str) -> list:
-    """The twins (`twins` as _rank_families lists them) of the "cols" kernels in `side` that differ from them in
-    `field` alone: each kernel the cols budget takes is timed beside its prefetch twin ("prefetch":
+    """The twins (`twins` as _rank_families lists them) of the kernels in `side` that differ from them in `field`
+    alone: each kernel the depthwise cols budget takes is timed beside its prefetch twin ("prefetch":
     depthwise.prefetch_variant, loads two rows ahead) and, for fprop / dgrad, its register-capped twin
-    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM); the model cannot
-    tell which wins (more loads in flight, or more warps)."""
+    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM); each shared-memory
+    im2col wgrad beside its prefetch twin (smem_im2col.prefetch_twin, the next patch loaded during the arithmetic).
+    The model cannot tell which wins (more loads in flight, or more warps)."""
     taken = {t[1] for t in side}
     return [t for t in twins if dataclasses.replace(t[1], **{field: None}) in taken]
 
@@ -368,6 +372,8 @@ def _family_key(kernel: KernelConfig):
             return _COLS_AHEAD if kernel.prefetch else _COLS
         if is_wide_strip(kernel):
             return _WIDE
+    if kernel.family is KernelFamily.SMEM_IM2COL and kernel.prefetch:
+        return _IM2COL_AHEAD
     return kernel.family
 
 

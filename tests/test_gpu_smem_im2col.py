@@ -51,19 +51,14 @@ CASES = {
     "dgrad_residual": layers.odd("dgrad", n=2, epilogue=Epilogue(source=SourceKind.RESIDUAL)),
 }
 
-#: (name, problem): wgrad of few input channels (the stem's as training runs it: f16 in, fp32 out).
+#: (name, problem): wgrad of few input channels: the stem in the other types (WGRAD_STEM, fp32 out, runs every config),
+#: then layers.SMEM_WGRAD_CASES.
 WGRAD_CASES = {
     "stem_f16_out": layers.stem("wgrad", n=BATCH),
     "stem_bf16_f32_out": layers.stem("wgrad", n=BATCH, dtype="bf16", out_dtype="f32"),
     "stem_bf16": layers.stem("wgrad", n=BATCH, dtype="bf16"),
     "stem_batch1": layers.stem("wgrad", n=1, out_dtype="f32"),
-    "c3_k96_two_blocks": Conv2dProblem.make("wgrad", 2, 3, 33, 35, 96, 7, stride=2, padding=3, out_dtype="f32"),
-    "c7_343_taps_three_blocks": Conv2dProblem.make("wgrad", 2, 7, 29, 27, 16, 7, padding=3, out_dtype="f32"),
-    "c1_5x5_dil2": Conv2dProblem.make("wgrad", 2, 1, 31, 29, 24, 5, padding=4, dilation=2, out_dtype="f32"),
-    "c5_3x3_s3_odd": Conv2dProblem.make("wgrad", 3, 5, 17, 19, 40, 3, stride=3, out_dtype="f32"),
-    "c3_1x1": Conv2dProblem.make("wgrad", 2, 3, 9, 11, 16, 1, out_dtype="f32"),
-    "c6_rect_s2x1": Conv2dProblem.make("wgrad", 2, 6, 20, 23, 64, 3, 5, stride=(2, 1), padding=(1, 2)),
-    "c3_stem_no_pad": Conv2dProblem.make("wgrad", 2, 3, 45, 47, 64, 7, stride=2, out_dtype="f32"),
+    **layers.SMEM_WGRAD_CASES,
 }
 
 EPILOGUES = {
@@ -78,9 +73,7 @@ EPILOGUES = {
 
 #: The stem's wgrad as training runs it (fp32 weight gradients), a batch of BATCH.
 WGRAD_STEM = layers.stem("wgrad", n=BATCH, out_dtype="f32")
-#: 10x10 in, 3x3 stride 2 without padding: 4x4 out, and x's last row and column read by no output pixel (but by the
-#: pixels past P and Q of a kernel's tile).
-INF_WGRAD = Conv2dProblem.make("wgrad", 2, 3, 10, 10, 16, 3, stride=2, out_dtype="f32")
+INF_WGRAD = layers.INF_WGRAD
 
 
 def epilogue_problem(name: str) -> Conv2dProblem:
@@ -159,10 +152,10 @@ def test_misaligned_output_runs_a_narrower_kernel():
     assert rel_err(out, ref) < TOLERANCE[p.element_out]
 
 
-@pytest.mark.parametrize("i", range(len(WGRAD_SHAPES)))
+@pytest.mark.parametrize("i", range(2 * len(WGRAD_SHAPES)))  # each shape and its prefetch twin
 def test_every_wgrad_config_on_the_stem(i):
     launches = [LaunchConfig(c) for c in smem_im2col_candidates(WGRAD_STEM)]
-    assert len(launches) == len(WGRAD_SHAPES)
+    assert len(launches) == 2 * len(WGRAD_SHAPES)
     check_launch(WGRAD_STEM, launches[i], seed=1000 + i)
 
 

@@ -13,7 +13,7 @@ from cutlass_byoc.config import KernelConfig, LaunchConfig
 from cutlass_byoc.problem import Conv2dProblem, Epilogue
 from cutlass_byoc.profiler.plan import SMEM_IM2COL_BUDGET, plan_problem
 from cutlass_byoc.render import render
-from cutlass_byoc.smem_im2col import (MAX_SLICES, MAX_TAPS, SHAPES, WGRAD_SHAPES, config, smem_bytes,
+from cutlass_byoc.smem_im2col import (MAX_PREFETCH, MAX_SLICES, MAX_TAPS, SHAPES, WGRAD_SHAPES, config, smem_bytes,
                                       smem_im2col_candidates)
 from cutlass_byoc.types import Activation, DType, KernelFamily, SourceKind
 
@@ -171,13 +171,21 @@ STEM_WGRAD = STEM.replace(kind=STEM.kind.WGRAD, element_out=DType.F32)
 
 
 def test_wgrad_configs_for_the_stem():
+    """Each shape, then its prefetch twin: enough patch elements a thread for the tile's whole patch (21 x 37 x 3 for
+    8 x 16 pixels at stride 2: 10 a thread of 256), at most MAX_PREFETCH."""
     cs = list(smem_im2col_candidates(STEM_WGRAD))
-    assert len(cs) == len(WGRAD_SHAPES) and len({c.name for c in cs}) == len(cs)
-    for c, shape in zip(cs, WGRAD_SHAPES):
-        assert c.reject_reason(STEM_WGRAD) is None and KernelConfig.from_dict(c.to_dict()) == c
-        assert (c.align_a, c.align_b, c.align_c) == (8, 1, 1) and c.warps == shape[3:]
-        assert c.name.startswith("cb_im2colsm_wgrad_f16f16_f32_accf32_t")
+    assert len(cs) == 2 * len(WGRAD_SHAPES) and len({c.name for c in cs}) == len(cs)
+    plain, twins = cs[0::2], cs[1::2]
+    for c, twin, shape in zip(plain, twins, WGRAD_SHAPES):
+        for k in (c, twin):
+            assert k.reject_reason(STEM_WGRAD) is None and KernelConfig.from_dict(k.to_dict()) == k
+            assert (k.align_a, k.align_b, k.align_c) == (8, 1, 1) and k.warps == shape[3:]
+            assert k.name.startswith("cb_im2colsm_wgrad_f16f16_f32_accf32_t")
+        threads = 32 * shape[3] * shape[4] * shape[5]
+        ph, pw = (shape[0] - 1) * 2 + 7, (shape[1] - 1) * 2 + 7
+        assert c.prefetch is None and twin == dataclasses.replace(c, prefetch=min(MAX_PREFETCH, -(-ph * pw * 3 // threads)))
     assert cs[0].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_sm90"
+    assert cs[1].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_pf10_sm90"
     # the fprop's names are unchanged by the third warp count (their kernels stay in the cache)
     assert config(STEM).name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_sm90"
 
@@ -187,7 +195,7 @@ def test_wgrad_rules_name_the_parameter():
     for change, why in [(dict(align_a=1), "align_a, align_b, align_c"), (dict(align_c=4), "align_c"),
                         (dict(activation=Activation.RELU), "no epilogue"), (dict(warps=(1, 4, 4)), "at most 8 warps"),
                         (dict(tile=(8, 16, 40)), "whole m16 tiles"), (dict(warps=(1, 4, 3)), "k16 steps"),
-                        (dict(stages=2), "stages")]:
+                        (dict(stages=2), "stages"), (dict(prefetch=17), "prefetch"), (dict(prefetch=0), "prefetch")]:
         with pytest.raises(ValueError, match=why):
             dataclasses.replace(c, **change)
     from cutlass_byoc.smem_im2col import problem_error  # noqa: PLC0415
@@ -201,10 +209,13 @@ def test_wgrad_rules_name_the_parameter():
 
 
 def test_the_planner_times_the_wgrad_kernels_on_the_stem():
+    """The family's budget of plain kernels, each beside its prefetch twin (which the model cannot rank)."""
     ours = [c.launch for c in plan_problem(STEM_WGRAD).candidates
             if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
-    assert len(ours) == min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES)) and all(not l.padded for l in ours)
+    plain = [l for l in ours if l.kernel.prefetch is None]
+    assert len(plain) == min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES)) and all(not l.padded for l in ours)
     assert all(l.kernel.kind is STEM_WGRAD.kind for l in ours)
+    assert {dataclasses.replace(l.kernel, prefetch=None) for l in ours if l.kernel.prefetch} == {l.kernel for l in plain}
 
 
 def test_wgrad_source_gathers_x_and_reduces_slices_in_order():

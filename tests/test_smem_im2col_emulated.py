@@ -1,0 +1,105 @@
+"""The shared-memory im2col kernels' own source, run on the CPU (tests/emulate_cuda.py: g++, the CUDA launch model and
+the inline-PTX helpers emulated) against float64 PyTorch, outputs poisoned with NaN. The fprop and dgrad kernels,
+verified on the GPU (tests/test_gpu_smem_im2col.py), check the emulation of mma.sync and ldmatrix; then the wgrad
+kernel on every config for a small stem, across types, output types, channel blocks, tap blocks, strides, dilation and
+partial tiles, with x's Inf read only by pixels past P and Q, and on one workspace slice. Index arithmetic without a
+GPU; test_gpu_smem_im2col.py runs the same cases on the H200."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import emulate_cuda  # noqa: E402
+import layers  # noqa: E402
+from cutlass_byoc.problem import Conv2dProblem  # noqa: E402
+from cutlass_byoc.smem_im2col import WGRAD_SHAPES, config, smem_im2col_candidates  # noqa: E402
+
+from gpu_util import TOLERANCE, TORCH  # noqa: E402
+
+pytestmark = [pytest.mark.compile,
+              pytest.mark.skipif(emulate_cuda.skip_reason() is not None, reason=str(emulate_cuda.skip_reason()))]
+
+
+def operands(p: Conv2dProblem, seed: int):
+    """(a, b, float64 reference) of `p` on fresh random operands (channels_last, as the kernels read them)."""
+    g = torch.Generator().manual_seed(seed)
+    cl, dt = torch.channels_last, TORCH[p.element_a]
+    x = torch.randn(p.n, p.c, p.h, p.w, generator=g).to(dt).contiguous(memory_format=cl)
+    w = torch.randn(p.k, p.c, p.r, p.s, generator=g).to(dt).contiguous(memory_format=cl)
+    dy = torch.randn(p.n, p.k, p.p, p.q, generator=g).to(dt).contiguous(memory_format=cl)
+    geo = dict(stride=(p.stride_h, p.stride_w), padding=(p.pad_h, p.pad_w), dilation=(p.dilation_h, p.dilation_w))
+    if p.kind.value == "fprop":
+        return x, w, torch.nn.functional.conv2d(x.double(), w.double(), None, **geo)
+    if p.kind.value == "dgrad":
+        return dy, w, torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), **geo)
+    return dy, x, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), **geo)
+
+
+def check(p: Conv2dProblem, cfg, seed: int = 0, operands_of=operands, **run):
+    a, b, ref = operands_of(p, seed)
+    out = torch.full(ref.shape, float("nan"), dtype=TORCH[p.element_out]).contiguous(memory_format=torch.channels_last)
+    emulate_cuda.run(cfg, p, a, b, out, **run)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert not math.isnan(err), f"{cfg.name}: NaN in the output of {p.name}"
+    assert err < TOLERANCE[p.element_out], f"{cfg.name} on {p.name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("p", [
+    Conv2dProblem.make("fprop", 1, 3, 20, 20, 16, 7, stride=2, padding=3),
+    Conv2dProblem.make("dgrad", 1, 7, 13, 11, 33, 3, padding=1),
+], ids=["stem_fprop", "odd_dgrad"])
+def test_the_gpu_verified_kernels_check_the_emulation(p):
+    check(p, config(p), seed=1)
+
+
+#: The stem's wgrad at a small size, fp32 weight gradients as training stores them.
+SMALL_STEM = Conv2dProblem.make("wgrad", 2, 3, 30, 34, 64, 7, stride=2, padding=3, out_dtype="f32")
+
+
+@pytest.mark.parametrize("i", range(2 * len(WGRAD_SHAPES)))  # each shape and its prefetch twin
+def test_every_wgrad_config_on_a_small_stem(i):
+    cfgs = list(smem_im2col_candidates(SMALL_STEM))
+    assert len(cfgs) == 2 * len(WGRAD_SHAPES)
+    check(SMALL_STEM, cfgs[i], seed=10 + i)
+
+
+WGRAD_CASES = {
+    "f16_out": SMALL_STEM.replace(element_out=SMALL_STEM.element_a),
+    "bf16_f32_out": Conv2dProblem.make("wgrad", 2, 3, 30, 34, 64, 7, stride=2, padding=3, dtype="bf16",
+                                       out_dtype="f32"),
+    "bf16": Conv2dProblem.make("wgrad", 2, 3, 30, 34, 64, 7, stride=2, padding=3, dtype="bf16"),
+    **layers.SMEM_WGRAD_CASES,
+}
+
+
+@pytest.mark.parametrize("case", list(WGRAD_CASES))
+def test_wgrad_types_channels_taps_and_strides(case):
+    p = WGRAD_CASES[case]
+    check(p, config(p), seed=30 + list(WGRAD_CASES).index(case))
+
+
+def test_wgrad_pixels_past_the_output_add_nothing_whatever_x_holds():
+    """10x10 in, 3x3 stride 2 without padding: 4x4 out, and x's last row and column (Inf here) read by no output
+    pixel, but by the pixels past P and Q of the kernel's 8x16 tile, which must read a zero window instead."""
+    p = layers.INF_WGRAD
+
+    def with_inf(problem, seed):
+        a, b, ref = operands(problem, seed)
+        b[:, :, -1, :] = float("inf")
+        b[:, :, :, -1] = float("inf")
+        return a, b, ref
+
+    check(p, config(p), seed=50, operands_of=with_inf)
+
+
+def test_wgrad_on_one_workspace_slice_and_on_none():
+    """A workspace of one slice: one CTA walks every pixel tile (the same sums); none: an error naming it."""
+    p = SMALL_STEM.replace(n=1)
+    slice_bytes = p.k * p.r * p.s * p.c * 4
+    check(p, config(p), seed=60, workspace_bytes=slice_bytes)
+    with pytest.raises(RuntimeError, match="workspace"):
+        check(p, config(p), seed=60, workspace_bytes=slice_bytes - 4)
