@@ -145,8 +145,8 @@ def _wgrad_static_error(c: KernelConfig) -> Optional[str]:
     rows, cols, n = c.tile
     wm, wn, wr = c.warps
     if min(wm, wn, wr) < 1 or n % (16 * wm) or (rows * cols) % (16 * wr):
-        return (f"tile {c.tile} / warps {c.warps}: wgrad's warps (along channels, taps, pixels) need whole m16 tiles of "
-                "channels and whole k16 steps of pixels")
+        return (f"tile {c.tile} / warps {c.warps}: wgrad's warps (along channels, taps, pixels) need whole m16 "
+                "tiles of channels and whole k16 steps of pixels")
     if wm * wn * wr > 8:
         return f"warps {c.warps}: at most 8 warps"
     if c.stages != 1:
@@ -175,7 +175,7 @@ def prefetch_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
     """The wgrad config `c` with the next tile's patch loaded into registers before a tile's arithmetic (KernelConfig
     .prefetch: enough elements a thread for `p`'s whole patch, at most MAX_PREFETCH), or None where `c` has it or is no
     wgrad. Without it every warp waits for the next patch's global loads at the tile's end (one CTA of 8 warps per SM
-    at 250 registers a thread has no other CTA to run meanwhile); with it the loads are in flight during the
+    at 254 registers a thread has no other CTA to run meanwhile); with it the loads are in flight during the
     arithmetic, for up to MAX_PREFETCH more registers. The model cannot tell which wins: the tuner times both."""
     if c.kind is not ConvKind.WGRAD or c.prefetch is not None:
         return None
@@ -356,10 +356,11 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
 
 
 def _wgrad_estimate_us(p: Conv2dProblem, launch: LaunchConfig, sms: int) -> float:
-    """wgrad's instructions at the same issue rate: per k16 step and warp, an ldmatrix per m16 tile, two corner loads
-    and, per n8 tile of taps (of the warps with a tap under R*S*C), 4 gathered loads, 3 to pack them and an mma per m16 tile; ~20 per patch element and
-    4 per 16-byte dy copy; against the compulsory bytes (dy and x once, the slices written and read back) at DRAM
-    speed, plus the reduction's launch. An estimate to rank the configs, not measured yet."""
+    """wgrad's instructions at the same issue rate: per k16 step and warp (of the warps with a tap under R*S*C), an
+    ldmatrix per m16 tile, two corner loads and, per n8 tile of taps, 4 gathered loads, 3 to pack them and an mma per
+    m16 tile; ~20 per patch element and 4 per 16-byte dy copy; against the compulsory bytes (dy and x once, the slices
+    written and read back) at DRAM speed, plus the reduction's launch. An estimate to rank the configs, not measured
+    yet."""
     c = launch.kernel
     rows, cols, n = c.tile
     wm, wn, wr = c.warps

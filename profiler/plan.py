@@ -12,9 +12,10 @@ Kernel families:
   of the budget instead of competing on estimates the model cannot make for it.
 - 1x1 stride-1 convs as CUTLASS 3.x GEMMs (`cutlass_byoc.gemm1x1.gemm1x1_candidates`): joins the same way; it
   yields configs for 1x1 stride-1 unpadded problems only. Its stream-K kernels also take split-k slice counts.
-- the shared-memory im2col kernels (`cutlass_byoc.smem_im2col.smem_im2col_candidates`): fprop of few input channels
-  (the RGB stem) only, timed on a budget of their own (SMEM_IM2COL_BUDGET) like the depthwise side budgets: the
-  model cannot rank its gathered reduction against the implicit-GEMM kernels'.
+- the shared-memory im2col kernels (`cutlass_byoc.smem_im2col.smem_im2col_candidates`): fprop and wgrad of few input
+  channels (the RGB stem) and stride-1 dgrad of few dy channels only, timed on a budget of their own
+  (SMEM_IM2COL_BUDGET) like the depthwise side budgets: the model cannot rank its gathered reduction against the
+  implicit-GEMM kernels'. Each wgrad kernel taken comes with its prefetch twin.
 
 Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
 few slice counts the model ranks best for each problem (`heuristics.launch_slices`: 2.x kernels, and the sm90

@@ -221,7 +221,8 @@ def _emulate_dynamic_launches(src: str) -> str:
             depth += {"(": 1, ")": -1}.get(src[j], 0)
             j += 1
         assert src[j] == ";", src[m.start():j + 1]
-        out += src[pos:m.start()] + f"emu_launch_dyn({grid}, {block}, {smem}, [&] {{ {m.group(1)}({src[args_start:j - 1]}); }});"
+        call = f"{m.group(1)}({src[args_start:j - 1]});"
+        out += src[pos:m.start()] + f"emu_launch_dyn({grid}, {block}, {smem}, [&] {{ {call} }});"
         pos = j + 1
     return out + src[pos:]
 
@@ -269,7 +270,8 @@ def emulated_source(config) -> str:
 
     src = render(config, "g++ (CPU emulation)").replace("#include <cuda_runtime.h>", PRELUDE)
     if "extern __shared__" in src:  # the shared-memory im2col kernels: dynamic shared memory, inline-PTX helpers
-        src = src.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_dyn_smem;")
+        src = src.replace("extern __shared__ __align__(16) unsigned char smem[];",
+                          "unsigned char* smem = emu_dyn_smem;")
         for name, body in WARP_HELPERS.items():
             src = _replace_function(src, name, body)
         return _emulate_dynamic_launches(src)

@@ -183,7 +183,8 @@ def test_wgrad_configs_for_the_stem():
             assert k.name.startswith("cb_im2colsm_wgrad_f16f16_f32_accf32_t")
         threads = 32 * shape[3] * shape[4] * shape[5]
         ph, pw = (shape[0] - 1) * 2 + 7, (shape[1] - 1) * 2 + 7
-        assert c.prefetch is None and twin == dataclasses.replace(c, prefetch=min(MAX_PREFETCH, -(-ph * pw * 3 // threads)))
+        ahead = min(MAX_PREFETCH, -(-ph * pw * 3 // threads))
+        assert c.prefetch is None and twin == dataclasses.replace(c, prefetch=ahead)
     assert cs[0].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_sm90"
     assert cs[1].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_pf10_sm90"
     # the fprop's names are unchanged by the third warp count (their kernels stay in the cache)
@@ -215,7 +216,8 @@ def test_the_planner_times_the_wgrad_kernels_on_the_stem():
     plain = [l for l in ours if l.kernel.prefetch is None]
     assert len(plain) == min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES)) and all(not l.padded for l in ours)
     assert all(l.kernel.kind is STEM_WGRAD.kind for l in ours)
-    assert {dataclasses.replace(l.kernel, prefetch=None) for l in ours if l.kernel.prefetch} == {l.kernel for l in plain}
+    twins = {dataclasses.replace(l.kernel, prefetch=None) for l in ours if l.kernel.prefetch}
+    assert twins == {l.kernel for l in plain}
 
 
 def test_wgrad_source_gathers_x_and_reduces_slices_in_order():
