@@ -103,3 +103,37 @@ def test_wgrad_on_one_workspace_slice_and_on_none():
     check(p, config(p), seed=60, workspace_bytes=slice_bytes)
     with pytest.raises(RuntimeError, match="workspace"):
         check(p, config(p), seed=60, workspace_bytes=slice_bytes - 4)
+
+
+def random_wgrad(seed: int):
+    """(problem, config): a random wgrad the family takes (C 1-7, K a multiple of 8 up to 128, filters up to 7x7,
+    stride up to 3, dilation up to 2, any padding under the filter, odd sizes, f16/bf16 in, fp32 or the input's type
+    out) and one of its configs, drawn from `seed`."""
+    import random  # noqa: PLC0415
+
+    from cutlass_byoc.config import LaunchConfig  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    while True:
+        c, k = rng.choice([1, 2, 3, 5, 6, 7]), rng.choice([8, 16, 24, 40, 64, 72, 96, 128])
+        r, s = rng.randint(1, 7), rng.randint(1, 7)
+        dil = (rng.choice([1, 1, 2]), rng.choice([1, 1, 2]))
+        dt = rng.choice(["f16", "bf16"])
+        try:
+            p = Conv2dProblem.make("wgrad", rng.randint(1, 3), c, rng.randint(max(r * dil[0], 3), 40),
+                                   rng.randint(max(s * dil[1], 3), 40), k, r, s,
+                                   stride=(rng.randint(1, 3), rng.randint(1, 3)),
+                                   padding=(rng.randint(0, r - 1), rng.randint(0, s - 1)), dilation=dil, dtype=dt,
+                                   out_dtype=rng.choice([dt, "f32"]))
+        except ValueError:
+            continue
+        cfgs = [cfg for cfg in smem_im2col_candidates(p) if LaunchConfig(cfg).reject_reason(p) is None]
+        if cfgs:
+            return p, rng.choice(cfgs)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_wgrad_random_shapes(seed):
+    """Random problems and configs (session 35 also ran 40 other random ones once: none failed)."""
+    p, cfg = random_wgrad(seed)
+    check(p, cfg, seed=seed)
