@@ -34,8 +34,10 @@ copying each tile's dy rows (16-byte cp.async: K a multiple of 8) and input patc
 against ~18 us of compulsory traffic). Its fp32 sums stay in registers for all its tiles and go to one slice of an
 fp32 workspace; a second kernel adds the slices in order (deterministic) into dw in any output type. For wgrad the
 config's warps are (along channels, along taps, along the tile's pixels), each warp holding N_TILES n8 tiles of taps,
-align_a = 8 (dy's copies), align_b = align_c = 1, and `prefetch` (None, or the patch elements a thread loads ahead:
-`prefetch_twin`); no epilogue (alpha only), no activation.
+align_a = 8 (dy's copies), align_b = align_c = 1; no epilogue (alpha only), no activation.
+
+Every config of the family comes with its prefetch twin (`prefetch_twin`, KernelConfig.prefetch: the next tile's patch
+loaded into registers during the current tile's arithmetic), timed beside it.
 """
 
 from __future__ import annotations
@@ -132,10 +134,17 @@ def static_error(c: KernelConfig) -> Optional[str]:
         return "activation relu6: only the depthwise family fuses the ReLU6 clamp"
     if c.element_bias is not None:
         return "element_bias: no bias-vector epilogue in the smem_im2col family (the bias is read as the source)"
-    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.prefetch, c.lowering) != \
-            (None, (1, 1, 1), None, None, None, None, None, None):
-        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks, prefetch and lowering are other "
-                "families' fields")
+    return _common_static_error(c)
+
+
+def _common_static_error(c: KernelConfig) -> Optional[str]:
+    """The rules every kind's config shares: the prefetch count, and the other families' fields left alone."""
+    if c.prefetch is not None and not 1 <= c.prefetch <= MAX_PREFETCH:
+        return f"prefetch: patch elements a thread loads ahead, 1 to {MAX_PREFETCH} (or None), got {c.prefetch}"
+    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.lowering) != \
+            (None, (1, 1, 1), None, None, None, None, None):
+        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks and lowering are other families' "
+                "fields")
     if (c.iterator, c.stride_support, c.swizzle) != (IteratorAlgorithm.OPTIMIZED, StrideSupport.UNITY, 1):
         return "iterator, stride_support and swizzle: the shared-memory im2col family has none (leave the defaults)"
     return None
@@ -160,25 +169,19 @@ def _wgrad_static_error(c: KernelConfig) -> Optional[str]:
         return f"activation: wgrad has no epilogue, got {c.activation.value}"
     if c.element_bias is not None:
         return "element_bias: wgrad has no epilogue"
-    if c.prefetch is not None and not 1 <= c.prefetch <= MAX_PREFETCH:
-        return f"prefetch: patch elements a thread loads ahead, 1 to {MAX_PREFETCH} (or None), got {c.prefetch}"
-    if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.lowering) != \
-            (None, (1, 1, 1), None, None, None, None, None):
-        return ("schedule, cluster, filter_rs, conv_stride, halo_smem, min_blocks and lowering are other families' "
-                "fields")
-    if (c.iterator, c.stride_support, c.swizzle) != (IteratorAlgorithm.OPTIMIZED, StrideSupport.UNITY, 1):
-        return "iterator, stride_support and swizzle: the shared-memory im2col family has none (leave the defaults)"
-    return None
+    return _common_static_error(c)
 
 
 def prefetch_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
-    """The wgrad config `c` with the next tile's patch loaded into registers before a tile's arithmetic (KernelConfig
-    .prefetch: enough elements a thread for `p`'s whole patch, at most MAX_PREFETCH), or None where `c` has it or is no
-    wgrad. Without it every warp waits for the next patch's global loads at the tile's end (one CTA of 8 warps per SM
-    at 254 registers a thread has no other CTA to run meanwhile); with it the loads are in flight during the
-    arithmetic, for up to MAX_PREFETCH more registers. The model cannot tell which wins: the tuner times both."""
-    if c.kind is not ConvKind.WGRAD or c.prefetch is not None:
+    """`c` with the next tile's patch loaded into registers before a tile's arithmetic (KernelConfig.prefetch: enough
+    elements a thread for `p`'s whole patch, at most MAX_PREFETCH), or None where `c` has it already. Without it every
+    warp loads the next patch after its share of the arithmetic and waits for it at the tile's end (the 8-warp wgrad
+    kernels, one CTA per SM at 254 registers a thread, have no other CTA to run meanwhile; the fprop's 2-3 CTAs per SM
+    hide part of it); with it the loads are in flight during the mma's, for up to MAX_PREFETCH more registers (the
+    fprop's register cap counts them: fewer CTAs per SM). The model cannot tell which wins: the tuner times both."""
+    if c.prefetch is not None:
         return None
+    p = gathered(p)
     ph, pw = patch_dims(c, p)
     threads = c.warps[0] * c.warps[1] * c.warps[2] * 32
     return dataclasses.replace(c, prefetch=min(MAX_PREFETCH, -(-ph * pw * p.c // threads)))

@@ -1,5 +1,5 @@
 """The shared-memory im2col family (issue 11, part 3: the stem and odd channels) on the H200: fprop of few input
-channels on every config the family has for the RGB stem, then across types (bf16, fp32 output), channel counts
+channels on every config the family has for the RGB stem (each shape and its prefetch twin), then across types (bf16, fp32 output), channel counts
 (C = 1, 3, 5, 7; K not a multiple of 8 or of the channel tile), filters, strides, paddings, dilation, odd image
 sizes and batch 1, and with the fused epilogues (bias, residual, the activations); stride-1 dgrad of few dy
 channels (the odd layer's, dilation, bf16 into fp32, a residual) as the fprop of dy; wgrad of few input channels on
@@ -110,10 +110,10 @@ def test_the_planner_times_the_family_on_the_stem():
     assert ours and all(not l.padded for l in ours)
 
 
-@pytest.mark.parametrize("i", range(len(SHAPES)))
+@pytest.mark.parametrize("i", range(2 * len(SHAPES)))  # each shape and its prefetch twin
 def test_every_config_on_the_stem(i):
     launches = shape_launches()
-    assert len(launches) == len(SHAPES)
+    assert len(launches) == 2 * len(SHAPES)
     check_launch(stem(), launches[i], seed=700 + i)
 
 

@@ -24,12 +24,16 @@ ODD = Conv2dProblem.make("fprop", 32, 7, 56, 56, 33, 3, padding=1)
 
 
 def test_every_shape_is_a_valid_config_for_the_stem():
+    """Each shape, then its prefetch twin (the stem's 8 x 16 tile: a patch of 21 x 37 x 3, 10 elements a thread)."""
     cs = list(smem_im2col_candidates(STEM))
-    assert len(cs) == len(SHAPES) and len({c.name for c in cs}) == len(cs)
+    assert len(cs) == 2 * len(SHAPES) and len({c.name for c in cs}) == len(cs)
     for c in cs:
         assert c.family is KernelFamily.SMEM_IM2COL and c.reject_reason(STEM) is None
         assert c.name.startswith("cb_im2colsm_fprop_f16f16_f16_accf32_t") and c.align_c == 8
         assert KernelConfig.from_dict(c.to_dict()) == c
+    assert [c.prefetch is None for c in cs] == [True, False] * len(SHAPES)
+    assert all(twin == dataclasses.replace(c, prefetch=twin.prefetch) for c, twin in zip(cs[0::2], cs[1::2]))
+    assert cs[1].name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_pf10_sm90"
 
 
 def test_output_accesses_follow_k():
@@ -78,12 +82,15 @@ def test_shared_memory_limit_refuses_a_patch_too_large():
 
 
 def test_the_planner_times_the_unpadded_family_on_a_budget_of_its_own():
+    """SMEM_IM2COL_BUDGET kernels of the family, each beside its prefetch twin."""
     plan = plan_problem(STEM)
     ours = [c.launch for c in plan.candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
-    assert len(ours) == SMEM_IM2COL_BUDGET
+    plain = {l.kernel for l in ours if l.kernel.prefetch is None}
+    assert len(plain) == SMEM_IM2COL_BUDGET and len(ours) == 2 * SMEM_IM2COL_BUDGET
+    assert {dataclasses.replace(l.kernel, prefetch=None) for l in ours if l.kernel.prefetch} == plain
     assert all(not l.padded for l in ours)  # its padded or folded twins only cost more
     others = [c for c in plan.candidates if c.launch.kernel.family is not KernelFamily.SMEM_IM2COL]
-    assert len(others) == len(plan_problem(STEM, max_candidates=8).candidates) - SMEM_IM2COL_BUDGET
+    assert len(others) == len(plan_problem(STEM, max_candidates=8).candidates) - 2 * SMEM_IM2COL_BUDGET
     assert not [c for c in plan_problem(STEM.replace(c=8)).candidates
                 if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
 
@@ -147,7 +154,8 @@ def test_stride_1_dgrad_is_the_fprop_of_dy():
     assert (gd.pad_h, gd.pad_w, gd.p, gd.q) == (2, 2, 23, 21)  # 2 * (3 - 1) - 2
     cs = list(smem_im2col_candidates(dgrad))
     assert cs and all(c.kind is dgrad.kind and c.align_c == 1 and c.reject_reason(dgrad) is None for c in cs)
-    ours = [c for c in plan_problem(dgrad).candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
+    ours = [c for c in plan_problem(dgrad).candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL
+            and c.launch.kernel.prefetch is None]  # (each beside its prefetch twin)
     assert len(ours) == SMEM_IM2COL_BUDGET
     assert {c.launch.kernel.tile[2] for c in ours[:2]} == {16}  # 7 output channels: the narrow tiles first
 

@@ -1,9 +1,10 @@
 """The shared-memory im2col kernels' own source, run on the CPU (tests/emulate_cuda.py: g++, the CUDA launch model and
 the inline-PTX helpers emulated) against float64 PyTorch, outputs poisoned with NaN. The fprop and dgrad kernels,
-verified on the GPU (tests/test_gpu_smem_im2col.py), check the emulation of mma.sync and ldmatrix; then the wgrad
-kernel on every config for a small stem, across types, output types, channel blocks, tap blocks, strides, dilation and
-partial tiles, with x's Inf read only by pixels past P and Q, and on one workspace slice. Index arithmetic without a
-GPU; test_gpu_smem_im2col.py runs the same cases on the H200."""
+verified on the GPU (tests/test_gpu_smem_im2col.py), check the emulation of mma.sync and ldmatrix; their prefetch
+twins (not yet on a GPU) follow; then the wgrad kernel on every config for a small stem, across types, output types,
+channel blocks, tap blocks, strides, dilation and partial tiles, with x's Inf read only by pixels past P and Q, on one
+workspace slice, and on random problems. Index arithmetic without a GPU; test_gpu_smem_im2col.py runs the same
+cases on the H200."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ torch = pytest.importorskip("torch")
 import emulate_cuda  # noqa: E402
 import layers  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem  # noqa: E402
-from cutlass_byoc.smem_im2col import WGRAD_SHAPES, config, smem_im2col_candidates  # noqa: E402
+from cutlass_byoc.smem_im2col import SHAPES, WGRAD_SHAPES, config, smem_im2col_candidates  # noqa: E402
 
 from gpu_util import TOLERANCE, TORCH  # noqa: E402
 
@@ -54,6 +55,19 @@ def check(p: Conv2dProblem, cfg, seed: int = 0, operands_of=operands, **run):
 ], ids=["stem_fprop", "odd_dgrad"])
 def test_the_gpu_verified_kernels_check_the_emulation(p):
     check(p, config(p), seed=1)
+
+
+@pytest.mark.parametrize("p", [
+    Conv2dProblem.make("fprop", 1, 3, 30, 34, 64, 7, stride=2, padding=3),
+    Conv2dProblem.make("dgrad", 1, 7, 13, 11, 33, 3, padding=1),
+], ids=["stem_fprop", "odd_dgrad"])
+def test_fprop_and_dgrad_prefetch_twins(p):
+    """Every prefetch twin of the problem's configs (the next tile's patch loaded into registers during the
+    arithmetic; where the patch is larger than MAX_PREFETCH elements a thread, the rest after it)."""
+    twins = [c for c in smem_im2col_candidates(p) if c.prefetch]
+    assert len(twins) == len(SHAPES)
+    for i, cfg in enumerate(twins):
+        check(p, cfg, seed=70 + i)
 
 
 #: The stem's wgrad at a small size, fp32 weight gradients as training stores them.
