@@ -366,9 +366,10 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
         if (blk, pad_c, pad_k) == (1, 1, 1):  # few input channels, read as they are
             from .smem_im2col import smem_im2col_candidates  # noqa: PLC0415
 
-            # not the wgrad kernel: verified on the CPU emulation only, never timed on a GPU (no device in session
-            # 35), so the default keeps the stem's measured fold; the tuner times and verifies it like any candidate
-            kernels += [k for k in smem_im2col_candidates(kp) if k.kind is not ConvKind.WGRAD]
+            # neither the wgrad kernel nor the prefetch twins: verified on the CPU emulation only, never timed on a
+            # GPU (no device in session 35), so the default keeps the measured kernels (the stem's wgrad its fold);
+            # the tuner times and verifies them like any candidate
+            kernels += [k for k in smem_im2col_candidates(kp) if k.kind is not ConvKind.WGRAD and k.prefetch is None]
         # the sm90 split-k wgrads of the conv as it is: slice counts within one wave (`one_wave_slices`)
         ranked = rank(kp, kernels, sms, one_wave=(blk, pad_c, pad_k) == (1, 1, 1))
         if not ranked:
