@@ -109,11 +109,12 @@ inline void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
       for (auto& th : ts) th.join();
     }
 }
-// A launch with dynamic shared memory: a buffer per block, every byte 0xFF first (NaN in any float type).
+// A <<<grid, block, bytes, stream>>> launch: `bytes` of dynamic shared memory, every byte 0xFF first (NaN in any float
+// type), shared by the blocks, which run one after another.
 inline void emu_launch_dyn(dim3 grid, dim3 block, size_t bytes, std::function<void()> body) {
   std::vector<unsigned char> buf(bytes ? bytes : 1, 0xFF);
   emu_dyn_smem = buf.data();
-  emu_launch(grid, block, [&] { body(); });
+  emu_launch(grid, block, body);
   emu_dyn_smem = nullptr;
 }
 #define cudaFuncSetAttribute(...) (cudaSuccess)
@@ -207,10 +208,11 @@ def _split_top_level(text: str) -> list[str]:
     return parts + [cur.strip()]
 
 
-def _emulate_dynamic_launches(src: str) -> str:
-    """`kernel<<<grid, block, bytes, s>>>(args);` with any expressions -> emu_launch_dyn (a per-block buffer)."""
-    out, pos = "", 0
-    for m in re.finditer(r"(\w+)<<<", src):
+def _emulate_launches(src: str) -> tuple[str, int]:
+    """Every `kernel<<<grid, block, bytes, s>>>(args);` (a template kernel's `kernel<N>` too, any expressions) ->
+    emu_launch_dyn; and how many there were."""
+    out, pos, n = "", 0, 0
+    for m in re.finditer(r"(\w+(?:<\w+>)?)<<<", src):
         if m.start() < pos:
             continue
         close = src.index(">>>(", m.end())
@@ -223,8 +225,8 @@ def _emulate_dynamic_launches(src: str) -> str:
         assert src[j] == ";", src[m.start():j + 1]
         call = f"{m.group(1)}({src[args_start:j - 1]});"
         out += src[pos:m.start()] + f"emu_launch_dyn({grid}, {block}, {smem}, [&] {{ {call} }});"
-        pos = j + 1
-    return out + src[pos:]
+        pos, n = j + 1, n + 1
+    return out + src[pos:], n
 
 
 def cuda_include_dir() -> Optional[Path]:
@@ -269,14 +271,11 @@ def emulated_source(config) -> str:
     from cutlass_byoc.render import render  # noqa: PLC0415
 
     src = render(config, "g++ (CPU emulation)").replace("#include <cuda_runtime.h>", PRELUDE)
-    if "extern __shared__" in src:  # the shared-memory im2col kernels: dynamic shared memory, inline-PTX helpers
-        src = src.replace("extern __shared__ __align__(16) unsigned char smem[];",
-                          "unsigned char* smem = emu_dyn_smem;")
-        for name, body in WARP_HELPERS.items():
-            src = _replace_function(src, name, body)
-        return _emulate_dynamic_launches(src)
-    src, launches = re.subn(r"(\w+(?:<\w+>)?)<<<([^,]+), ([^,]+), 0, s>>>\((.*?)\);",  # kernel<N> too
-                            r"emu_launch(\2, \3, [&] { \1(\4); });", src)
+    # the shared-memory im2col kernels: dynamic shared memory, inline-PTX helpers (neither in the depthwise kernels)
+    src = src.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_dyn_smem;")
+    for name, body in WARP_HELPERS.items():
+        src = _replace_function(src, name, body)
+    src, launches = _emulate_launches(src)
     assert launches or "cudaLaunchKernelEx" in src, "no kernel launch found in the rendered source"
     return src
 
