@@ -122,8 +122,6 @@ def static_error(c: KernelConfig) -> Optional[str]:
         return f"tile {c.tile} / warps {c.warps}: a warp's channels must be an even number of n8 tiles (ldmatrix.x4 reads two)"
     if wm * wn > 8:
         return f"warps {c.warps}: at most 8 warps"
-    if c.stages != 1:
-        return f"stages: the shared-memory im2col kernel stages one patch per tile, expected 1, got {c.stages}"
     if c.align_a != 1 or c.align_b != 1:
         return f"align_a, align_b: x and w are read per element, expected 1, got {c.align_a}, {c.align_b}"
     if c.align_c not in ALIGNMENTS or c.align_c * c.element_out.bits > 128 or n % c.align_c:
@@ -138,7 +136,9 @@ def static_error(c: KernelConfig) -> Optional[str]:
 
 
 def _common_static_error(c: KernelConfig) -> Optional[str]:
-    """The rules every kind's config shares: the prefetch count, and the other families' fields left alone."""
+    """The rules every kind's config shares: one stage, the prefetch count, and the other families' fields left alone."""
+    if c.stages != 1:
+        return f"stages: the shared-memory im2col kernel stages one patch per tile, expected 1, got {c.stages}"
     if c.prefetch is not None and not 1 <= c.prefetch <= MAX_PREFETCH:
         return f"prefetch: patch elements a thread loads ahead, 1 to {MAX_PREFETCH} (or None), got {c.prefetch}"
     if (c.schedule, c.cluster, c.filter_rs, c.conv_stride, c.halo_smem, c.min_blocks, c.lowering) != \
@@ -158,8 +158,6 @@ def _wgrad_static_error(c: KernelConfig) -> Optional[str]:
                 "tiles of channels and whole k16 steps of pixels")
     if wm * wn * wr > 8:
         return f"warps {c.warps}: at most 8 warps"
-    if c.stages != 1:
-        return f"stages: the shared-memory im2col kernel stages one patch per tile, expected 1, got {c.stages}"
     if (c.align_a, c.align_b, c.align_c) != (DY_VEC, 1, 1):
         return (f"align_a, align_b, align_c: wgrad copies dy {DY_VEC} elements at a time and reads x and writes dw per "
                 f"element, expected ({DY_VEC}, 1, 1), got ({c.align_a}, {c.align_b}, {c.align_c})")
