@@ -49,7 +49,8 @@ std::mutex emu_atomic_mutex;
 // Warp collectives (WARP_HELPERS): a barrier per warp and a scratch area where the lanes leave their registers
 struct EmuWarp { std::barrier<>* bar = nullptr; uint32_t regs[32][8]; const void* ptr[32]; };
 EmuWarp emu_warps[32];
-unsigned char* emu_dyn_smem = nullptr;  // the running block's dynamic shared memory
+unsigned char* emu_dyn_smem = nullptr;  // the running block's dynamic shared memory (emu_launch_dyn)
+size_t emu_dyn_bytes = 0;
 inline int emu_tid() {
   return int(emu_threadIdx.x + emu_blockDim.x * (emu_threadIdx.y + emu_blockDim.y * emu_threadIdx.z));
 }
@@ -94,6 +95,7 @@ inline void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
       unsigned const threads = block.x * block.y * block.z;
       std::barrier<> bar(threads);
       emu_barrier = &bar;
+      if (emu_dyn_smem) std::memset(emu_dyn_smem, 0xFF, emu_dyn_bytes);  // no block sees another's leftovers
       std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
       for (unsigned w = 0; w * 32 < threads && w < 32; ++w) {
         warp_bars.emplace_back(new std::barrier<>(std::ptrdiff_t(std::min(32u, threads - 32 * w))));
@@ -109,11 +111,12 @@ inline void emu_launch(dim3 grid, dim3 block, std::function<void()> body) {
       for (auto& th : ts) th.join();
     }
 }
-// A <<<grid, block, bytes, stream>>> launch: `bytes` of dynamic shared memory, every byte 0xFF first (NaN in any float
-// type), shared by the blocks, which run one after another.
+// A <<<grid, block, bytes, stream>>> launch: `bytes` of dynamic shared memory, every byte 0xFF (NaN in any float type)
+// at each block's start (emu_launch), the blocks running one after another in the one buffer.
 inline void emu_launch_dyn(dim3 grid, dim3 block, size_t bytes, std::function<void()> body) {
-  std::vector<unsigned char> buf(bytes ? bytes : 1, 0xFF);
+  std::vector<unsigned char> buf(bytes ? bytes : 1);
   emu_dyn_smem = buf.data();
+  emu_dyn_bytes = buf.size();
   emu_launch(grid, block, body);
   emu_dyn_smem = nullptr;
 }
