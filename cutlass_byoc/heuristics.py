@@ -296,11 +296,23 @@ def padding_cost_us(problem: Conv2dProblem, launch: LaunchConfig) -> float:
     return moved / (DRAM_GBS * 1e9) * 1e6 + ops * LAUNCH_US
 
 
+#: Measured over modelled time of the space-to-depth fold's launches (`LaunchConfig.s2d`), on top of their family's
+#: CALIBRATION: the model underrates the folded stem's kernels (49 channels of 16 for a 7x7 stride-2 filter on 4x4
+#: phases, narrow N tiles). Geometric mean of the 87 fold launches the H100 tunes of 2026-12-06 timed (the stem's fprop
+#: and fp32 wgrad at batch 32 and 64, its fprop, dgrad and wgrad in the default workload; 0.7-2.7x; fprop 2.0-2.3,
+#: wgrad 1.5-1.7). Without it the untuned default ran the stem's wgrad on the fold (116 / 232 us at batch 32 / 64)
+#: over the shared-memory im2col kernel (82 / 139), and at batch 64 its fprop on the fold (260 us) over that
+#: family's (117).
+S2D_CALIBRATION = 1.7
+
+
 def estimate_launch_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
-    """`estimate_us` of the kernel on the problem it computes, plus the padding around it."""
+    """`estimate_us` of the kernel on the problem it computes, plus the padding around it (a fold's kernel time
+    scaled by S2D_CALIBRATION)."""
     if not launch.padded:
         return estimate_us(problem, launch, sms)
-    return estimate_us(launch.kernel_problem(problem), launch.unpadded, sms) + padding_cost_us(problem, launch)
+    kernel_us = estimate_us(launch.kernel_problem(problem), launch.unpadded, sms)
+    return kernel_us * (S2D_CALIBRATION if launch.s2d > 1 else 1.0) + padding_cost_us(problem, launch)
 
 
 def tile_waste(tile: tuple[int, int, int], m: int, n: int) -> float:
@@ -339,8 +351,10 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
     strided dgrad of C=3) runs padded or folded. (On the H200 the model's fold picks for the stem ran 136, 156 and
     145 us in fprop, dgrad and wgrad against 230, 565 and 329 us for its channel-padded picks, the previous
     defaults: 2026-11-30, scripts/time_launches.py.)
-    The shared-memory im2col kernels (fprop of few input channels) compete unpadded: on the H200 the model's pick for
-    the stem, 16x16x64 with 8x1 warps, ran 64 us against 136 us for the 2.x fold (2026-12-01). So do the 3.x GEMM
+    The shared-memory im2col kernels (fprop, dgrad and wgrad of few input channels) compete unpadded: on the H200
+    the model's pick for the stem's fprop, 16x16x64 with 8x1 warps, ran 64 us against 136 us for the 2.x fold
+    (2026-12-01); on the H100 its pick for the stem's fp32 wgrad, 16x16x64 with 1x4x1 warps, ran 82 / 139 us at
+    batch 32 / 64 against 116 / 232 us for the 3.x fold's best launch (2026-12-06). So do the 3.x GEMM
     kernels of 1x1 stride-1 convs (`gemm1x1`), the tuned winners of most of ResNet-50's 1x1 cells. The families
     compete on calibrated estimates (CALIBRATION).
     Depthwise problems (groups == C == K) get the best launch of the depthwise family, the only one that takes them."""
@@ -366,10 +380,7 @@ def default_launch(problem: Conv2dProblem, sms: int = H200_SMS, *, sm90: bool = 
         if (blk, pad_c, pad_k) == (1, 1, 1):  # few input channels, read as they are
             from .smem_im2col import smem_im2col_candidates  # noqa: PLC0415
 
-            # neither the wgrad kernel nor the prefetch twins: verified on the CPU emulation only, never timed on a
-            # GPU (no device in session 35), so the default keeps the measured kernels (the stem's wgrad its fold);
-            # the tuner times and verifies them like any candidate
-            kernels += [k for k in smem_im2col_candidates(kp) if k.kind is not ConvKind.WGRAD and k.prefetch is None]
+            kernels += list(smem_im2col_candidates(kp))
         # the sm90 split-k wgrads of the conv as it is: slice counts within one wave (`one_wave_slices`)
         ranked = rank(kp, kernels, sms, one_wave=(blk, pad_c, pad_k) == (1, 1, 1))
         if not ranked:

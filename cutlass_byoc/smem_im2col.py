@@ -36,8 +36,11 @@ fp32 workspace; a second kernel adds the slices in order (deterministic) into dw
 config's warps are (along channels, along taps, along the tile's pixels), each warp holding N_TILES n8 tiles of taps,
 align_a = 8 (dy's copies), align_b = align_c = 1; no epilogue (alpha only), no activation.
 
-Every config of the family comes with its prefetch twin (`prefetch_twin`, KernelConfig.prefetch: the next tile's patch
-loaded into registers during the current tile's arithmetic), timed beside it.
+Each config has a prefetch twin (`prefetch_twin`, KernelConfig.prefetch: the next tile's patch loaded into registers
+during the current tile's arithmetic). Timed beside every plain kernel on an H100 (2026-12-06: the stem's fprop and
+wgrad at batch 32 and 64, the odd 7->33 layer's fprop and dgrad), no twin was any problem's fastest: 1-20% slower
+than its plain kernel, the best twin 0.8-6.5 us behind the winner. So the planner and the untuned default no longer
+take them (`smem_im2col_candidates(..., twins=False)`); they stay for the tests and for a tune that asks for them.
 """
 
 from __future__ import annotations
@@ -104,6 +107,14 @@ ISSUE_RATE = 2.0
 CLOCK_GHZ = 1.75
 DRAM_GBS = 3000.0
 LAUNCH_US = 3.0
+#: wgrad's issue-rate model (`_wgrad_estimate_us`) over its measured time: the kernel is latency-bound at its 8 warps
+#: an SM (gathered LDS -> pack -> mma chains). Fitted to the plain configs of the stem's wgrad tuned on an H100 at
+#: batch 32 and 64 (2026-12-06, benchmarks/h100/tune-model-b32-session36.json, -b64-: 82-156 us, measured / issue
+#: model 3.0-4.1x; 2.5-3.3x for the 4-warp configs).
+WGRAD_STALL = 3.0
+#: The 8-warp wgrad configs (254 registers a thread, one CTA an SM, each barrier holding all its warps) over the
+#: 4-warp ones of the same tile (two CTAs an SM), measured on the same tunes: 1.07-1.21x.
+WGRAD_ONE_CTA = 1.15
 
 
 def static_error(c: KernelConfig) -> Optional[str]:
@@ -314,8 +325,9 @@ def config(problem: Conv2dProblem, shape: Optional[tuple[int, ...]] = None, arch
     )
 
 
-def smem_im2col_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
-    """Every config of the family for `problem` (nothing where the family does not apply)."""
+def smem_im2col_candidates(problem: Conv2dProblem, twins: bool = False) -> Iterator[KernelConfig]:
+    """Every config of the family for `problem` (nothing where the family does not apply); with `twins`, each
+    followed by its prefetch twin (measured slower everywhere it was timed: the module's docstring)."""
     if problem_error(problem) is not None or problem.epilogue.activation is Activation.RELU6 \
             or problem.epilogue.bias_vector or problem.element_acc is not DType.F32:
         return
@@ -325,7 +337,7 @@ def smem_im2col_candidates(problem: Conv2dProblem) -> Iterator[KernelConfig]:
         except ValueError:
             continue
         yield c
-        twin = prefetch_twin(c, problem)
+        twin = prefetch_twin(c, problem) if twins else None
         if twin is not None:
             yield twin
 
@@ -360,8 +372,10 @@ def _wgrad_estimate_us(p: Conv2dProblem, launch: LaunchConfig, sms: int) -> floa
     """wgrad's instructions at the same issue rate: per k16 step and warp (of the warps with a tap under R*S*C), an
     ldmatrix per m16 tile, two corner loads and, per n8 tile of taps, 4 gathered loads, 3 to pack them and an mma per
     m16 tile; ~20 per patch element and 4 per 16-byte dy copy; against the compulsory bytes (dy and x once, the slices
-    written and read back) at DRAM speed, plus the reduction's launch. An estimate to rank the configs, not measured
-    yet."""
+    written and read back) at DRAM speed, plus the reduction's launch. The kernel is latency-bound, not issue-bound:
+    the issue time is scaled by WGRAD_STALL and, for the one-CTA-an-SM configs, WGRAD_ONE_CTA (both measured on the
+    H100). With them it ranks the stem's plain configs as measured at the top (t16x16x64 with 1x4x1 warps first at
+    batch 32 and 64), within 0.85-1.16x of each one's time but for the 8x8 tile (1.5x)."""
     c = launch.kernel
     rows, cols, n = c.tile
     wm, wn, wr = c.warps
@@ -374,8 +388,10 @@ def _wgrad_estimate_us(p: Conv2dProblem, launch: LaunchConfig, sms: int) -> floa
     live_warps = min(wn, math.ceil(min(taps, taps_per_cta(c)) / (N_TILES * 8)))
     kloop = tiles * blocks * wm * live_warps * wr * ksteps * (mt + 2 + N_TILES * (7 + mt) + 4)
     copies = tiles * blocks * (ph * pw * p.c * 20 + rows * cols * n // DY_VEC * 4) / 32
-    compute_us = (kloop + copies) / (sms * ISSUE_RATE * CLOCK_GHZ * 1e3)
-    slices = min(tiles, MAX_SLICES, sms * (2 if wm * wn * wr <= 4 else 1))
+    one_cta = wm * wn * wr > 4  # 254 registers a thread: one CTA an SM
+    compute_us = (kloop + copies) / (sms * ISSUE_RATE * CLOCK_GHZ * 1e3) * WGRAD_STALL \
+        * (WGRAD_ONE_CTA if one_cta else 1.0)
+    slices = min(tiles, MAX_SLICES, sms * (1 if one_cta else 2))
     moved = (p.n * p.p * p.q * p.k + p.n * p.h * p.w * p.c) * p.element_a.nbytes + 2 * slices * p.k * taps * 4
     memory_us = moved / (DRAM_GBS * 1e9) * 1e6
     return max(memory_us, compute_us) + 2 * LAUNCH_US

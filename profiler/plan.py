@@ -15,7 +15,7 @@ Kernel families:
 - the shared-memory im2col kernels (`cutlass_byoc.smem_im2col.smem_im2col_candidates`): fprop and wgrad of few input
   channels (the RGB stem) and stride-1 dgrad of few dy channels only, timed on a budget of their own
   (SMEM_IM2COL_BUDGET) like the depthwise side budgets: the model cannot rank its gathered reduction against the
-  implicit-GEMM kernels'. Each wgrad kernel taken comes with its prefetch twin.
+  implicit-GEMM kernels'. (Their prefetch twins, timed beside each on the H100, never won: none is planned.)
 
 Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
 few slice counts the model ranks best for each problem (`heuristics.launch_slices`: 2.x kernels, and the sm90
@@ -33,7 +33,7 @@ from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from ..depthwise import depthwise_candidates, is_cluster_split, is_cols, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..smem_im2col import smem_im2col_candidates
-from ..heuristics import H200_SMS, calibration, estimate_us, launch_slices, order_key, padding_cost_us
+from ..heuristics import H200_SMS, calibration, estimate_launch_us, estimate_us, launch_slices, order_key
 from ..problem import Conv2dProblem
 from ..types import ConvKind, KernelFamily, SplitKMode
 
@@ -233,10 +233,8 @@ def plan_problem(
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
-            by_family.pop(_IM2COL_AHEAD, None)
         side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
         side += _twins_of(side, by_family.pop(_COLS_AHEAD, []), "prefetch")
-        side += _twins_of(side, by_family.pop(_IM2COL_AHEAD, []), "prefetch")
         side += _twins_of(side, by_family.pop(_COLS_CAPPED, []), "min_blocks")
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
             ("" if (pad_c, pad_k) == (1, 1) else f" (padded to C={kp.c} K={kp.k})")
@@ -258,7 +256,7 @@ def plan_problem(
                 for us, l in launches[:len(launches) if is_cols(kc) or is_cluster_split(kc) else slices_per_kernel]:
                     if (pad_c, pad_k, blk) != (1, 1, 1):
                         l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k, s2d=blk)
-                        us += padding_cost_us(problem, l)
+                        us = estimate_launch_us(problem, l)  # the copies' cost too; a fold's S2D_CALIBRATION
                     cands.append(Candidate(l, us))
     lowered, n_lowered = _im2col_candidates(problem, max(2, max_candidates // 2), arch, sms, slices_per_kernel)
     cands += lowered
@@ -325,7 +323,6 @@ _PINGPONG = "sm90 ping-pong"
 _COLS = "depthwise cols"
 _COLS_AHEAD = "depthwise cols, prefetch twins"
 _COLS_CAPPED = "depthwise cols fprop/dgrad, register-capped twins"
-_IM2COL_AHEAD = "shared-memory im2col wgrad, patch prefetch twins"
 _CLUSTER = "depthwise wgrad, cluster split"
 _GEMM_WAVE = "GEMM 1x1, whole-wave tiles"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
@@ -349,9 +346,7 @@ def _twins_of(side: list, twins: list, field: str) -> list:
     """The twins (`twins` as _rank_families lists them) of the kernels in `side` that differ from them in `field`
     alone: each kernel the depthwise cols budget takes is timed beside its prefetch twin ("prefetch":
     depthwise.prefetch_variant, loads two rows ahead) and, for fprop / dgrad, its register-capped twin
-    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM); each shared-memory
-    im2col wgrad beside its prefetch twin (smem_im2col.prefetch_twin, the next patch loaded during the arithmetic).
-    The model cannot tell which wins (more loads in flight, or more warps)."""
+    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM). The model cannot tell which wins (more loads in flight, or more warps)."""
     taken = {t[1] for t in side}
     return [t for t in twins if dataclasses.replace(t[1], **{field: None}) in taken]
 
@@ -373,8 +368,6 @@ def _family_key(kernel: KernelConfig):
             return _COLS_AHEAD if kernel.prefetch else _COLS
         if is_wide_strip(kernel):
             return _WIDE
-    if kernel.family is KernelFamily.SMEM_IM2COL and kernel.prefetch:
-        return _IM2COL_AHEAD
     return kernel.family
 
 

@@ -82,7 +82,7 @@ def epilogue_problem(name: str) -> Conv2dProblem:
 
 def shape_launches() -> list[LaunchConfig]:
     """Every config of the family for the stem."""
-    return [LaunchConfig(c) for c in smem_im2col_candidates(stem())]
+    return [LaunchConfig(c) for c in smem_im2col_candidates(stem(), twins=True)]
 
 
 def used_configs():
@@ -92,7 +92,7 @@ def used_configs():
     out += [config(epilogue_problem(e)) for e in EPILOGUES]
     out += [config(stem(out_dtype="f32", epilogue=EPILOGUES["bias_relu"]))]
     out += [config(stem()).with_alignments(1, 1, 1)]  # the misaligned output's narrowing
-    out += [c for c in smem_im2col_candidates(WGRAD_STEM)]
+    out += [c for c in smem_im2col_candidates(WGRAD_STEM, twins=True)]
     out += [config(p) for p in WGRAD_CASES.values()]
     out += [config(INF_WGRAD)]
     return list(dict.fromkeys(out))
@@ -154,7 +154,7 @@ def test_misaligned_output_runs_a_narrower_kernel():
 
 @pytest.mark.parametrize("i", range(2 * len(WGRAD_SHAPES)))  # each shape and its prefetch twin
 def test_every_wgrad_config_on_the_stem(i):
-    launches = [LaunchConfig(c) for c in smem_im2col_candidates(WGRAD_STEM)]
+    launches = [LaunchConfig(c) for c in smem_im2col_candidates(WGRAD_STEM, twins=True)]
     assert len(launches) == 2 * len(WGRAD_SHAPES)
     check_launch(WGRAD_STEM, launches[i], seed=1000 + i)
 

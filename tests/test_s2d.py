@@ -95,19 +95,25 @@ def test_planner_times_the_fold_next_to_the_plain_and_padded_launches(kind):
 
 @pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
 def test_the_models_default_folds_the_stem(kind):
-    """Untuned, the stem's gradients run folded: on the H200 the model's fold picks ran 156 / 145 us (dgrad / wgrad)
-    against 565 / 329 us for its channel-padded picks (the previous defaults); its fprop runs unfolded on the
-    shared-memory im2col family (64 us; the fold's 2.x pick ran 136)."""
+    """Untuned, the stem's dgrad runs folded: on the H200 the model's fold pick ran 156 us against 565 us for its
+    channel-padded pick (the previous default). Its fprop and wgrad run unfolded on the shared-memory im2col family,
+    at batch 32 and 64 (H100, 2026-12-06: fprop 63 / 117 us against the fold's best 136 / 260; fp32 wgrad 82 / 139
+    against 116 / 232), on the configs the tunes chose, never a prefetch twin (slower wherever timed)."""
     from cutlass_byoc.heuristics import default_launch  # noqa: PLC0415
-    from cutlass_byoc.types import KernelFamily  # noqa: PLC0415
+    from cutlass_byoc.types import DType, KernelFamily  # noqa: PLC0415
 
     d = default_launch(stem(kind))
     assert d.reject_reason(stem(kind)) is None
-    if kind == "fprop":
-        # a measured kernel: not a prefetch twin (never timed on a GPU yet)
-        assert d.kernel.family is KernelFamily.SMEM_IM2COL and not d.padded and d.kernel.prefetch is None
-    else:
+    if kind == "dgrad":
         assert d.s2d == 2
+    else:
+        for n in (32, 64):
+            for out in ((None, DType.F32) if kind == "wgrad" else (None,)):
+                p = stem(kind, n=n) if out is None else dataclasses.replace(stem(kind, n=n), element_out=out)
+                d = default_launch(p)
+                assert d.kernel.family is KernelFamily.SMEM_IM2COL and not d.padded and d.kernel.prefetch is None
+                assert d.kernel.tile == (16, 16, 64)
+                assert d.kernel.warps == ((8, 1, 1) if kind == "fprop" else (1, 4, 1))
     assert default_launch(stem(kind), padding=False) is None or default_launch(stem(kind), padding=False).s2d == 1
     # the 1x1 strided fprop stays as it is (its fold ran 32.4 us against 31.9 unfolded)
     assert default_launch(Conv2dProblem.make("fprop", 32, 256, 56, 56, 512, 1, stride=2)).s2d == 1

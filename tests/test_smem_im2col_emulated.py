@@ -64,7 +64,7 @@ def test_the_gpu_verified_kernels_check_the_emulation(p):
 def test_fprop_and_dgrad_prefetch_twins(p):
     """Every prefetch twin of the problem's configs (the next tile's patch loaded into registers during the
     arithmetic; where the patch is larger than MAX_PREFETCH elements a thread, the rest after it)."""
-    twins = [c for c in smem_im2col_candidates(p) if c.prefetch]
+    twins = [c for c in smem_im2col_candidates(p, twins=True) if c.prefetch]
     assert len(twins) == len(SHAPES)
     for i, cfg in enumerate(twins):
         check(p, cfg, seed=70 + i)
@@ -76,7 +76,7 @@ SMALL_STEM = Conv2dProblem.make("wgrad", 2, 3, 30, 34, 64, 7, stride=2, padding=
 
 @pytest.mark.parametrize("i", range(2 * len(WGRAD_SHAPES)))  # each shape and its prefetch twin
 def test_every_wgrad_config_on_a_small_stem(i):
-    cfgs = list(smem_im2col_candidates(SMALL_STEM))
+    cfgs = list(smem_im2col_candidates(SMALL_STEM, twins=True))
     assert len(cfgs) == 2 * len(WGRAD_SHAPES)
     check(SMALL_STEM, cfgs[i], seed=10 + i)
 
@@ -141,7 +141,7 @@ def random_wgrad(seed: int):
                                    out_dtype=rng.choice([dt, "f32"]))
         except ValueError:
             continue
-        cfgs = [cfg for cfg in smem_im2col_candidates(p) if LaunchConfig(cfg).reject_reason(p) is None]
+        cfgs = [cfg for cfg in smem_im2col_candidates(p, twins=True) if LaunchConfig(cfg).reject_reason(p) is None]
         if cfgs:
             return p, rng.choice(cfgs)
 
