@@ -307,11 +307,15 @@ S2D_CALIBRATION = 1.7
 
 
 def estimate_launch_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SMS) -> float:
-    """`estimate_us` of the kernel on the problem it computes, plus the padding around it (a fold's kernel time
-    scaled by S2D_CALIBRATION)."""
+    """`estimate_us` of the kernel on the problem it computes, plus the padding around it (`rewritten_us`)."""
     if not launch.padded:
         return estimate_us(problem, launch, sms)
-    kernel_us = estimate_us(launch.kernel_problem(problem), launch.unpadded, sms)
+    return rewritten_us(problem, launch, estimate_us(launch.kernel_problem(problem), launch.unpadded, sms))
+
+
+def rewritten_us(problem: Conv2dProblem, launch: LaunchConfig, kernel_us: float) -> float:
+    """A padded or folded `launch`'s time from its kernel's estimate on the rewritten problem (`kernel_us`): a fold's
+    scaled by S2D_CALIBRATION, plus the padding's copies."""
     return kernel_us * (S2D_CALIBRATION if launch.s2d > 1 else 1.0) + padding_cost_us(problem, launch)
 
 

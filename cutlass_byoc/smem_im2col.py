@@ -40,7 +40,7 @@ Each config has a prefetch twin (`prefetch_twin`, KernelConfig.prefetch: the nex
 during the current tile's arithmetic). Timed beside every plain kernel on an H100 (2026-12-06: the stem's fprop and
 wgrad at batch 32 and 64, the odd 7->33 layer's fprop and dgrad), no twin was any problem's fastest: 1-20% slower
 than its plain kernel, the best twin 0.8-6.5 us behind the winner. So the planner and the untuned default no longer
-take them (`smem_im2col_candidates(..., twins=False)`); they stay for the tests and for a tune that asks for them.
+take them (`smem_im2col_candidates(..., twins=False)`); `twins=True` still yields them, for the tests.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from ..config import KernelConfig, LaunchConfig, padding_reject_reason, round_up
 from ..depthwise import depthwise_candidates, is_cluster_split, is_cols, is_pipelined, is_wide_strip
 from ..generators import generator_module
 from ..smem_im2col import smem_im2col_candidates
-from ..heuristics import H200_SMS, calibration, estimate_launch_us, estimate_us, launch_slices, order_key
+from ..heuristics import H200_SMS, calibration, estimate_us, launch_slices, order_key, rewritten_us
 from ..problem import Conv2dProblem
 from ..types import ConvKind, KernelFamily, SplitKMode
 
@@ -256,7 +256,7 @@ def plan_problem(
                 for us, l in launches[:len(launches) if is_cols(kc) or is_cluster_split(kc) else slices_per_kernel]:
                     if (pad_c, pad_k, blk) != (1, 1, 1):
                         l = dataclasses.replace(l, pad_c=pad_c, pad_k=pad_k, s2d=blk)
-                        us = estimate_launch_us(problem, l)  # the copies' cost too; a fold's S2D_CALIBRATION
+                        us = rewritten_us(problem, l, us)  # the copies' cost too; a fold's S2D_CALIBRATION
                     cands.append(Candidate(l, us))
     lowered, n_lowered = _im2col_candidates(problem, max(2, max_candidates // 2), arch, sms, slices_per_kernel)
     cands += lowered
@@ -346,7 +346,8 @@ def _twins_of(side: list, twins: list, field: str) -> list:
     """The twins (`twins` as _rank_families lists them) of the kernels in `side` that differ from them in `field`
     alone: each kernel the depthwise cols budget takes is timed beside its prefetch twin ("prefetch":
     depthwise.prefetch_variant, loads two rows ahead) and, for fprop / dgrad, its register-capped twin
-    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM). The model cannot tell which wins (more loads in flight, or more warps)."""
+    ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM). The model cannot
+    tell which wins (more loads in flight, or more warps)."""
     taken = {t[1] for t in side}
     return [t for t in twins if dataclasses.replace(t[1], **{field: None}) in taken]
 
