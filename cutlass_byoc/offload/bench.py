@@ -56,7 +56,9 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #:   cutlass_byoc-untuned-deterministic, cutlass_byoc-untuned-deterministic-cudagraphs: both, the untuned plan with
 #:   its fp32 split-k wgrads on partials and a reduction instead of their atomic twins (heuristics.atomic_default);
 #: - cutlass_byoc-unbatched, cutlass_byoc-unbatched-cudagraphs: batch_params off, each parameter cast and batch-norm
-#:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode.
+#:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode;
+#: - cutlass_byoc-inductor-pool, cutlass_byoc-inductor-pool-cudagraphs: max_pool off, the max pools' forward and
+#:   backward as Inductor compiles them (pooling.py): what this backend's pool kernels gain in the step.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -80,6 +82,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-untuned-deterministic-cudagraphs": {"select": "heuristic", "deterministic": True},
     "cutlass_byoc-unbatched": {"batch_params": False},
     "cutlass_byoc-unbatched-cudagraphs": {"batch_params": False},
+    "cutlass_byoc-inductor-pool": {"max_pool": False},
+    "cutlass_byoc-inductor-pool-cudagraphs": {"max_pool": False},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch

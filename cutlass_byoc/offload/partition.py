@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from ..types import Activation, ConvKind, DType, SourceKind
 from . import library
 from .batching import batch_counters, batch_param_casts
+from .pooling import rewrite_max_pools
 from .patterns import (
     CONV,
     CONV_BACKWARD,
@@ -838,6 +839,10 @@ def _partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions, name: 
             if options.batch_params:
                 report.batched_casts = batch_param_casts(g, options.require_cuda)
                 report.batched_counters = batch_counters(g, options.require_cuda)
+        if options.max_pool:
+            report.max_pools, report.max_pools_left = rewrite_max_pools(g, options.require_cuda)
+            changed = changed or bool(report.max_pools)
+        if changed:
             g.lint()
     except Exception as e:  # noqa: BLE001 - any failure of ours must leave the user's graph as it was
         if options.strict:

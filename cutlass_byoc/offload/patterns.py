@@ -126,6 +126,10 @@ class OffloadOptions:
     # backend changed: the casts of graph inputs (under autocast every conv and linear weight, fp32 to fp16/bf16, on
     # each step) and the increments of 0-dim integer inputs (batch norms' num_batches_tracked)
     batch_params: bool = True
+    # a training graph's 2-D max pools (forward and backward) on this backend's kernels (pooling.py): the forward
+    # keeps each window's offset of its maximum, and the backward gathers from it instead of Inductor's recompute
+    # and atomic scatter (ResNet-50's stem pool: 0.18 / 0.36 ms of a b32 / b64 training step on an H100)
+    max_pool: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "select", SelectMode(self.select))

@@ -89,6 +89,9 @@ class OffloadReport:
     #: (OffloadOptions.batch_params)
     batched_casts: int = 0
     batched_counters: int = 0
+    #: training max pools on this backend's ops (OffloadOptions.max_pool), and why others were left to Inductor
+    max_pools: int = 0
+    max_pools_left: list = dataclasses.field(default_factory=list)
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -98,7 +101,8 @@ class OffloadReport:
         self.launches.clear()
         self.problems.clear()
         self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
-        self.overlapped_wgrads = self.batched_casts = self.batched_counters = 0
+        self.overlapped_wgrads = self.batched_casts = self.batched_counters = self.max_pools = 0
+        self.max_pools_left = []
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
@@ -143,8 +147,10 @@ class OffloadReport:
                  + (f"; {self.bn_stats} batch-norm statistics in the convs' epilogues" if self.bn_stats else "")
                  + (f"; {self.overlapped_wgrads} wgrads on a side stream" if self.overlapped_wgrads else "")
                  + (f"; {self.batched_casts} parameter casts batched" if self.batched_casts else "")
-                 + (f"; {self.batched_counters} counter increments batched" if self.batched_counters else "")]
+                 + (f"; {self.batched_counters} counter increments batched" if self.batched_counters else "")
+                 + (f"; {self.max_pools} max pools on this backend's kernels" if self.max_pools else "")]
         lines += ["  " + e.line() for e in self.entries]
+        lines += [f"  [inductor]  max pool {why}" for why in self.max_pools_left]
         return "\n".join(lines)
 
     def merge(self, other: "OffloadReport") -> "OffloadReport":
@@ -156,7 +162,8 @@ class OffloadReport:
                              "; ".join(f for f in (self.failure, other.failure) if f) or None,
                              self.bn_stats + other.bn_stats, self.overlapped_wgrads + other.overlapped_wgrads,
                              self.batched_casts + other.batched_casts,
-                             self.batched_counters + other.batched_counters)
+                             self.batched_counters + other.batched_counters,
+                             self.max_pools + other.max_pools, self.max_pools_left + other.max_pools_left)
 
     def __str__(self) -> str:
         return self.summary()
