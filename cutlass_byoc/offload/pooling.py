@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import suggest_memory_format
 
-from .library import _LIB, NAMESPACE
+from .library import _LIB, _TAGS, NAMESPACE
 
 log = logging.getLogger("cutlass_byoc.offload")
 
@@ -49,10 +49,12 @@ prims = torch.ops.prims
 #: the most elements a window may have (its offset is stored as int8)
 MAX_WINDOW = 127
 
+# needs_fixed_stride_order: Inductor passes the input in the strides traced, so the outputs' strides (made from them)
+# are the ones the fake implementations gave it
 _LIB.define("max_pool2d_fwd(Tensor x, int[2] kernel, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode)"
-            " -> (Tensor, Tensor)")
+            " -> (Tensor, Tensor)", tags=_TAGS)
 _LIB.define("max_pool2d_bwd(Tensor grad, Tensor offsets, SymInt[4] input_size, int[2] kernel, int[2] stride, "
-            "int[2] padding, int[2] dilation, bool ceil_mode, bool channels_last) -> Tensor")
+            "int[2] padding, int[2] dilation, bool ceil_mode, bool channels_last) -> Tensor", tags=_TAGS)
 
 
 def out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
