@@ -1,5 +1,6 @@
-"""GPU tests of the max-pool ops (offload/pooling.py, offload/pool_kernels.py): the Triton forward and backward
-against float64 references on fresh random inputs, outputs poisoned first (ties, NaN, -inf, padding, ceil_mode,
+"""GPU tests of the max-pool ops (offload/pooling.py, offload/pool_kernels.py): the Triton forward and both backward
+kernels (the cells of at most two windows a row, and the gather over taps for the other pools) against float64
+references on fresh random inputs, outputs poisoned first (ties, NaN, -inf, padding, ceil_mode,
 dilation, both layouts, fp16/bf16/fp32, ResNet-50's stem pool); the rewrite found in ResNet-50's joint graph on
 CUDA; a compiled fp16 training step, with and without CUDA graphs, computing what the same step computes with the
 pools left to Inductor."""
@@ -26,6 +27,7 @@ CASES = [
     (2, 5, 13, 11, 3, 1, 1, 2, False, False),  # dilation, NCHW
     (1, 8, 9, 9, 5, 3, 2, 1, True, True),
     (2, 3, 8, 8, 3, 2, 1, 1, False, False),
+    (2, 16, 12, 12, 5, 2, 2, 1, False, True),  # three windows hold an element in a row: the gather kernel
 ]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

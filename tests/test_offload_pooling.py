@@ -215,9 +215,24 @@ _INTERPRETED = textwrap.dedent("""
 """)
 
 
+def test_cell_windows():
+    """Which pools the backward's cell kernel takes (at most two windows hold an element in a row) and from which
+    window on; the others take the gather over taps."""
+    from importlib import util
+
+    if util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    from cutlass_byoc.offload.pool_kernels import cell_windows
+
+    assert cell_windows(3, 2, 1, 1) == 0  # ResNet's stem pool
+    assert cell_windows(2, 2, 0, 1) == 0  # non-overlapping
+    assert cell_windows(3, 3, 1, 1) == 0 and cell_windows(5, 3, 2, 1) == 0
+    assert cell_windows(3, 1, 1, 1) is None and cell_windows(5, 2, 2, 1) is None and cell_windows(3, 1, 1, 2) is None
+
+
 def test_triton_kernels_under_the_interpreter():
-    """The Triton kernels themselves (fp32: the interpreter truncates fp32 to bf16 where the GPU rounds), run by
-    Triton's CPU interpreter in a process of their own (TRITON_INTERPRET is read when the kernels are defined)."""
+    """The Triton kernels themselves (fp32: the interpreter truncates fp32 to bf16 where the GPU rounds; CASES take
+    both backward kernels), run by Triton's CPU interpreter in a process of their own (TRITON_INTERPRET is read when the kernels are defined)."""
     pytest.importorskip("triton", reason="Triton is not installed (the kernels' GPU tests: test_gpu_pooling.py)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", _INTERPRETED.format(cases=CASES)], env=env, capture_output=True,

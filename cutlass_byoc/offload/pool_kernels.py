@@ -24,6 +24,8 @@ Triton is imported here only: the ops fall back to ATen where it is missing (poo
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -114,6 +116,88 @@ def cb_max_pool2d_bwd(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, positions,
     tl.store(gi_ptr + dst[:, None] + (c.to(tl.int64) * sic)[None, :], acc.to(gi_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _window(g_ptr, off_ptr, gbase, obase, ph, pw, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow):
+    """Window (ph, pw) of each cell: its offsets (int32, -1 outside the output) and gradient (fp32)."""
+    ok = pmask & (ph >= 0) & (ph < PH) & (pw >= 0) & (pw < PW)
+    m = ok[:, None] & cmask[None, :]
+    o = tl.load(off_ptr + (obase + ph * soh + pw * sow)[:, None] + co[None, :], mask=m, other=-1)
+    g = tl.load(g_ptr + (gbase + ph * sgh + pw * sgw)[:, None] + cg[None, :], mask=m, other=0.0)
+    return o.to(tl.int32), g.to(tl.float32)
+
+
+@triton.jit
+def cb_max_pool2d_bwd_cells(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, BH, BW, cells,
+                            sgn, sgc, sgh, sgw, son, soc, soh, sow, sin, sic, sih, siw,
+                            KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                            PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                            J0H: tl.constexpr, J0W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # A cell (bh, bw) owns the SH x SW input elements (bh * SH + r, bw * SW + q); every window that holds one of them
+    # is (bh + J0H + a, bw + J0W + b), a and b in {0, 1} (the host checks), and which window holds which element
+    # with which tap is known at compile time. So a cell loads four windows' offsets and gradients once and adds
+    # each into the elements whose maximum it was: ~2 loads and ~2 selects per element, where the gather over taps
+    # (cb_max_pool2d_bwd) tries every tap of the window with a masked load each.
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pmask = p < cells
+    cmask = c < C
+    bw = p % BW
+    t = p // BW
+    bh = t % BH
+    n = (t // BH).to(tl.int64)
+    gbase = n * sgn
+    obase = n * son
+    cg = c * sgc
+    co = c * soc
+    ph0 = bh + J0H
+    pw0 = bw + J0W
+    o00, g00 = _window(g_ptr, off_ptr, gbase, obase, ph0, pw0, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow)
+    o01, g01 = _window(g_ptr, off_ptr, gbase, obase, ph0, pw0 + 1, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow)
+    o10, g10 = _window(g_ptr, off_ptr, gbase, obase, ph0 + 1, pw0, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow)
+    o11, g11 = _window(g_ptr, off_ptr, gbase, obase, ph0 + 1, pw0 + 1, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh,
+                       sow)
+    ibase = n * sin
+    ci = c * sic
+    for r in tl.static_range(SH):
+        ih = bh * SH + r
+        for q in tl.static_range(SW):
+            iw = bw * SW + q
+            acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+            # window rows, then columns, ascending: ATen's order of the sum
+            for a in tl.static_range(2):
+                th = r + PADH - (J0H + a) * SH  # kh * DH, if window row a holds the element
+                if th >= 0:
+                    if th % DH == 0:
+                        if th // DH < KH:
+                            for b in tl.static_range(2):
+                                tw = q + PADW - (J0W + b) * SW
+                                if tw >= 0:
+                                    if tw % DW == 0:
+                                        if tw // DW < KW:
+                                            tap = (th // DH) * KW + tw // DW
+                                            if a == 0:
+                                                if b == 0:
+                                                    acc += tl.where(o00 == tap, g00, 0.0)
+                                                else:
+                                                    acc += tl.where(o01 == tap, g01, 0.0)
+                                            else:
+                                                if b == 0:
+                                                    acc += tl.where(o10 == tap, g10, 0.0)
+                                                else:
+                                                    acc += tl.where(o11 == tap, g11, 0.0)
+            ok = pmask & (ih < H) & (iw < W)
+            tl.store(gi_ptr + (ibase + ih * sih + iw * siw)[:, None] + ci[None, :], acc.to(gi_ptr.dtype.element_ty),
+                     mask=ok[:, None] & cmask[None, :])
+
+
+def cell_windows(k: int, s: int, p: int, d: int) -> Optional[int]:
+    """J0 of one dimension for cb_max_pool2d_bwd_cells: the first window, relative to a cell, that holds one of the
+    cell's s input elements, if the windows holding them are at most two (J0 and J0 + 1), else None."""
+    lo = min(-((-(r + p - (k - 1) * d)) // s) for r in range(s))  # ceil((r + p - (k - 1) d) / s)
+    hi = max((r + p) // s for r in range(s))
+    return lo if hi - lo <= 1 else None
+
+
 def _blocks(channels: int) -> tuple[int, int]:
     block_c = min(MAX_BLOCK_C, triton.next_power_of_2(max(channels, 1)))
     return BLOCK_ELEMS // block_c, block_c
@@ -140,10 +224,21 @@ def max_pool2d_bwd(grad: torch.Tensor, offsets: torch.Tensor, grad_input: torch.
     """Fill grad_input (N, C, H, W) from grad (N, C, PH, PW) and the forward's offsets (int8, grad's shape)."""
     n, c, h, w = grad_input.shape
     ph, pw = grad.shape[2:]
-    positions = n * h * w
-    if positions == 0 or c == 0:
+    if n * h * w == 0 or c == 0:
         return
     block_p, block_c = _blocks(c)
+    j0h, j0w = (cell_windows(kernel[i], stride[i], padding[i], dilation[i]) for i in (0, 1))
+    if j0h is not None and j0w is not None:  # every pool whose windows overlap at most two in a row (3x3 stride 2)
+        bh, bw = triton.cdiv(h, stride[0]), triton.cdiv(w, stride[1])
+        cells = n * bh * bw
+        grid = (triton.cdiv(cells, block_p), triton.cdiv(c, block_c))
+        cb_max_pool2d_bwd_cells[grid](grad, offsets, grad_input, c, h, w, ph, pw, bh, bw, cells, *grad.stride(),
+                                      *offsets.stride(), *grad_input.stride(), KH=kernel[0], KW=kernel[1],
+                                      SH=stride[0], SW=stride[1], PADH=padding[0], PADW=padding[1], DH=dilation[0],
+                                      DW=dilation[1], J0H=j0h, J0W=j0w, BLOCK_P=block_p, BLOCK_C=block_c,
+                                      num_warps=4)
+        return
+    positions = n * h * w
     grid = (triton.cdiv(positions, block_p), triton.cdiv(c, block_c))
     cb_max_pool2d_bwd[grid](grad, offsets, grad_input, c, h, w, ph, pw, positions, *grad.stride(), *offsets.stride(),
                           *grad_input.stride(), KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1],
