@@ -15,8 +15,8 @@ element inside the input. The backward adds the gradients of the windows of an e
 then columns, ascending) in fp32 and stores the input's dtype.
 
 Layouts: any strides (the pointers are computed from them); a block is BLOCK_P positions by BLOCK_C channels, so
-channels_last tensors (channels contiguous) load and store in whole lines. Offsets are int32 arithmetic on the
-positions, int64 on the addresses.
+channels_last tensors (channels contiguous) load and store in whole lines. Addresses: an image's start in int64,
+offsets inside an image in int32.
 
 The kernels are named cb_... so that the offload bench's profile counts them as this project's (bench.KERNEL_SOURCES).
 Triton is imported here only: the ops fall back to ATen where it is missing (pooling.py).
@@ -37,10 +37,10 @@ MAX_BLOCK_C = 64
 
 @triton.jit
 def cb_max_pool2d_fwd(x_ptr, val_ptr, off_ptr, C, H, W, PH, PW, positions,
-                    sxn, sxc, sxh, sxw, svn, svc, svh, svw,
-                    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                    PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                      sxn, sxc, sxh, sxw, svn, svc, svh, svw,
+                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                      PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     pmask = p < positions
@@ -49,25 +49,26 @@ def cb_max_pool2d_fwd(x_ptr, val_ptr, off_ptr, C, H, W, PH, PW, positions,
     t = p // PW
     ph = t % PH
     n = (t // PH).to(tl.int64)
-    cx = c.to(tl.int64) * sxc
+    x_img = x_ptr + (n * sxn)[:, None] + (c * sxc)[None, :]  # the channels of each window's image; taps add rows
+    h0 = ph * SH - PADH
+    w0 = pw * SW - PADW
+    # ATen's first candidate: the window's first element inside the input (what a window of -inf keeps)
+    kh0 = (tl.maximum(-h0, 0) + DH - 1) // DH
+    kw0 = (tl.maximum(-w0, 0) + DW - 1) // DW
+    off = tl.broadcast_to((kh0 * KW + kw0)[:, None], [BLOCK_P, BLOCK_C])
     best = tl.full([BLOCK_P, BLOCK_C], float("-inf"), tl.float32)
-    off = tl.full([BLOCK_P, BLOCK_C], -1, tl.int32)
     for kh in tl.static_range(KH):
-        ih = ph * SH - PADH + kh * DH
+        ih = h0 + kh * DH
         hok = pmask & (ih >= 0) & (ih < H)
         for kw in tl.static_range(KW):
-            iw = pw * SW - PADW + kw * DW
-            ok = hok & (iw >= 0) & (iw < W)
-            m = ok[:, None] & cmask[None, :]
-            row = n * sxn + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw
-            v = tl.load(x_ptr + row[:, None] + cx[None, :], mask=m, other=float("-inf")).to(tl.float32)
-            # ATen's rule: a larger value or a NaN replaces the maximum; the first element inside the input is taken
-            # whatever it is (a window of -inf keeps it)
-            take = m & ((v > best) | (v != v) | (off < 0))
+            iw = w0 + kw * DW
+            m = (hok & (iw >= 0) & (iw < W))[:, None] & cmask[None, :]
+            v = tl.load(x_img + (ih * sxh + iw * sxw)[:, None], mask=m, other=float("-inf")).to(tl.float32)
+            # ATen's rule: a larger value or a NaN replaces the maximum (outside the input: -inf, never taken)
+            take = (v > best) | (v != v)
             best = tl.where(take, v, best)
             off = tl.where(take, kh * KW + kw, off)
-    out = n * svn + ph.to(tl.int64) * svh + pw.to(tl.int64) * svw
-    dst = out[:, None] + (c.to(tl.int64) * svc)[None, :]
+    dst = (n * svn + ph * svh + pw * svw)[:, None] + (c * svc)[None, :]
     m = pmask[:, None] & cmask[None, :]
     tl.store(val_ptr + dst, best.to(val_ptr.dtype.element_ty), mask=m)
     tl.store(off_ptr + dst, off.to(tl.int8), mask=m)
@@ -117,12 +118,13 @@ def cb_max_pool2d_bwd(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, positions,
 
 
 @triton.jit
-def _window(g_ptr, off_ptr, gbase, obase, ph, pw, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow):
-    """Window (ph, pw) of each cell: its offsets (int32, -1 outside the output) and gradient (fp32)."""
+def _window(g_img, off_img, ph, pw, PH, PW, pmask, cmask, sgh, sgw, soh, sow):
+    """Window (ph, pw) of each cell (g_img, off_img: its image's channels): its offsets (int32, -1 outside the
+    output) and gradient (fp32)."""
     ok = pmask & (ph >= 0) & (ph < PH) & (pw >= 0) & (pw < PW)
     m = ok[:, None] & cmask[None, :]
-    o = tl.load(off_ptr + (obase + ph * soh + pw * sow)[:, None] + co[None, :], mask=m, other=-1)
-    g = tl.load(g_ptr + (gbase + ph * sgh + pw * sgw)[:, None] + cg[None, :], mask=m, other=0.0)
+    o = tl.load(off_img + (ph * soh + pw * sow)[:, None], mask=m, other=-1)
+    g = tl.load(g_img + (ph * sgh + pw * sgw)[:, None], mask=m, other=0.0)
     return o.to(tl.int32), g.to(tl.float32)
 
 
@@ -145,19 +147,15 @@ def cb_max_pool2d_bwd_cells(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, BH, BW, cel
     t = p // BW
     bh = t % BH
     n = (t // BH).to(tl.int64)
-    gbase = n * sgn
-    obase = n * son
-    cg = c * sgc
-    co = c * soc
+    g_img = g_ptr + (n * sgn)[:, None] + (c * sgc)[None, :]
+    off_img = off_ptr + (n * son)[:, None] + (c * soc)[None, :]
     ph0 = bh + J0H
     pw0 = bw + J0W
-    o00, g00 = _window(g_ptr, off_ptr, gbase, obase, ph0, pw0, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow)
-    o01, g01 = _window(g_ptr, off_ptr, gbase, obase, ph0, pw0 + 1, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow)
-    o10, g10 = _window(g_ptr, off_ptr, gbase, obase, ph0 + 1, pw0, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh, sow)
-    o11, g11 = _window(g_ptr, off_ptr, gbase, obase, ph0 + 1, pw0 + 1, PH, PW, pmask, cg, co, cmask, sgh, sgw, soh,
-                       sow)
-    ibase = n * sin
-    ci = c * sic
+    o00, g00 = _window(g_img, off_img, ph0, pw0, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
+    o01, g01 = _window(g_img, off_img, ph0, pw0 + 1, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
+    o10, g10 = _window(g_img, off_img, ph0 + 1, pw0, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
+    o11, g11 = _window(g_img, off_img, ph0 + 1, pw0 + 1, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
+    gi_img = gi_ptr + (n * sin)[:, None] + (c * sic)[None, :]
     for r in tl.static_range(SH):
         ih = bh * SH + r
         for q in tl.static_range(SW):
@@ -186,7 +184,7 @@ def cb_max_pool2d_bwd_cells(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, BH, BW, cel
                                                 else:
                                                     acc += tl.where(o11 == tap, g11, 0.0)
             ok = pmask & (ih < H) & (iw < W)
-            tl.store(gi_ptr + (ibase + ih * sih + iw * siw)[:, None] + ci[None, :], acc.to(gi_ptr.dtype.element_ty),
+            tl.store(gi_img + (ih * sih + iw * siw)[:, None], acc.to(gi_ptr.dtype.element_ty),
                      mask=ok[:, None] & cmask[None, :])
 
 
