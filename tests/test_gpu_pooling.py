@@ -71,16 +71,17 @@ def test_forward_and_backward_match_float64(case, dtype):
 
     g = torch.randn(vals.shape, device="cuda").to(dtype)
     g = g.contiguous(memory_format=CL) if cl else g.contiguous()
-    grad_input = pooling._bwd_output(g, list(x.shape), cl)
-    _poison(grad_input)
-    pool_kernels.max_pool2d_bwd(g, offsets, grad_input, kernel, stride, padding, dilation)
     ref = torch.ops.aten.max_pool2d_with_indices_backward(g.double(), x.double(), kernel, stride, padding, dilation,
                                                           ceil, ref_idx)
-    assert grad_input.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
-    assert not grad_input.isnan().any(), "an element of the input's gradient was not written"
-    # fp32 sums of at most a few terms, stored in the input's dtype: within its rounding of the float64 sum
-    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
-    torch.testing.assert_close(grad_input.double(), ref, rtol=tol, atol=tol)
+    for cells in (False, True):  # the gather, and the cell kernel where it takes the pool (not yet the default)
+        grad_input = pooling._bwd_output(g, list(x.shape), cl)
+        _poison(grad_input)
+        pool_kernels.max_pool2d_bwd(g, offsets, grad_input, kernel, stride, padding, dilation, cells=cells)
+        assert grad_input.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
+        assert not grad_input.isnan().any(), f"an element of the input's gradient was not written (cells={cells})"
+        # fp32 sums of at most a few terms, stored in the input's dtype: within its rounding of the float64 sum
+        tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
+        torch.testing.assert_close(grad_input.double(), ref, rtol=tol, atol=tol, msg=lambda m: f"cells={cells}: {m}")
 
 
 def test_ops_on_cuda_match_aten_through_the_dispatcher():

@@ -207,10 +207,11 @@ _INTERPRETED = textwrap.dedent("""
         assert torch.equal(vals.nan_to_num(7), ref_vals.nan_to_num(7)), (n, c, h, w)
         assert torch.equal(pooling.offsets_to_indices(offsets, w, *args), ref_idx), (n, c, h, w)
         g = torch.randn(vals.shape)
-        gi = pooling._bwd_output(g, list(x.shape), cl).fill_(float("nan"))
-        pool_kernels.max_pool2d_bwd(g, offsets, gi, *args)
         ref = torch.ops.aten.max_pool2d_with_indices_backward(g, x, *args, ceil, ref_idx)
-        assert torch.equal(gi, ref), (n, c, h, w, (gi - ref).abs().max())
+        for cells in (False, True):  # the gather, and the cell kernel where it takes the pool
+            gi = pooling._bwd_output(g, list(x.shape), cl).fill_(float("nan"))
+            pool_kernels.max_pool2d_bwd(g, offsets, gi, *args, cells=cells)
+            assert torch.equal(gi, ref), (n, c, h, w, cells, (gi - ref).abs().max())
     print("ok")
 """)
 

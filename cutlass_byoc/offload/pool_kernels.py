@@ -15,8 +15,15 @@ element inside the input. The backward adds the gradients of the windows of an e
 then columns, ascending) in fp32 and stores the input's dtype.
 
 Layouts: any strides (the pointers are computed from them); a block is BLOCK_P positions by BLOCK_C channels, so
-channels_last tensors (channels contiguous) load and store in whole lines. Addresses: an image's start in int64,
-offsets inside an image in int32.
+channels_last tensors (channels contiguous) load and store in whole lines. Offsets are int32 arithmetic on the
+positions, int64 on the addresses (the cell kernel: an image's start in int64, offsets inside an image in int32).
+
+Two backward kernels: the gather over taps (cb_max_pool2d_bwd), which serves every pool and is the one run, and the
+cell kernel (cb_max_pool2d_bwd_cells), for pools whose windows overlap at most two in a row (ResNet's 3x3 stride 2),
+which does a fraction of the gather's work per element (the gather is ALU-bound: 106 us for ResNet-50's b32 stem pool
+on an H100, against ~30 us of memory traffic). The cell kernel has run only under Triton's CPU interpreter
+(test_offload_pooling.py), not yet on a GPU: it runs where ``CUTLASS_BYOC_POOL_CELLS=1`` (or ``cells=True``) asks
+for it, and becomes the default once test_gpu_pooling.py has passed with it on the GPU.
 
 The kernels are named cb_... so that the offload bench's profile counts them as this project's (bench.KERNEL_SOURCES).
 Triton is imported here only: the ops fall back to ATen where it is missing (pooling.py).
@@ -24,12 +31,15 @@ Triton is imported here only: the ops fall back to ATen where it is missing (poo
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+#: the backward's cell kernel for the pools it takes (see above; off until it has run on a GPU)
+CELLS = os.environ.get("CUTLASS_BYOC_POOL_CELLS", "0") == "1"
 #: positions x channels a program covers (channels: the next power of two up to this)
 BLOCK_ELEMS = 2048
 MAX_BLOCK_C = 64
@@ -37,10 +47,10 @@ MAX_BLOCK_C = 64
 
 @triton.jit
 def cb_max_pool2d_fwd(x_ptr, val_ptr, off_ptr, C, H, W, PH, PW, positions,
-                      sxn, sxc, sxh, sxw, svn, svc, svh, svw,
-                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                      PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                    sxn, sxc, sxh, sxw, svn, svc, svh, svw,
+                    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                    PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     pmask = p < positions
@@ -49,26 +59,25 @@ def cb_max_pool2d_fwd(x_ptr, val_ptr, off_ptr, C, H, W, PH, PW, positions,
     t = p // PW
     ph = t % PH
     n = (t // PH).to(tl.int64)
-    x_img = x_ptr + (n * sxn)[:, None] + (c * sxc)[None, :]  # the channels of each window's image; taps add rows
-    h0 = ph * SH - PADH
-    w0 = pw * SW - PADW
-    # ATen's first candidate: the window's first element inside the input (what a window of -inf keeps)
-    kh0 = (tl.maximum(-h0, 0) + DH - 1) // DH
-    kw0 = (tl.maximum(-w0, 0) + DW - 1) // DW
-    off = tl.broadcast_to((kh0 * KW + kw0)[:, None], [BLOCK_P, BLOCK_C])
+    cx = c.to(tl.int64) * sxc
     best = tl.full([BLOCK_P, BLOCK_C], float("-inf"), tl.float32)
+    off = tl.full([BLOCK_P, BLOCK_C], -1, tl.int32)
     for kh in tl.static_range(KH):
-        ih = h0 + kh * DH
+        ih = ph * SH - PADH + kh * DH
         hok = pmask & (ih >= 0) & (ih < H)
         for kw in tl.static_range(KW):
-            iw = w0 + kw * DW
-            m = (hok & (iw >= 0) & (iw < W))[:, None] & cmask[None, :]
-            v = tl.load(x_img + (ih * sxh + iw * sxw)[:, None], mask=m, other=float("-inf")).to(tl.float32)
-            # ATen's rule: a larger value or a NaN replaces the maximum (outside the input: -inf, never taken)
-            take = (v > best) | (v != v)
+            iw = pw * SW - PADW + kw * DW
+            ok = hok & (iw >= 0) & (iw < W)
+            m = ok[:, None] & cmask[None, :]
+            row = n * sxn + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw
+            v = tl.load(x_ptr + row[:, None] + cx[None, :], mask=m, other=float("-inf")).to(tl.float32)
+            # ATen's rule: a larger value or a NaN replaces the maximum; the first element inside the input is taken
+            # whatever it is (a window of -inf keeps it)
+            take = m & ((v > best) | (v != v) | (off < 0))
             best = tl.where(take, v, best)
             off = tl.where(take, kh * KW + kw, off)
-    dst = (n * svn + ph * svh + pw * svw)[:, None] + (c * svc)[None, :]
+    out = n * svn + ph.to(tl.int64) * svh + pw.to(tl.int64) * svw
+    dst = out[:, None] + (c.to(tl.int64) * svc)[None, :]
     m = pmask[:, None] & cmask[None, :]
     tl.store(val_ptr + dst, best.to(val_ptr.dtype.element_ty), mask=m)
     tl.store(off_ptr + dst, off.to(tl.int8), mask=m)
@@ -218,19 +227,20 @@ def max_pool2d_fwd(x: torch.Tensor, vals: torch.Tensor, offsets: torch.Tensor, k
 
 
 def max_pool2d_bwd(grad: torch.Tensor, offsets: torch.Tensor, grad_input: torch.Tensor, kernel, stride, padding,
-                   dilation) -> None:
-    """Fill grad_input (N, C, H, W) from grad (N, C, PH, PW) and the forward's offsets (int8, grad's shape)."""
+                   dilation, cells: Optional[bool] = None) -> None:
+    """Fill grad_input (N, C, H, W) from grad (N, C, PH, PW) and the forward's offsets (int8, grad's shape); cells:
+    the cell kernel where it takes the pool (default CELLS), else the gather."""
     n, c, h, w = grad_input.shape
     ph, pw = grad.shape[2:]
     if n * h * w == 0 or c == 0:
         return
     block_p, block_c = _blocks(c)
     j0h, j0w = (cell_windows(kernel[i], stride[i], padding[i], dilation[i]) for i in (0, 1))
-    if j0h is not None and j0w is not None:  # every pool whose windows overlap at most two in a row (3x3 stride 2)
+    if (CELLS if cells is None else cells) and j0h is not None and j0w is not None:
         bh, bw = triton.cdiv(h, stride[0]), triton.cdiv(w, stride[1])
-        cells = n * bh * bw
-        grid = (triton.cdiv(cells, block_p), triton.cdiv(c, block_c))
-        cb_max_pool2d_bwd_cells[grid](grad, offsets, grad_input, c, h, w, ph, pw, bh, bw, cells, *grad.stride(),
+        count = n * bh * bw
+        grid = (triton.cdiv(count, block_p), triton.cdiv(c, block_c))
+        cb_max_pool2d_bwd_cells[grid](grad, offsets, grad_input, c, h, w, ph, pw, bh, bw, count, *grad.stride(),
                                       *offsets.stride(), *grad_input.stride(), KH=kernel[0], KW=kernel[1],
                                       SH=stride[0], SW=stride[1], PADH=padding[0], PADW=padding[1], DH=dilation[0],
                                       DW=dilation[1], J0H=j0h, J0W=j0w, BLOCK_P=block_p, BLOCK_C=block_c,
