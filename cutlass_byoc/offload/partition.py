@@ -36,7 +36,6 @@ from torch.utils import _pytree as pytree
 from ..types import Activation, ConvKind, DType, SourceKind
 from . import library
 from .batching import batch_counters, batch_param_casts
-from .pooling import rewrite_max_pools
 from .patterns import (
     CONV,
     CONV_BACKWARD,
@@ -62,6 +61,7 @@ from .patterns import (
     wgrad_cast_patterns,
 )
 from .patterns import Epilogue
+from .pooling import rewrite_max_pools
 from .report import DYNAMIC_BATCH, DYNAMIC_SHAPE, OffloadEntry, OffloadReport, Pass
 
 log = logging.getLogger("cutlass_byoc.offload")
