@@ -2,12 +2,12 @@
 the window it was (an int8 offset, kh * KW + kw), and the backward, which gathers each input element's gradient from
 the windows whose maximum it was.
 
-Why a kernel of our own for the backward: Inductor lowers ``max_pool2d_with_indices_backward`` as a gather over the
-input that recomputes the forward's window maxima from the input it reads (the forward's offsets are not kept): on
-ResNet-50 training under CUDA graphs the stem's max-pool backward took 0.18 ms (batch 32) and 0.36 ms (batch 64) on
-an H100, a fifth of the GPU time of all the step's convolutions it follows, where reading the gradient and the offsets
-and writing the input's gradient moves ~90 MB (~30 us). The forward, as Inductor's, reads every window; it also
-writes the offsets the backward reads.
+Why a kernel of our own for the backward: Inductor's joint graph keeps no offsets, so its backward recomputes every
+window's maximum from the saved input (and then gathers over the input, lowering aten's op, or scatters with atomic
+adds into an fp32 buffer, PyTorch's decomposition of it): on ResNet-50 training under CUDA graphs the stem's
+max-pool backward took 0.18 ms (batch 32) and 0.36 ms (batch 64) on an H100, where reading the gradient and the
+offsets and writing the input's gradient moves ~70 MB at batch 32 (~25 us). The forward, as Inductor's, reads every
+window; it also writes the offsets the backward reads.
 
 Semantics are ATen's (``max_pool2d_with_indices``): a window's maximum is its first largest element in row-major
 order, a NaN wins and a later NaN wins over an earlier one; a window whose elements are all -inf takes its first
@@ -20,8 +20,8 @@ positions, int64 on the addresses (the cell kernel: an image's start in int64, o
 
 Two backward kernels: the gather over taps (cb_max_pool2d_bwd), which serves every pool and is the one run, and the
 cell kernel (cb_max_pool2d_bwd_cells), for pools whose windows overlap at most two in a row (ResNet's 3x3 stride 2),
-which does a fraction of the gather's work per element (the gather is ALU-bound: 106 us for ResNet-50's b32 stem pool
-on an H100, against ~30 us of memory traffic). The cell kernel has run only under Triton's CPU interpreter
+which does a fraction of the gather's work per element (the gather is bound by its instructions: 106 us for
+ResNet-50's b32 stem pool on an H100, against ~25 us of memory traffic). The cell kernel has run only under Triton's CPU interpreter
 (test_offload_pooling.py), not yet on a GPU: it runs where ``CUTLASS_BYOC_POOL_CELLS=1`` (or ``cells=True``) asks
 for it, and becomes the default once test_gpu_pooling.py has passed with it on the GPU.
 

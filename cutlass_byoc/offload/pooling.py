@@ -5,10 +5,10 @@ decompositions: the values and each window's offset of its maximum, made indices
 ``prims._low_memory_max_pool_offsets_to_indices``; else ``aten.max_pool2d_with_indices``) and a backward that reads
 the indices: ``aten.max_pool2d_with_indices_backward``, or, where PyTorch decomposes it (torch/_decomp), zeros of
 (N*C, H*W) in fp32 that a ``scatter_add`` fills with the gradient, reshaped and cast back. Inductor recomputes the
-forward's offsets from the input in the backward and scatters with atomic adds into the fp32 buffer: ResNet-50's
-stem pool's backward took 0.18 ms (batch 32) and 0.36 ms (batch 64) of a training step under CUDA graphs on an H100,
-in Inductor's step and in this backend's alike, where reading the gradient and the offsets and writing the input's
-gradient moves ~90 MB (~30 us). The rewrite gives the pair to two ops of this module:
+forward's offsets from the input in the backward (the joint graph keeps none): ResNet-50's stem pool's backward took
+0.18 ms (batch 32) and 0.36 ms (batch 64) of a training step under CUDA graphs on an H100, in Inductor's step and in
+this backend's alike, where reading the gradient and the offsets and writing the input's gradient moves ~70 MB at
+batch 32 (~25 us). The rewrite gives the pair to two ops of this module:
 
 * ``cutlass_byoc::max_pool2d_fwd(x, kernel, stride, padding, dilation, ceil_mode) -> (values, offsets)``: the
   pooled values and, per window, where its maximum was (int8, ``kh * KW + kw``, as Inductor's low-memory pool),
