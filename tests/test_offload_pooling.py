@@ -231,6 +231,32 @@ def test_cell_windows():
     assert cell_windows(3, 1, 1, 1) is None and cell_windows(5, 2, 2, 1) is None and cell_windows(3, 1, 1, 2) is None
 
 
+@pytest.mark.parametrize("pool", [(3, 2, 1, 1), (2, 2, 0, 1), (5, 2, 2, 1)], ids=["k3s2p1", "k2s2p0", "k5s2p2"])
+def test_triton_kernels_compile_for_sm90(pool):
+    """Each kernel through Triton's whole pipeline to an sm_90 cubin (Triton's own ptxas; no GPU needed), for the
+    pools each takes: a kernel that does not compile would fail the user's first training step."""
+    triton = pytest.importorskip("triton", reason="Triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cutlass_byoc.offload import pool_kernels as pk
+
+    k, s, p, d = pool
+    consts = dict(KH=k, KW=k, SH=s, SW=s, PADH=p, PADW=p, DH=d, DW=d, BLOCK_P=32, BLOCK_C=64)
+    kernels = [(pk.cb_max_pool2d_fwd, {"x_ptr": "*fp16", "val_ptr": "*fp16", "off_ptr": "*i8"}, {}),
+               (pk.cb_max_pool2d_bwd, {"g_ptr": "*bf16", "off_ptr": "*i8", "gi_ptr": "*bf16"}, {})]
+    j0 = pk.cell_windows(k, s, p, d)
+    if j0 is not None:
+        kernels.append((pk.cb_max_pool2d_bwd_cells, {"g_ptr": "*fp16", "off_ptr": "*i8", "gi_ptr": "*fp16"},
+                        {"J0H": j0, "J0W": j0}))
+    for fn, pointers, extra in kernels:
+        constexprs = {**consts, **extra}
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm.get("cubin"), fn.__name__
+
+
 def test_triton_kernels_under_the_interpreter():
     """The Triton kernels themselves (fp32: the interpreter truncates fp32 to bf16 where the GPU rounds; CASES take
     both backward kernels), run by Triton's CPU interpreter in a process of their own (TRITON_INTERPRET is read when the kernels are defined)."""
