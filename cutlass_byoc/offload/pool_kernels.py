@@ -23,8 +23,8 @@ cell kernel (cb_max_pool2d_bwd_cells), for pools whose windows overlap at most t
 which does a fraction of the gather's work per element (the gather is bound by its instructions: 106 us for
 ResNet-50's b32 stem pool on an H100, against ~25 us of memory traffic). Compiled for sm_90 by Triton 3.5.1 (fp16,
 3x3 stride 2, 32 x 64 blocks, 4 warps), the gather is 2,816 SASS instructions a thread for 2,048 input elements
-(5.5 warp instructions an element), the cell kernel 1,592 for 8,192 (0.8): at the H100's 4 issues a cycle and SM,
-~150 us against ~22 us of issue time for the b32 stem pool. The cell kernel has run only under Triton's CPU interpreter
+(5.5 warp instructions an element), the cell kernel 1,592 for 8,192 (0.8): a seventh of the instruction stream
+(static counts of the code, not of what runs). The cell kernel has run only under Triton's CPU interpreter
 (test_offload_pooling.py), not yet on a GPU: it runs where ``CUTLASS_BYOC_POOL_CELLS=1`` (or ``cells=True``) asks
 for it, and becomes the default once test_gpu_pooling.py has passed with it on the GPU.
 
