@@ -49,19 +49,27 @@ MAX_BLOCK_C = 64
 
 
 @triton.jit
+def _block(count, C, A, B, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's block: BLOCK_P positions of an N x A x B grid (count of them), as (n, a, b), and BLOCK_C
+    channels, with their masks."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pmask = p < count
+    cmask = c < C
+    b = p % B
+    t = p // B
+    a = t % A
+    n = (t // A).to(tl.int64)
+    return n, a, b, pmask, c, cmask
+
+
+@triton.jit
 def cb_max_pool2d_fwd(x_ptr, val_ptr, off_ptr, C, H, W, PH, PW, positions,
                     sxn, sxc, sxh, sxw, svn, svc, svh, svw,
                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                     PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    pmask = p < positions
-    cmask = c < C
-    pw = p % PW
-    t = p // PW
-    ph = t % PH
-    n = (t // PH).to(tl.int64)
+    n, ph, pw, pmask, c, cmask = _block(positions, C, PH, PW, BLOCK_P, BLOCK_C)
     cx = c.to(tl.int64) * sxc
     best = tl.full([BLOCK_P, BLOCK_C], float("-inf"), tl.float32)
     off = tl.full([BLOCK_P, BLOCK_C], -1, tl.int32)
@@ -92,14 +100,7 @@ def cb_max_pool2d_bwd(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, positions,
                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                     PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    q = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    qmask = q < positions
-    cmask = c < C
-    iw = q % W
-    t = q // W
-    ih = t % H
-    n = (t // H).to(tl.int64)
+    n, ih, iw, qmask, c, cmask = _block(positions, C, H, W, BLOCK_P, BLOCK_C)
     cg = c.to(tl.int64) * sgc
     co = c.to(tl.int64) * soc
     acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
@@ -151,14 +152,7 @@ def cb_max_pool2d_bwd_cells(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, BH, BW, cel
     # with which tap is known at compile time. So a cell loads four windows' offsets and gradients once and adds
     # each into the elements whose maximum it was: ~2 loads and ~2 selects per element, where the gather over taps
     # (cb_max_pool2d_bwd) tries every tap of the window with a masked load each.
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    pmask = p < cells
-    cmask = c < C
-    bw = p % BW
-    t = p // BW
-    bh = t % BH
-    n = (t // BH).to(tl.int64)
+    n, bh, bw, pmask, c, cmask = _block(cells, C, BH, BW, BLOCK_P, BLOCK_C)
     g_img = g_ptr + (n * sgn)[:, None] + (c * sgc)[None, :]
     off_img = off_ptr + (n * son)[:, None] + (c * soc)[None, :]
     ph0 = bh + J0H
