@@ -221,6 +221,21 @@ def training_step(model, x, autocast: bool):
     return loss.detach(), grads
 
 
+def sgd_steps(run, model, xs, lr: float = 0.1) -> list[float]:
+    """An fp16-autocast SGD step of `run` (model, compiled) on each of `xs` (loss: the output's mean square, in fp32):
+    the losses. Under CUDA graphs the third step replays the captured graph."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x in xs:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = run(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def fp32_truth(model, x):
     """training_step in fp32 with TF32 off (cuDNN and cuBLAS): the reference the fp16 steps are measured against."""
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32

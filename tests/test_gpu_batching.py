@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpu_util import sgd_steps
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the offload GPU tests run on the H200)"),
@@ -68,19 +70,11 @@ def test_training_under_cuda_graphs_matches_unbatched():
     for batch in (True, False):
         torch.manual_seed(0)
         m = Net().cuda().to(memory_format=CL)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
         xs = [torch.randn(8, 16, 16, 16, device="cuda").contiguous(memory_format=CL) for _ in range(3)]
         torch._dynamo.reset()
         backend = make_backend(select="heuristic", batch_params=batch, cudagraphs=True, deterministic=True)
         run = torch.compile(m, backend=backend)
-        losses = []
-        for x in xs:
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = run(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        losses = sgd_steps(run, m, xs)
         (rep,) = [r for r in backend.reports if "joint" in r.graph]
         # casts: the weights of the 3 convs and the fc, the biases of c2, c3 and the fc, and the batch; counters: the
         # two batch norms' num_batches_tracked

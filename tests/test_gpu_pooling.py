@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpu_util import sgd_steps
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the offload GPU tests run on the H200)"),
@@ -145,20 +147,12 @@ def test_training_matches_the_pools_left_to_inductor(cudagraphs):
     for pool in (True, False):
         torch.manual_seed(0)
         m = Net().cuda().to(memory_format=CL)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
         xs = [torch.randn(8, 16, 24, 24, device="cuda").contiguous(memory_format=CL) for _ in range(3)]
         torch._dynamo.reset()
         backend = make_backend(select="heuristic", fprop=False, dgrad=False, wgrad=False, max_pool=pool,
                                cudagraphs=cudagraphs)
         run = torch.compile(m, backend=backend)
-        losses = []
-        for x in xs:
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = run(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        losses = sgd_steps(run, m, xs)
         (rep,) = [r for r in backend.reports if "joint" in r.graph]
         assert rep.max_pools == (1 if pool else 0), (rep.max_pools_left, rep.summary())
         results.append((losses, [t.detach().clone() for t in (*m.parameters(), *m.buffers())]))
