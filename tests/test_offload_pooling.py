@@ -192,13 +192,13 @@ def test_compiled_training_matches_the_pool_left_to_inductor(inductor, ceil_mode
 
 _INTERPRETED = textwrap.dedent("""
     import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_offload_pooling import CASES, _input
     from cutlass_byoc.offload import pool_kernels, pooling
     torch.manual_seed(0)
-    for n, c, h, w, k, s, p, d, ceil, cl in {cases!r}:
-        x = (torch.randint(-3, 4, (n, c, h, w)) / 2)
-        x.view(-1)[::13] = float("nan")
-        x.view(-1)[5::17] = float("-inf")
-        x = x.contiguous(memory_format=torch.channels_last) if cl else x
+    for case in CASES:
+        n, c, h, w, k, s, p, d, ceil, cl = case
+        x = _input(case)
         args = ([k, k], [s, s], [p, p], [d, d])
         vals, offsets = pooling._fwd_outputs(x, *args, ceil)
         vals.fill_(float("nan")), offsets.fill_(99)
@@ -262,6 +262,6 @@ def test_triton_kernels_under_the_interpreter():
     both backward kernels), run by Triton's CPU interpreter in a process of their own (TRITON_INTERPRET is read when the kernels are defined)."""
     pytest.importorskip("triton", reason="Triton is not installed (the kernels' GPU tests: test_gpu_pooling.py)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED.format(cases=CASES)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    script = _INTERPRETED.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
