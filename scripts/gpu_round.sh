@@ -74,6 +74,9 @@
 #           "depthwise": true; the bench log is appended to tune-depthwise.log); run them in a call of their own
 #           (DW_KINDS=wgrad or fprop,dgrad: those kinds' problems only, as `--kinds`; TUNE_JSON=1: the tune's report,
 #           every candidate's time, to tune-depthwise.json)
+# pool-bench: scripts/pool_bench.py: kernel times of the max-pool ops' forward and both backward kernels (one gradient
+#           and the sum of two) on ResNet's stem pool, next to Inductor's and ATen's (POOL_BATCH, default "32 64")
+#           -> pool-bench.json, pool-bench.log
 # copy-floor: scripts/copy_floor.py: each published bench cell's compulsory bytes moved by one device-to-device copy,
 #           timed as the bench times (the floor no memory-bound kernel beats; cuDNN's time over it bounds the ratio any
 #           kernel can reach) -> copy-floor.json, copy-floor.log
@@ -82,7 +85,7 @@
 # time-launches.log, gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to
 # offload-bench.log), sweep.json, sweep.log,
 # cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log, dw-defaults.json, dw-defaults.log,
-# profile.log, copy-floor.json, copy-floor.log.
+# profile.log, copy-floor.json, copy-floor.log, pool-bench.json, pool-bench.log.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
@@ -248,6 +251,11 @@ for step in "${steps[@]}"; do
             --kinds "${TIME_KINDS:-fprop}" --only "$only" 2>&1 | tee -a "$OUT/ncu.log" || rc=1
         done
       fi ;;
+    pool-bench)
+      # scripts/pool_bench.py: the max-pool ops' Triton kernels on ResNet's stem pool against Inductor's and ATen's
+      # (POOL_BATCH, default "32 64") -> pool-bench.json, pool-bench.log
+      python3 scripts/pool_bench.py --batch ${POOL_BATCH:-32 64} --json "$OUT/pool-bench.json" 2>&1 \
+        | grep -v "^W[0-9]" | tee "$OUT/pool-bench.log" || rc=1 ;;
     sweep)
       python3 scripts/sweep_kernels.py time "$OUT/sweep.json" ${SWEEP_LAYERS:+--layers $SWEEP_LAYERS} \
         ${SWEEP_KINDS:+--kinds $SWEEP_KINDS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} ${SWEEP_PROFILE:+--profile} \

@@ -1,9 +1,9 @@
 """GPU tests of the max-pool ops (offload/pooling.py, offload/pool_kernels.py): the Triton forward and both backward
 kernels (the cells of at most two windows a row, and the gather over taps for the other pools) against float64
 references on fresh random inputs, outputs poisoned first (ties, NaN, -inf, padding, ceil_mode,
-dilation, both layouts, fp16/bf16/fp32, ResNet-50's stem pool); the rewrite found in ResNet-50's joint graph on
-CUDA; a compiled fp16 training step, with and without CUDA graphs, computing what the same step computes with the
-pools left to Inductor."""
+dilation, both layouts, fp16/bf16/fp32, ResNet-50's stem pool, one gradient or the sum of two); the rewrite found in ResNet-50's joint graph on
+CUDA, the add of its gradient taken into the backward; a compiled fp16 training step, with and without CUDA graphs,
+computing what the same step computes with the pools left to Inductor."""
 
 from __future__ import annotations
 
@@ -73,17 +73,23 @@ def test_forward_and_backward_match_float64(case, dtype):
 
     g = torch.randn(vals.shape, device="cuda").to(dtype)
     g = g.contiguous(memory_format=CL) if cl else g.contiguous()
-    ref = torch.ops.aten.max_pool2d_with_indices_backward(g.double(), x.double(), kernel, stride, padding, dilation,
-                                                          ceil, ref_idx)
-    for cells in (False, True):  # the gather, and the cell kernel where it takes the pool (not yet the default)
-        grad_input = pooling._bwd_output(g, list(x.shape), cl)
-        _poison(grad_input)
-        pool_kernels.max_pool2d_bwd(g, offsets, grad_input, kernel, stride, padding, dilation, cells=cells)
-        assert grad_input.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
-        assert not grad_input.isnan().any(), f"an element of the input's gradient was not written (cells={cells})"
-        # fp32 sums of at most a few terms, stored in the input's dtype: within its rounding of the float64 sum
-        tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
-        torch.testing.assert_close(grad_input.double(), ref, rtol=tol, atol=tol, msg=lambda m: f"cells={cells}: {m}")
+    g2 = torch.randn(vals.shape, device="cuda").to(dtype)  # a second gradient (the windows' gradient: g + g2),
+    g2 = g2.contiguous() if cl else g2.contiguous(memory_format=CL)  # in the other layout: its strides are its own
+    # fp32 sums of at most a few terms, stored in the input's dtype: within its rounding of the float64 sum
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
+    for second in (None, g2):
+        gw = g.double() if second is None else g.double() + second.double()
+        ref = torch.ops.aten.max_pool2d_with_indices_backward(gw, x.double(), kernel, stride, padding, dilation,
+                                                              ceil, ref_idx)
+        for cells in (False, True):  # the gather, and the cell kernel where it takes the pool
+            what = f"cells={cells}, grad2={second is not None}"
+            grad_input = pooling._bwd_output(g, list(x.shape), cl)
+            _poison(grad_input)
+            pool_kernels.max_pool2d_bwd(g, offsets, grad_input, kernel, stride, padding, dilation, cells=cells,
+                                        grad2=second)
+            assert grad_input.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
+            assert not grad_input.isnan().any(), f"an element of the input's gradient was not written ({what})"
+            torch.testing.assert_close(grad_input.double(), ref, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
 def test_ops_on_cuda_match_aten_through_the_dispatcher():
@@ -100,6 +106,11 @@ def test_ops_on_cuda_match_aten_through_the_dispatcher():
     ref = torch.ops.aten.max_pool2d_with_indices_backward(g.float(), x.float(), [3, 3], [2, 2], [1, 1], [1, 1], False,
                                                           ref_idx).half()
     assert gi.stride() == x.stride()
+    torch.testing.assert_close(gi, ref, rtol=1e-3, atol=1e-3)
+    g2 = torch.randn_like(vals)
+    gi = pooling.BWD(g, offsets, list(x.shape), [3, 3], [2, 2], [1, 1], [1, 1], False, True, g2)
+    ref = torch.ops.aten.max_pool2d_with_indices_backward(g.float() + g2.float(), x.float(), [3, 3], [2, 2], [1, 1],
+                                                          [1, 1], False, ref_idx).half()
     torch.testing.assert_close(gi, ref, rtol=1e-3, atol=1e-3)
 
 
@@ -119,6 +130,8 @@ def test_resnet50_joint_graph_on_cuda_takes_the_stem_pool():
     assert targets.count(pooling.FWD) == 1 and targets.count(pooling.BWD) == 1
     assert torch.ops.aten.max_pool2d_with_indices_backward.default not in targets
     assert torch.ops.aten.scatter_add.default not in targets
+    (bwd,) = [n for n in gm.graph.nodes if n.target is pooling.BWD]
+    assert len(bwd.args) == 10, "the pool's gradient (the first block's two convs' dgrads) is not added in the op"
 
 
 class Net(nn.Module):

@@ -65,9 +65,14 @@ def test_ops_match_aten(case, dtype):
     ref = aten.max_pool2d_with_indices_backward(g.float(), x.float(), *args, ceil, ref_idx).to(dtype)
     assert torch.equal(gi, ref)
     assert gi.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
+    g2 = torch.randn(vals.shape).to(dtype)  # the windows' gradient as the sum of two (added in fp32)
+    gi2 = pooling.BWD(g, offsets, list(x.shape), *args, ceil, cl, g2)
+    ref = aten.max_pool2d_with_indices_backward(g.float() + g2.float(), x.float(), *args, ceil, ref_idx).to(dtype)
+    assert torch.equal(gi2, ref) and gi2.stride() == gi.stride()
     torch.library.opcheck(pooling.FWD, (x, *args, ceil), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(pooling.BWD, (g, offsets, list(x.shape), *args, ceil, cl),
-                          test_utils=("test_schema", "test_faketensor"))
+    for extra in ((), (g2,)):
+        torch.library.opcheck(pooling.BWD, (g, offsets, list(x.shape), *args, ceil, cl, *extra),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_offsets_and_indices_convert_both_ways():
@@ -80,14 +85,16 @@ def test_offsets_and_indices_convert_both_ways():
 
 
 class Stem(nn.Module):
-    """conv, batch norm, ReLU, max pool, as ResNet's stem, then a 1x1 conv and a head."""
+    """conv, batch norm, ReLU, max pool, as ResNet's stem, then a 1x1 conv (two: and a second one beside it, as
+    ResNet-50's first block and its shortcut, so that the pool's gradient is a sum) and a head."""
 
-    def __init__(self, pool=(3, 2, 1), ceil_mode=False, return_indices=False):
+    def __init__(self, pool=(3, 2, 1), ceil_mode=False, return_indices=False, two=False):
         super().__init__()
         self.c1 = nn.Conv2d(3, 16, 3, padding=1)
         self.bn = nn.BatchNorm2d(16)
         self.pool = nn.MaxPool2d(*pool, ceil_mode=ceil_mode, return_indices=return_indices)
         self.c2 = nn.Conv2d(16, 8, 1)
+        self.c3 = nn.Conv2d(16, 8, 1) if two else None
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x):
@@ -95,22 +102,25 @@ class Stem(nn.Module):
         if isinstance(y, tuple):
             y, idx = y
             return self.fc(self.c2(y).mean((2, 3))) + idx.float().mean() * 0
-        return self.fc(self.c2(y).mean((2, 3)))
+        z = self.c2(y) if self.c3 is None else self.c2(y) + self.c3(y)
+        return self.fc(z.mean((2, 3)))
 
 
 def _targets(gm):
     return [n.target for n in gm.graph.nodes]
 
 
+@pytest.mark.parametrize("two", [False, True], ids=["one", "sum"])
 @pytest.mark.parametrize("decompositions", ["inductor", None], ids=["decomposed", "aten"])
-def test_training_graph_pool_is_rewritten(decompositions):
+def test_training_graph_pool_is_rewritten(decompositions, two):
     """Both forms of the backward (PyTorch's scatter_add decomposition under Inductor's table, aten's op without
-    decompositions) become one forward and one backward of this backend; nothing of the old pool is left."""
+    decompositions) become one forward and one backward of this backend; nothing of the old pool is left. Where the
+    pool's gradient is the sum of two (two convs read its output), the op takes both and the add is gone."""
     from cutlass_byoc.offload.partition import partition
     from cutlass_byoc.offload.trace import trace
 
     torch.manual_seed(0)
-    m = Stem().to(memory_format=CL)
+    m = Stem(two=two).to(memory_format=CL)
     gm = trace(m, torch.randn(2, 3, 17, 17).contiguous(memory_format=CL), training=True,
                autocast=torch.bfloat16, decompositions=decompositions)
     rep = partition(gm, CPU)
@@ -123,6 +133,8 @@ def test_training_graph_pool_is_rewritten(decompositions):
     assert not old & set(t)
     (bwd,) = [n for n in gm.graph.nodes if n.target is pooling.BWD]
     assert bwd.args[1].args[0].target is pooling.FWD  # reads the forward's offsets
+    assert len(bwd.args) == (10 if two else 9)
+    assert all(a.target is not aten.add.Tensor for a in bwd.args if isinstance(a, torch.fx.Node))
     gm.graph.lint()
 
 
@@ -132,6 +144,8 @@ def test_resnet18_joint_graph_takes_its_pool_and_inference_is_left_alone():
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=CL)
     gm, rep = explain(m, x, training=True, autocast=torch.float16, options=CPU)
     assert rep.max_pools == 1 and pooling.BWD in _targets(gm)
+    (bwd,) = [n for n in gm.graph.nodes if n.target is pooling.BWD]
+    assert len(bwd.args) == 10  # the first block's conv and its identity shortcut: the gradient's add taken in
     gm, rep = explain(m.eval(), x, training=False, options=CPU)
     assert rep.max_pools == 0 and pooling.FWD not in _targets(gm)
 
@@ -162,11 +176,12 @@ def test_compiled_training_matches_the_pool_left_to_inductor(inductor, ceil_mode
     """torch.compile (Inductor on the CPU in fp32, or the eager variant under bf16 autocast), two SGD steps: the
     losses, the gradients and the weights with the pool rewritten are those with the pool left as it was. (Not
     Inductor under bf16: its fused kernels keep the old pool's bf16 result in fp32, where the op stores it in bf16 as
-    eager does, and the batch norm's backward makes that rounding visible.)"""
+    eager does, and the batch norm's backward makes that rounding visible.) With ceil_mode the pool's gradient is a
+    sum (two convs read its output), which the rewritten backward adds itself."""
     results = []
     for pool in (True, False):
         torch.manual_seed(0)
-        m = Stem(ceil_mode=ceil_mode).to(memory_format=CL)
+        m = Stem(ceil_mode=ceil_mode, two=ceil_mode).to(memory_format=CL)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         xs = [torch.randn(2, 3, 18, 18).contiguous(memory_format=CL) for _ in range(2)]
         torch._dynamo.reset()
@@ -193,7 +208,7 @@ def test_compiled_training_matches_the_pool_left_to_inductor(inductor, ceil_mode
 _INTERPRETED = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_offload_pooling import CASES, _input
+    from test_offload_pooling import CASES, CL, _input
     from cutlass_byoc.offload import pool_kernels, pooling
     torch.manual_seed(0)
     for case in CASES:
@@ -208,10 +223,13 @@ _INTERPRETED = textwrap.dedent("""
         assert torch.equal(pooling.offsets_to_indices(offsets, w, *args), ref_idx), (n, c, h, w)
         g = torch.randn(vals.shape)
         ref = torch.ops.aten.max_pool2d_with_indices_backward(g, x, *args, ceil, ref_idx)
+        g2 = torch.randn(vals.shape).contiguous(memory_format=torch.contiguous_format if cl else CL)
+        ref2 = torch.ops.aten.max_pool2d_with_indices_backward(g + g2, x, *args, ceil, ref_idx)
         for cells in (False, True):  # the gather, and the cell kernel where it takes the pool
-            gi = pooling._bwd_output(g, list(x.shape), cl).fill_(float("nan"))
-            pool_kernels.max_pool2d_bwd(g, offsets, gi, *args, cells=cells)
-            assert torch.equal(gi, ref), (n, c, h, w, cells, (gi - ref).abs().max())
+            for second, r in ((None, ref), (g2, ref2)):  # one gradient, or the sum of two (the other layout)
+                gi = pooling._bwd_output(g, list(x.shape), cl).fill_(float("nan"))
+                pool_kernels.max_pool2d_bwd(g, offsets, gi, *args, cells=cells, grad2=second)
+                assert torch.equal(gi, r), (n, c, h, w, cells, second is None, (gi - r).abs().max())
     print("ok")
 """)
 
@@ -243,12 +261,14 @@ def test_triton_kernels_compile_for_sm90(pool):
 
     k, s, p, d = pool
     consts = dict(KH=k, KW=k, SH=s, SW=s, PADH=p, PADW=p, DH=d, DW=d, BLOCK_P=32, BLOCK_C=64)
-    kernels = [(pk.cb_max_pool2d_fwd, {"x_ptr": "*fp16", "val_ptr": "*fp16", "off_ptr": "*i8"}, {}),
-               (pk.cb_max_pool2d_bwd, {"g_ptr": "*bf16", "off_ptr": "*i8", "gi_ptr": "*bf16"}, {})]
+    kernels = [(pk.cb_max_pool2d_fwd, {"x_ptr": "*fp16", "val_ptr": "*fp16", "off_ptr": "*i8"}, {})]
     j0 = pk.cell_windows(k, s, p, d)
-    if j0 is not None:
-        kernels.append((pk.cb_max_pool2d_bwd_cells, {"g_ptr": "*fp16", "off_ptr": "*i8", "gi_ptr": "*fp16"},
-                        {"J0H": j0, "J0W": j0}))
+    for two in (False, True):  # one gradient, or the sum of two
+        kernels.append((pk.cb_max_pool2d_bwd, {"g_ptr": "*bf16", "off_ptr": "*i8", "gi_ptr": "*bf16",
+                                               "g2_ptr": "*bf16"}, {"TWO": two}))
+        if j0 is not None:
+            kernels.append((pk.cb_max_pool2d_bwd_cells, {"g_ptr": "*fp16", "off_ptr": "*i8", "gi_ptr": "*fp16",
+                                                         "g2_ptr": "*fp16"}, {"J0H": j0, "J0W": j0, "TWO": two}))
     for fn, pointers, extra in kernels:
         constexprs = {**consts, **extra}
         signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}

@@ -97,9 +97,11 @@ def cb_max_pool2d_fwd(x_ptr, val_ptr, off_ptr, C, H, W, PH, PW, positions,
 @triton.jit
 def cb_max_pool2d_bwd(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, positions,
                     sgn, sgc, sgh, sgw, son, soc, soh, sow, sin, sic, sih, siw,
+                    g2_ptr, s2n, s2c, s2h, s2w,
                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                     PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr):
+    # TWO: the windows' gradient is the sum of two tensors (g and g2), added here in fp32
     n, ih, iw, qmask, c, cmask = _block(positions, C, H, W, BLOCK_P, BLOCK_C)
     cg = c.to(tl.int64) * sgc
     co = c.to(tl.int64) * soc
@@ -124,29 +126,39 @@ def cb_max_pool2d_bwd(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, positions,
             o = tl.load(off_ptr + orow[:, None] + co[None, :], mask=m, other=-1).to(tl.int32)
             hit = m & (o == kh * KW + kw)
             grow = n * sgn + ph64 * sgh + pw64 * sgw
-            acc += tl.load(g_ptr + grow[:, None] + cg[None, :], mask=hit, other=0.0).to(tl.float32)
+            gw = tl.load(g_ptr + grow[:, None] + cg[None, :], mask=hit, other=0.0).to(tl.float32)
+            if TWO:
+                row2 = n * s2n + ph64 * s2h + pw64 * s2w
+                gw += tl.load(g2_ptr + row2[:, None] + (c.to(tl.int64) * s2c)[None, :], mask=hit,
+                              other=0.0).to(tl.float32)
+            acc += gw
     dst = n * sin + ih.to(tl.int64) * sih + iw.to(tl.int64) * siw
     m = qmask[:, None] & cmask[None, :]
     tl.store(gi_ptr + dst[:, None] + (c.to(tl.int64) * sic)[None, :], acc.to(gi_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _window(g_img, off_img, ph, pw, PH, PW, pmask, cmask, sgh, sgw, soh, sow):
-    """Window (ph, pw) of each cell (g_img, off_img: its image's channels): its offsets (int32, -1 outside the
-    output) and gradient (fp32)."""
+def _window(g_img, off_img, ph, pw, PH, PW, pmask, cmask, sgh, sgw, soh, sow, g2_img, s2h, s2w,
+            TWO: tl.constexpr):
+    """Window (ph, pw) of each cell (g_img, off_img, g2_img: its image's channels): its offsets (int32, -1 outside
+    the output) and gradient (fp32; TWO: g's and g2's sum)."""
     ok = pmask & (ph >= 0) & (ph < PH) & (pw >= 0) & (pw < PW)
     m = ok[:, None] & cmask[None, :]
     o = tl.load(off_img + (ph * soh + pw * sow)[:, None], mask=m, other=-1)
-    g = tl.load(g_img + (ph * sgh + pw * sgw)[:, None], mask=m, other=0.0)
-    return o.to(tl.int32), g.to(tl.float32)
+    g = tl.load(g_img + (ph * sgh + pw * sgw)[:, None], mask=m, other=0.0).to(tl.float32)
+    if TWO:
+        g += tl.load(g2_img + (ph * s2h + pw * s2w)[:, None], mask=m, other=0.0).to(tl.float32)
+    return o.to(tl.int32), g
 
 
 @triton.jit
 def cb_max_pool2d_bwd_cells(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, BH, BW, cells,
                             sgn, sgc, sgh, sgw, son, soc, soh, sow, sin, sic, sih, siw,
+                            g2_ptr, s2n, s2c, s2h, s2w,
                             KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                             PADH: tl.constexpr, PADW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                            J0H: tl.constexpr, J0W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                            J0H: tl.constexpr, J0W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                            TWO: tl.constexpr):
     # A cell (bh, bw) owns the SH x SW input elements (bh * SH + r, bw * SW + q); every window that holds one of them
     # is (bh + J0H + a, bw + J0W + b), a and b in {0, 1} (the host checks), and which window holds which element
     # with which tap is known at compile time. So a cell loads four windows' offsets and gradients once and adds
@@ -155,12 +167,17 @@ def cb_max_pool2d_bwd_cells(g_ptr, off_ptr, gi_ptr, C, H, W, PH, PW, BH, BW, cel
     n, bh, bw, pmask, c, cmask = _block(cells, C, BH, BW, BLOCK_P, BLOCK_C)
     g_img = g_ptr + (n * sgn)[:, None] + (c * sgc)[None, :]
     off_img = off_ptr + (n * son)[:, None] + (c * soc)[None, :]
+    g2_img = g2_ptr + (n * s2n)[:, None] + (c * s2c)[None, :]
     ph0 = bh + J0H
     pw0 = bw + J0W
-    o00, g00 = _window(g_img, off_img, ph0, pw0, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
-    o01, g01 = _window(g_img, off_img, ph0, pw0 + 1, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
-    o10, g10 = _window(g_img, off_img, ph0 + 1, pw0, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
-    o11, g11 = _window(g_img, off_img, ph0 + 1, pw0 + 1, PH, PW, pmask, cmask, sgh, sgw, soh, sow)
+    o00, g00 = _window(g_img, off_img, ph0, pw0, PH, PW, pmask, cmask, sgh, sgw, soh,
+                       sow, g2_img, s2h, s2w, TWO)
+    o01, g01 = _window(g_img, off_img, ph0, pw0 + 1, PH, PW, pmask, cmask, sgh, sgw, soh,
+                       sow, g2_img, s2h, s2w, TWO)
+    o10, g10 = _window(g_img, off_img, ph0 + 1, pw0, PH, PW, pmask, cmask, sgh, sgw, soh,
+                       sow, g2_img, s2h, s2w, TWO)
+    o11, g11 = _window(g_img, off_img, ph0 + 1, pw0 + 1, PH, PW, pmask, cmask, sgh, sgw, soh,
+                       sow, g2_img, s2h, s2w, TWO)
     gi_img = gi_ptr + (n * sin)[:, None] + (c * sic)[None, :]
     for r in tl.static_range(SH):
         ih = bh * SH + r
@@ -224,28 +241,29 @@ def max_pool2d_fwd(x: torch.Tensor, vals: torch.Tensor, offsets: torch.Tensor, k
 
 
 def max_pool2d_bwd(grad: torch.Tensor, offsets: torch.Tensor, grad_input: torch.Tensor, kernel, stride, padding,
-                   dilation, cells: Optional[bool] = None) -> None:
-    """Fill grad_input (N, C, H, W) from grad (N, C, PH, PW) and the forward's offsets (int8, grad's shape); cells:
-    the cell kernel where it takes the pool (default CELLS), else the gather."""
+                   dilation, cells: Optional[bool] = None, grad2: Optional[torch.Tensor] = None) -> None:
+    """Fill grad_input (N, C, H, W) from grad (N, C, PH, PW) and the forward's offsets (int8, grad's shape); grad2:
+    a second gradient of grad's shape, the windows' gradient then being the two added (in fp32); cells: the cell
+    kernel where it takes the pool (default CELLS), else the gather."""
     n, c, h, w = grad_input.shape
     ph, pw = grad.shape[2:]
     if n * h * w == 0 or c == 0:
         return
     block_p, block_c = _blocks(c)
+    two = grad2 is not None
+    second = (grad2, *grad2.stride()) if two else (grad, *grad.stride())  # unread where not two
+    args = (c, h, w, ph, pw)
+    consts = dict(KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1], PADH=padding[0], PADW=padding[1],
+                  DH=dilation[0], DW=dilation[1], BLOCK_P=block_p, BLOCK_C=block_c, TWO=two, num_warps=4)
+    strides = (*grad.stride(), *offsets.stride(), *grad_input.stride(), *second)
     j0h, j0w = (cell_windows(kernel[i], stride[i], padding[i], dilation[i]) for i in (0, 1))
     if (CELLS if cells is None else cells) and j0h is not None and j0w is not None:
         bh, bw = triton.cdiv(h, stride[0]), triton.cdiv(w, stride[1])
         count = n * bh * bw
         grid = (triton.cdiv(count, block_p), triton.cdiv(c, block_c))
-        cb_max_pool2d_bwd_cells[grid](grad, offsets, grad_input, c, h, w, ph, pw, bh, bw, count, *grad.stride(),
-                                      *offsets.stride(), *grad_input.stride(), KH=kernel[0], KW=kernel[1],
-                                      SH=stride[0], SW=stride[1], PADH=padding[0], PADW=padding[1], DH=dilation[0],
-                                      DW=dilation[1], J0H=j0h, J0W=j0w, BLOCK_P=block_p, BLOCK_C=block_c,
-                                      num_warps=4)
+        cb_max_pool2d_bwd_cells[grid](grad, offsets, grad_input, *args, bh, bw, count, *strides, J0H=j0h, J0W=j0w,
+                                      **consts)
         return
     positions = n * h * w
     grid = (triton.cdiv(positions, block_p), triton.cdiv(c, block_c))
-    cb_max_pool2d_bwd[grid](grad, offsets, grad_input, c, h, w, ph, pw, positions, *grad.stride(), *offsets.stride(),
-                          *grad_input.stride(), KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1],
-                          PADH=padding[0], PADW=padding[1], DH=dilation[0], DW=dilation[1], BLOCK_P=block_p,
-                          BLOCK_C=block_c, num_warps=4)
+    cb_max_pool2d_bwd[grid](grad, offsets, grad_input, *args, positions, *strides, **consts)

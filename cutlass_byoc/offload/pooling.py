@@ -54,7 +54,8 @@ MAX_WINDOW = 127
 _LIB.define("max_pool2d_fwd(Tensor x, int[2] kernel, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode)"
             " -> (Tensor, Tensor)", tags=_TAGS)
 _LIB.define("max_pool2d_bwd(Tensor grad, Tensor offsets, SymInt[4] input_size, int[2] kernel, int[2] stride, "
-            "int[2] padding, int[2] dilation, bool ceil_mode, bool channels_last) -> Tensor", tags=_TAGS)
+            "int[2] padding, int[2] dilation, bool ceil_mode, bool channels_last, Tensor? grad2=None) -> Tensor",
+            tags=_TAGS)
 
 
 def out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
@@ -139,16 +140,17 @@ def _max_pool2d_fwd(x: torch.Tensor, kernel: list[int], stride: list[int], paddi
 
 def _max_pool2d_bwd(grad: torch.Tensor, offsets: torch.Tensor, input_size: list[int], kernel: list[int],
                     stride: list[int], padding: list[int], dilation: list[int], ceil_mode: bool,
-                    channels_last: bool) -> torch.Tensor:
+                    channels_last: bool, grad2: Optional[torch.Tensor] = None) -> torch.Tensor:
     grad_input = _bwd_output(grad, input_size, channels_last)
     kernels = _triton_kernels() if grad.is_cuda else None
     if kernels is not None:
-        kernels.max_pool2d_bwd(grad, offsets, grad_input, kernel, stride, padding, dilation)
+        kernels.max_pool2d_bwd(grad, offsets, grad_input, kernel, stride, padding, dilation, grad2=grad2)
         return grad_input
     # ATen's backward in fp32 (the kernels' sums), reading only the shape and layout of its input (grad_input stands
     # in for it) and the indices
     idx = offsets_to_indices(offsets, input_size[3], kernel, stride, padding, dilation)
-    grad_input.copy_(aten.max_pool2d_with_indices_backward.default(grad.float(), grad_input.float(), kernel, stride,
+    g = grad.float() if grad2 is None else grad.float() + grad2.float()
+    grad_input.copy_(aten.max_pool2d_with_indices_backward.default(g, grad_input.float(), kernel, stride,
                                                                    padding, dilation, ceil_mode, idx))
     return grad_input
 
@@ -159,7 +161,7 @@ torch.library.register_fake(f"{NAMESPACE}::max_pool2d_fwd", lib=_LIB)(
     lambda x, kernel, stride, padding, dilation, ceil_mode: _fwd_outputs(x, kernel, stride, padding, dilation,
                                                                           ceil_mode))
 torch.library.register_fake(f"{NAMESPACE}::max_pool2d_bwd", lib=_LIB)(
-    lambda grad, offsets, input_size, kernel, stride, padding, dilation, ceil_mode, channels_last:
+    lambda grad, offsets, input_size, kernel, stride, padding, dilation, ceil_mode, channels_last, grad2=None:
     _bwd_output(grad, input_size, channels_last))
 
 FWD = torch.ops.cutlass_byoc.max_pool2d_fwd.default
@@ -283,6 +285,21 @@ def _scatter_backward(scatter: fx.Node) -> tuple[Optional[dict], str]:
     return m, ""
 
 
+def _addends(grad: Any, gv: torch.Tensor) -> Optional[tuple[fx.Node, fx.Node]]:
+    """The two tensors whose sum the pool's gradient is (an ``aten.add.Tensor`` the backward alone reads, both of the
+    gradient's shape, dtype and device), which the backward op then adds itself; else None. In ResNets the stem
+    pool's output feeds two convs (the first block's and its shortcut's), so its gradient is such a sum: Inductor
+    fuses the add into its own pool backward, and left outside the op it would be a kernel of its own."""
+    if not (isinstance(grad, fx.Node) and grad.op == "call_function" and grad.target is aten.add.Tensor
+            and len(grad.args) == 2 and not grad.kwargs and len(grad.users) == 1):
+        return None
+    for t in grad.args:
+        v = t.meta.get("val") if isinstance(t, fx.Node) else None
+        if not _static(v) or v.shape != gv.shape or v.dtype != gv.dtype or v.device != gv.device:
+            return None
+    return grad.args[0], grad.args[1]
+
+
 def _check(m: dict, require_cuda: bool) -> str:
     """Why the matched pool cannot take the rewrite ('' if it can); adds what the rewrite needs to m."""
     fwd, grad, out = m["fwd"], m["grad"], m["out"]
@@ -320,7 +337,8 @@ def _check(m: dict, require_cuda: bool) -> str:
     layouts = [f for f in (torch.channels_last, torch.contiguous_format) if tuple(ov.stride()) == _strides(ov.shape, f)]
     if not layouts:
         return "result's layout"
-    m.update(x=x, values=values, params=params, channels_last=layouts[0] is torch.channels_last)
+    m.update(x=x, values=values, params=params, channels_last=layouts[0] is torch.channels_last,
+             addends=_addends(grad, gv))
     return ""
 
 
@@ -360,13 +378,15 @@ def _rewrite(graph: fx.Graph, m: dict) -> None:
     if values is not None:
         new_values.meta.update({k: v for k, v in values.meta.items() if k != "val"})
         values.replace_all_uses_with(new_values)
+    grads = m["addends"] or (m["grad"],)
     with graph.inserting_before(out):
-        new = graph.call_function(BWD, (m["grad"], offsets, list(xv.shape), kernel, stride, padding, dilation,
-                                        ceil_mode, m["channels_last"]))
+        new = graph.call_function(BWD, (grads[0], offsets, list(xv.shape), kernel, stride, padding, dilation,
+                                        ceil_mode, m["channels_last"], *grads[1:]))
     new.meta.update(out.meta)
     out.replace_all_uses_with(new)
-    # the old pool: every node of it that nothing reads any more, until none is left
-    dead = list(dict.fromkeys(n for n in (*m["plumbing"], *m["only_backward"], values, fwd) if n is not None))
+    # the old pool (and the add it took): every node of it that nothing reads any more, until none is left
+    old = (*m["plumbing"], *m["only_backward"], values, fwd, m["grad"] if m["addends"] else None)
+    dead = list(dict.fromkeys(n for n in old if n is not None))
     while erased := [n for n in dead if not n.users]:
         for node in erased:
             graph.erase_node(node)
