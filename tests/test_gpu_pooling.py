@@ -148,19 +148,37 @@ class Net(nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
+def _float64_truth(xs, lr: float = 0.1):
+    """The SGD steps of sgd_steps in float64, eager (the model as the seed makes it): the final weights and
+    buffers."""
+    torch.manual_seed(0)
+    m = Net().cuda().double().to(memory_format=CL)
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    for x in xs:
+        m(x.double()).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [t.detach().clone() for t in (*m.parameters(), *m.buffers())]
+
+
 @pytest.mark.parametrize("cudagraphs", [False, True], ids=["plain", "cudagraphs"])
-def test_training_matches_the_pools_left_to_inductor(cudagraphs):
+def test_training_as_close_to_float64_as_the_pools_left_to_inductor(cudagraphs):
     """Three fp16-autocast SGD steps of the compiled model (under CUDA graphs the third replays the graph), the convs
-    left to PyTorch (the pool alone is this test's business): the losses and the final weights with the pool on this
-    backend's kernels are those with the pool compiled by Inductor (not bitwise: Inductor adds a window's gradients in
-    another order, and its fused kernels keep the pool's fp16 result in fp32 where the op stores fp16, as eager)."""
+    left to PyTorch (the pool alone is this test's business; its gradient is the sum of the residual's and the conv's,
+    which the op adds itself): the final weights with the pool on this backend's kernels are as close to the float64
+    truth as those with the pool compiled by Inductor, and the losses agree. The two fp16 runs are not compared with
+    each other at a fixed tolerance: the batch norm's backward amplifies fp16 rounding into the first conv's weights
+    (eager fp16 itself is ~3e-2 from float64 there after three steps, and two fp16 orders of the same sums ~5e-3
+    apart), so what tells a wrong gradient from rounding is the distance to float64."""
     from cutlass_byoc.offload import make_backend
 
+    torch.manual_seed(1)
+    xs = [torch.randn(8, 16, 24, 24, device="cuda").contiguous(memory_format=CL) for _ in range(3)]
+    truth = _float64_truth(xs)
     results = []
     for pool in (True, False):
         torch.manual_seed(0)
         m = Net().cuda().to(memory_format=CL)
-        xs = [torch.randn(8, 16, 24, 24, device="cuda").contiguous(memory_format=CL) for _ in range(3)]
         torch._dynamo.reset()
         backend = make_backend(select="heuristic", fprop=False, dgrad=False, wgrad=False, max_pool=pool,
                                cudagraphs=cudagraphs)
@@ -171,5 +189,9 @@ def test_training_matches_the_pools_left_to_inductor(cudagraphs):
         results.append((losses, [t.detach().clone() for t in (*m.parameters(), *m.buffers())]))
     (l1, w1), (l2, w2) = results
     assert l1 == pytest.approx(l2, rel=2e-3)
-    for a, b in zip(w1, w2):
-        torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-4)
+    for ours, inductor, t in zip(w1, w2, truth):
+        if not t.is_floating_point():
+            assert torch.equal(ours, inductor)
+            continue
+        e_ours, e_ind = (float((w.double() - t).abs().max()) for w in (ours, inductor))
+        assert e_ours <= 2 * e_ind + 1e-4, (tuple(t.shape), e_ours, e_ind)

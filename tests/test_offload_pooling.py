@@ -75,6 +75,17 @@ def test_ops_match_aten(case, dtype):
                               test_utils=("test_schema", "test_faketensor"))
 
 
+def test_kernels_only_where_their_int32_arithmetic_holds():
+    """The Triton kernels count positions and offsets inside an image in int32: tensors of 2**31 elements or more, or
+    views spanning that much storage, take ATen's pooling (as off CUDA)."""
+    small = torch.empty(2, 64, 112, 112, device="meta", dtype=torch.float16)
+    big = torch.empty(2**31 // (64 * 112 * 112) + 1, 64, 112, 112, device="meta", dtype=torch.float16)
+    sliced = torch.empty(2, 2, 2**29, 2, device="meta", dtype=torch.float16)[:, :, ::2**27]
+    assert pooling.int32_holds(small, None) and not pooling.int32_holds(small, big)
+    assert sliced.numel() < 2**31 and not pooling.int32_holds(sliced)
+    assert pooling._kernels_for(torch.empty(2, 3, 4, 4)) is None  # off CUDA
+
+
 def test_offsets_and_indices_convert_both_ways():
     x = torch.randn(2, 3, 11, 10)
     args = ([3, 3], [2, 2], [1, 1], [2, 2])

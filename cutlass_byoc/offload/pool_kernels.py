@@ -16,17 +16,18 @@ then columns, ascending) in fp32 and stores the input's dtype.
 
 Layouts: any strides (the pointers are computed from them); a block is BLOCK_P positions by BLOCK_C channels, so
 channels_last tensors (channels contiguous) load and store in whole lines. Offsets are int32 arithmetic on the
-positions, int64 on the addresses (the cell kernel: an image's start in int64, offsets inside an image in int32).
+positions, an image's start in int64 and offsets inside an image in int32 (pooling.int32_holds: tensors past
+2**31 elements take ATen's pooling).
 
-Two backward kernels: the gather over taps (cb_max_pool2d_bwd), which serves every pool and is the one run, and the
-cell kernel (cb_max_pool2d_bwd_cells), for pools whose windows overlap at most two in a row (ResNet's 3x3 stride 2),
-which does a fraction of the gather's work per element (the gather is bound by its instructions: 106 us for
-ResNet-50's b32 stem pool on an H100, against ~25 us of memory traffic). Compiled for sm_90 by Triton 3.5.1 (fp16,
-3x3 stride 2, 32 x 64 blocks, 4 warps), the gather is 2,816 SASS instructions a thread for 2,048 input elements
-(5.5 warp instructions an element), the cell kernel 1,592 for 8,192 (0.8): a seventh of the instruction stream
-(static counts of the code, not of what runs). The cell kernel has run only under Triton's CPU interpreter
-(test_offload_pooling.py), not yet on a GPU: it runs where ``CUTLASS_BYOC_POOL_CELLS=1`` (or ``cells=True``) asks
-for it, and becomes the default once test_gpu_pooling.py has passed with it on the GPU.
+Two backward kernels: the cell kernel (cb_max_pool2d_bwd_cells), for pools whose windows overlap at most two in a
+row (ResNet's 3x3 stride 2, 2x2 stride 2, ...), and the gather over taps (cb_max_pool2d_bwd) for every other pool.
+The gather tries every tap of every window that could hold an element, with a masked load each, and is bound by
+those instructions; a cell of stride x stride input elements loads the four windows that can hold them once, their
+taps known at compile time. On ResNet-50's stem pool on an H100 (scripts/pool_bench.py, thirty-eighth session): the
+gather 108.5 / 213.8 us at batch 32 / 64, the cell kernel 30.4 / 58.5 us (bitwise the gather's result), Inductor's
+backward 181.8 / 361.6 us. Both kernels take a second gradient (TWO: the windows' gradient is g + g2, added in fp32),
+the sum the rewrite folds in: the cell kernel then took 35.0 / 66.5 us, where the add alone is a 15.7 / 28.3 us
+kernel. CUTLASS_BYOC_POOL_CELLS=0 (or cells=False) runs the gather everywhere.
 
 The kernels are named cb_... so that the offload bench's profile counts them as this project's (bench.KERNEL_SOURCES).
 Triton is imported here only: the ops fall back to ATen where it is missing (pooling.py).
@@ -41,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-#: the backward's cell kernel for the pools it takes (see above; off until it has run on a GPU)
-CELLS = os.environ.get("CUTLASS_BYOC_POOL_CELLS", "0") == "1"
+#: the backward's cell kernel for the pools it takes (see above)
+CELLS = os.environ.get("CUTLASS_BYOC_POOL_CELLS", "1") == "1"
 #: positions x channels a program covers (channels: the next power of two up to this)
 BLOCK_ELEMS = 2048
 MAX_BLOCK_C = 64

@@ -14,12 +14,16 @@ batch 32 (~25 us). The rewrite gives the pair to two ops of this module:
   pooled values and, per window, where its maximum was (int8, ``kh * KW + kw``, as Inductor's low-memory pool),
   the same shape and strides as the values; the offsets are what the backward keeps of the forward;
 * ``cutlass_byoc::max_pool2d_bwd(grad, offsets, input_size, kernel, stride, padding, dilation, ceil_mode,
-  channels_last) -> grad_input``: each input element's gradient, gathered from the windows whose maximum it was.
+  channels_last, grad2=None) -> grad_input``: each input element's gradient, gathered from the windows whose maximum
+  it was; where the graph's gradient of the pool is an add of two tensors that nothing else reads (ResNet's stem
+  pool feeds the first block's conv and its shortcut), the op takes both (grad, grad2) and adds them itself, in fp32,
+  so that no add kernel is left beside it (Inductor fuses that add into its own pool backward).
 
 Both follow ATen's ``max_pool2d_with_indices`` (its tie and NaN rules, its order of the backward's fp32 sums) and
 its layouts (the values in the memory format ``suggest_memory_format`` gives the input, the input's gradient in the
-one the graph recorded). On CUDA they run the Triton kernels of pool_kernels.py; off CUDA, and where Triton cannot
-be imported (said once in the log), ATen's own pooling, the offsets converted to and from its indices.
+one the graph recorded). On CUDA they run the Triton kernels of pool_kernels.py; off CUDA, for tensors of 2**31
+elements or more (the kernels' int32 arithmetic), and where Triton cannot be imported (said once in the log), ATen's
+own pooling, the offsets converted to and from its indices.
 
 What is rewritten: a forward and the backward that reads its indices, on the same input with the same parameters,
 4-D, static shapes, fp16/bf16/fp32, a window of at most 127 elements, on CUDA where ``require_cuda``, the indices and
@@ -102,6 +106,25 @@ def _triton_kernels():
     return pool_kernels
 
 
+def _extent(t: torch.Tensor) -> int:
+    """How many elements t's view spans in its storage (1 + the largest offset of an element)."""
+    return 1 + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride()) if d > 0)
+
+
+def int32_holds(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the kernels' int32 arithmetic holds for the tensors (each one's element count and extent under 2**31:
+    the kernels count positions, and offsets inside an image, in int32)."""
+    return all(max(_extent(t), t.numel()) < 2**31 for t in tensors if t is not None)
+
+
+def _kernels_for(*tensors: Optional[torch.Tensor]):
+    """pool_kernels where the tensors are on CUDA and int32_holds for them; else None, and ATen's pooling serves the
+    op."""
+    if not all(t.is_cuda for t in tensors if t is not None) or not int32_holds(*tensors):
+        return None
+    return _triton_kernels()
+
+
 def _window_starts(t: torch.Tensor, stride, padding) -> tuple[torch.Tensor, torch.Tensor]:
     """Each window's first input row and column (negative in the padding), broadcastable to t (N, C, PH, PW)."""
     ph, pw = t.shape[2:]
@@ -128,7 +151,7 @@ def indices_to_offsets(indices: torch.Tensor, input_w: int, kernel, stride, padd
 def _max_pool2d_fwd(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
                     ceil_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
     vals, offsets = _fwd_outputs(x, kernel, stride, padding, dilation, ceil_mode)
-    kernels = _triton_kernels() if x.is_cuda else None
+    kernels = _kernels_for(x, vals)
     if kernels is not None:
         kernels.max_pool2d_fwd(x, vals, offsets, kernel, stride, padding, dilation)
         return vals, offsets
@@ -142,7 +165,7 @@ def _max_pool2d_bwd(grad: torch.Tensor, offsets: torch.Tensor, input_size: list[
                     stride: list[int], padding: list[int], dilation: list[int], ceil_mode: bool,
                     channels_last: bool, grad2: Optional[torch.Tensor] = None) -> torch.Tensor:
     grad_input = _bwd_output(grad, input_size, channels_last)
-    kernels = _triton_kernels() if grad.is_cuda else None
+    kernels = _kernels_for(grad, offsets, grad_input, grad2)
     if kernels is not None:
         kernels.max_pool2d_bwd(grad, offsets, grad_input, kernel, stride, padding, dilation, grad2=grad2)
         return grad_input
