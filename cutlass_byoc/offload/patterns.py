@@ -129,7 +129,7 @@ class OffloadOptions:
     # a training graph's 2-D max pools (forward and backward) on this backend's kernels (pooling.py): the forward
     # keeps each window's offset of its maximum, and the backward gathers from it instead of Inductor's recompute
     # and atomic scatter (ResNet-50's stem pool backward on an H100, b32 / b64: Inductor's 0.18 / 0.36 ms, ours
-    # 0.11 / 0.21)
+    # 0.035 / 0.067 with the add of its two incoming gradients taken in; scripts/pool_bench.py)
     max_pool: bool = True
 
     def __post_init__(self) -> None:
