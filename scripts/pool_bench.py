@@ -28,30 +28,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import sweep_kernels  # noqa: E402 - scripts/sweep_kernels.py, beside this file
 from cutlass_byoc.offload import pool_kernels, pooling  # noqa: E402
 
 CL = torch.channels_last
 K, S, P, D = [3, 3], [2, 2], [1, 1], [1, 1]
-FLUSH = "flush_l2"
 
 
 def kernel_us(fn, iters: int) -> dict[str, float]:
-    """Each CUDA kernel's time per call of fn (us, mean over iters), the L2 flush excluded."""
+    """Each CUDA kernel's time per call of fn (us, mean over iters; sweep_kernels.kernel_times), the L2 cache flushed
+    before each call (256 MB rewritten; its kernel left out)."""
     flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
-    for _ in range(3):
+
+    def step(_):
+        flush.bitwise_not_()
         fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            with torch.profiler.record_function(FLUSH):
-                flush.bitwise_not_()
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "bitwise_not" not in ev.name:
-            out[ev.name] = out.get(ev.name, 0.0) + ev.device_time / iters
-    return out
+
+    return {name: us for name, us, _ in sweep_kernels.kernel_times(step, iters) if "bitwise_not" not in name}
 
 
 def bench(batch: int, iters: int) -> list[dict]:
@@ -63,9 +56,10 @@ def bench(batch: int, iters: int) -> list[dict]:
     gi = pooling._bwd_output(g, list(x.shape), True)
     rows = []
 
-    def row(name, fn, check=None):
-        times = kernel_us(fn, iters)
-        r = dict(batch=batch, row=name, us=round(sum(times.values()), 2),
+    def row(name, fn=None, check=None, times=None, us=None):
+        """A row of fn's kernels (or of the given kernel times; us: their total, else their sum)."""
+        times = kernel_us(fn, iters) if times is None else times
+        r = dict(batch=batch, row=name, us=round(sum(times.values()) if us is None else us, 2),
                  kernels={k[:90]: round(v, 2) for k, v in sorted(times.items(), key=lambda kv: -kv[1])})
         if check is not None:
             r["check"] = check()
@@ -106,12 +100,10 @@ def bench(batch: int, iters: int) -> list[dict]:
         xr.grad = None
         pool(xr).backward(g)
 
-    row("inductor-fwd", fwd)
-    fb = kernel_us(bwd, iters)
     fw = kernel_us(fwd, iters)
-    rows.append(dict(batch=batch, row="inductor-bwd", us=round(sum(fb.values()) - sum(fw.values()), 2),
-                     kernels={k[:90]: round(v, 2) for k, v in fb.items() if k not in fw}))
-    print(f"b{batch} {'inductor-bwd':24s} {rows[-1]['us']:8.2f} us  {list(rows[-1]['kernels'])[:3]}", flush=True)
+    row("inductor-fwd", times=fw)
+    fb = kernel_us(bwd, iters)  # the forward and the backward: the backward is the difference
+    row("inductor-bwd", times={k: v for k, v in fb.items() if k not in fw}, us=sum(fb.values()) - sum(fw.values()))
     xr.grad = None
     v_idx = {}
 
