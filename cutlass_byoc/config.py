@@ -32,7 +32,7 @@ def instruction_shape_for(math: MathOp) -> Shape3:
 #: Fields left out of to_dict when None, so the JSON (and so the source and cache key) of the kernels that predate
 #: them is unchanged: the depthwise family's own, the bias-vector epilogue's type, the GEMM family's lowering.
 _OMITTED_WHEN_NONE = ("conv_stride", "halo_smem", "min_blocks", "prefetch", "element_bias", "lowering",
-                      "channel_stats", "sourceless", "epi_tile", "epi_stages")
+                      "channel_stats", "sourceless", "epi_tile", "epi_stages", "pairs")
 #: The most pipeline stages the 3.x families' configs take (sm90, gemm1x1; StageCountAutoCarveout would give their
 #: 64 x 64 tiles 11-13); a wgrad's kernels also come with their deep twin (sm90.deep_twin, gemm1x1.deep_twin), timed
 #: beside them with up to DEEP_MAX_STAGES (the deepest pipeline nvjet's GEMM kernels run on these problems, by their
@@ -132,6 +132,13 @@ class KernelConfig:
     # the ping-pong consumers take turns in the epilogue and the mainloop is one or a few k tiles, the epilogue sets
     # the pace. Sweep-only (scripts/sweep_kernels.py --tiles ...:sdN); not timed yet.
     epi_stages: Optional[int] = None
+    # Paired loads of the gathered operand (shared-memory im2col family only; None elsewhere and then left out of
+    # to_dict, so every other kernel's source and cache key is unchanged). True: fprop (and dgrad as an fprop) reads its
+    # im2col rows two taps at a time, 4-byte shared-memory loads, with each filter row's S*C taps padded to an even
+    # count (dilation_w 1 and stride_w * C even); wgrad stages each input patch element beside the one the next output
+    # pixel reads (stride_w * C further), so one 4-byte load is a B fragment half of two pixels (Q even). Half the
+    # gathered loads and no packing: see smem_im2col.py.
+    pairs: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.element_bias is not None and not isinstance(self.element_bias, DType):
@@ -315,6 +322,11 @@ class KernelConfig:
             return f"epi_tile: a field of the GEMM 1x1 family only, not {self.family.value}"
         if self.epi_stages is not None and self.family is not KernelFamily.SM90_GEMM_1X1:
             return f"epi_stages: a field of the GEMM 1x1 family only, not {self.family.value}"
+        if self.pairs is not None:
+            if self.family is not KernelFamily.SMEM_IM2COL:
+                return f"pairs: a field of the shared-memory im2col family only, not {self.family.value}"
+            if self.pairs is not True:
+                return "pairs: True or None (left out), not False"
         if self.channel_stats is not None:  # before the families' own rules, which return early
             why = self._channel_stats_error()
             if why:

@@ -41,6 +41,20 @@ during the current tile's arithmetic). Timed beside every plain kernel on an H10
 wgrad at batch 32 and 64, the odd 7->33 layer's fprop and dgrad), no twin was any problem's fastest: 1-20% slower
 than its plain kernel, the best twin 0.8-6.5 us behind the winner. So the planner and the untuned default no longer
 take them (`smem_im2col_candidates(..., twins=False)`); `twins=True` still yields them, for the tests.
+
+Each config also has a pairs twin (`pairs_twin`, KernelConfig.pairs), for the problems it takes (`pairs_error`), which
+halves the gathered shared-memory loads, the kernels' most frequent instructions (ncu: instruction issue and latency
+bound):
+- fprop (and dgrad as an fprop): an A fragment register is two consecutive taps of one pixel. Each filter row's S*C
+  taps are padded to an even count (a zero filter column after an odd row: the stem's 7 x 21 taps become 7 x 22 = 154,
+  still 10 k-steps) and each patch row to an even length, so with dilation_w 1 and stride_w * C even (a pixel's
+  window corner is then an even element) the pair is one aligned 4-byte load, ANDed with a mask that zeroes the
+  padding tap (whatever the patch holds there: an Inf must not meet the zero filter column).
+- wgrad: a B fragment register is two consecutive pixels (2t, 2t+1) of one tap. The patch is staged as 32-bit words,
+  element e beside element e + stride_w * C (the next pixel's element at the same tap), so it is one 4-byte load from
+  the even pixel's corner; Q must be even (a pair is inside the output or past it as a whole: past it, the corner is a
+  zero window). The patch buffers double (the stem's: 2 x 16 KB).
+The planner times each twin beside its plain kernel (profiler/plan.py).
 """
 
 from __future__ import annotations
@@ -148,6 +162,8 @@ def static_error(c: KernelConfig) -> Optional[str]:
 
 def _common_static_error(c: KernelConfig) -> Optional[str]:
     """The rules every kind's config shares: one stage, the prefetch count, and the other families' fields left alone."""
+    if c.pairs and c.prefetch is not None:
+        return "pairs and prefetch: a pairs kernel stages its patch after the arithmetic (no prefetch twin)"
     if c.stages != 1:
         return f"stages: the shared-memory im2col kernel stages one patch per tile, expected 1, got {c.stages}"
     if c.prefetch is not None and not 1 <= c.prefetch <= MAX_PREFETCH:
@@ -196,6 +212,36 @@ def prefetch_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
     return dataclasses.replace(c, prefetch=min(MAX_PREFETCH, -(-ph * pw * p.c // threads)))
 
 
+def pairs_error(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
+    """Why the pairs variant of `c` cannot compute `p` (None if it can): see the module's docstring."""
+    if p.kind is ConvKind.WGRAD:
+        if p.q % 2:
+            return f"output width: Q={p.q} is odd (the pairs kernel reads x for pairs of output pixels)"
+        return None
+    g = gathered(p)
+    if g.dilation_w != 1:
+        return f"dilation: the pairs kernel reads taps in pairs and needs dilation_w 1, got {g.dilation_w}"
+    if (g.stride_w * g.c) % 2:
+        return (f"stride: stride_w * {'K' if p.kind is ConvKind.DGRAD else 'C'} = {g.stride_w * g.c} is odd (the "
+                "pairs kernel reads taps in aligned pairs)")
+    if g.r * row_taps(g) > MAX_TAPS:
+        return f"filter: R x (S*C rounded up to even) = {g.r * row_taps(g)} taps, past the family's {MAX_TAPS}"
+    return None
+
+
+def row_taps(p: Conv2dProblem) -> int:
+    """Taps of a filter row in a pairs fprop kernel: S*C rounded up to even (`p` as the kernel computes it)."""
+    return -(-p.s * p.c // 2) * 2
+
+
+def pairs_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
+    """`c` with paired loads (KernelConfig.pairs), or None where `c` has them, has a prefetch twin's loads, or `p` is
+    not a problem they take (`pairs_error`)."""
+    if c.pairs or c.prefetch is not None or pairs_error(c, p) is not None:
+        return None
+    return dataclasses.replace(c, pairs=True)
+
+
 def taps_per_cta(c: KernelConfig) -> int:
     """Taps a wgrad CTA holds sums for (warps along taps x N_TILES n8 tiles)."""
     return c.warps[1] * N_TILES * 8
@@ -227,15 +273,19 @@ def smem_bytes(c: KernelConfig, p: Conv2dProblem) -> int:
     rows, cols, n = c.tile
     taps = p.r * p.s * p.c
     ph, pw = patch_dims(c, p)
-    if c.kind is ConvKind.WGRAD:  # the template's wgrad smem_layout
+    if c.kind is ConvKind.WGRAD:  # the template's wgrad smem_layout (pairs: 4-byte patch and zero-window words)
         dy = rows * cols * (n + 8) * 2
         sums = n * (taps_per_cta(c) + 4) * 4
         zero = ((p.r - 1) * p.dilation_h * pw + (p.s - 1) * p.dilation_w + 1) * p.c
-        return r16(max(2 * dy, sums)) + 2 * r16(ph * pw * p.c * 2) + 2 * r16(rows * cols * 4) + r16(zero * 2)
+        word = 4 if c.pairs else 2
+        return r16(max(2 * dy, sums)) + 2 * r16(ph * pw * p.c * word) + 2 * r16(rows * cols * 4) + r16(zero * word)
+    row = pw * p.c
+    if c.pairs:  # filter rows of row_taps taps, patch rows rounded up to even
+        taps, row = p.r * row_taps(p), -(-row // 2) * 2
     filt = r16(n * (r16(taps) + 8) * 2)
     table = r16(r16(taps) * 4)
     acc = rows * cols * (n + 4) * 4
-    return filt + table + acc + 2 * r16(ph * pw * p.c * 2)  # two patch buffers
+    return filt + table + acc + 2 * r16(ph * row * 2)  # two patch buffers
 
 
 def problem_error(p: Conv2dProblem) -> Optional[str]:
@@ -270,6 +320,10 @@ def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     why = problem_error(p)
     if why:
         return why
+    if c.pairs:
+        why = pairs_error(c, p)
+        if why:
+            return why
     out_channels = gathered(p).k
     if p.kind is not ConvKind.WGRAD and out_channels % c.align_c:
         return (f"alignment: the output's channel extent {out_channels} is not a multiple of the kernel's alignment "
@@ -293,6 +347,8 @@ def name(c: KernelConfig) -> str:
     ]
     if c.prefetch:
         parts.append(f"pf{c.prefetch}")
+    if c.pairs:
+        parts.append("pair")
     if c.activation is not Activation.IDENTITY:
         parts.append(c.activation.value)
     parts.append(f"sm{c.arch}")
@@ -326,8 +382,9 @@ def config(problem: Conv2dProblem, shape: Optional[tuple[int, ...]] = None, arch
 
 
 def smem_im2col_candidates(problem: Conv2dProblem, twins: bool = False) -> Iterator[KernelConfig]:
-    """Every config of the family for `problem` (nothing where the family does not apply); with `twins`, each
-    followed by its prefetch twin (measured slower everywhere it was timed: the module's docstring)."""
+    """Every config of the family for `problem` (nothing where the family does not apply), each followed by its pairs
+    twin where `problem` takes one (the planner times the twins of the kernels it takes beside them); with `twins`,
+    also by its prefetch twin (measured slower everywhere it was timed: the module's docstring)."""
     if problem_error(problem) is not None or problem.epilogue.activation is Activation.RELU6 \
             or problem.epilogue.bias_vector or problem.element_acc is not DType.F32:
         return
@@ -337,6 +394,9 @@ def smem_im2col_candidates(problem: Conv2dProblem, twins: bool = False) -> Itera
         except ValueError:
             continue
         yield c
+        pair = pairs_twin(c, problem)
+        if pair is not None:
+            yield pair
         twin = prefetch_twin(c, problem) if twins else None
         if twin is not None:
             yield twin
@@ -356,10 +416,12 @@ def estimate_us(problem: Conv2dProblem, launch: LaunchConfig, sms: int = H200_SM
     mt, nt = rows * cols // wm // 16, n // wn // 8
     tiles = p.n * math.ceil(p.p / rows) * math.ceil(p.q / cols)
     kblocks = math.ceil(p.k / n)
-    ksteps = math.ceil(p.r * p.s * p.c / 16)
+    ksteps = math.ceil(p.r * (row_taps(p) if c.pairs else p.s * p.c) / 16)
     ph, pw = patch_dims(c, p)
     warp_tiles = tiles * kblocks * wm * wn
-    kloop = warp_tiles * ksteps * (24 * mt + 2 * nt + mt * nt)
+    # per m16 tile: 8 gathered loads, their 8 offset adds and 4 packs, about 24 with the rest; pairs: 4 loads, 4 adds
+    # and 4 masks
+    kloop = warp_tiles * ksteps * ((12 if c.pairs else 24) * mt + 2 * nt + mt * nt)
     epilogue = tiles * kblocks * rows * cols * (n // c.align_c) * 80 / 32
     patch = tiles * kblocks * ph * pw * p.c * 20 / 32
     compute_us = (kloop + epilogue + patch) / (sms * ISSUE_RATE * CLOCK_GHZ * 1e3)
@@ -386,8 +448,10 @@ def _wgrad_estimate_us(p: Conv2dProblem, launch: LaunchConfig, sms: int) -> floa
     ksteps = rows * cols // 16 // wr
     ph, pw = patch_dims(c, p)
     live_warps = min(wn, math.ceil(min(taps, taps_per_cta(c)) / (N_TILES * 8)))
-    kloop = tiles * blocks * wm * live_warps * wr * ksteps * (mt + 2 + N_TILES * (7 + mt) + 4)
-    copies = tiles * blocks * (ph * pw * p.c * 20 + rows * cols * n // DY_VEC * 4) / 32
+    # per n8 tile of taps: 4 gathered loads, 3 to pack them (pairs: 2 loads, 2 adds) and an mma per m16 tile; a pairs
+    # patch element is two global loads
+    kloop = tiles * blocks * wm * live_warps * wr * ksteps * (mt + 2 + N_TILES * ((4 if c.pairs else 7) + mt) + 4)
+    copies = tiles * blocks * (ph * pw * p.c * (30 if c.pairs else 20) + rows * cols * n // DY_VEC * 4) / 32
     one_cta = wm * wn * wr > 4  # 254 registers a thread: one CTA an SM
     compute_us = (kloop + copies) / (sms * ISSUE_RATE * CLOCK_GHZ * 1e3) * WGRAD_STALL \
         * (WGRAD_ONE_CTA if one_cta else 1.0)

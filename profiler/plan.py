@@ -15,7 +15,9 @@ Kernel families:
 - the shared-memory im2col kernels (`cutlass_byoc.smem_im2col.smem_im2col_candidates`): fprop and wgrad of few input
   channels (the RGB stem) and stride-1 dgrad of few dy channels only, timed on a budget of their own
   (SMEM_IM2COL_BUDGET) like the depthwise side budgets: the model cannot rank its gathered reduction against the
-  implicit-GEMM kernels'. (Their prefetch twins, timed beside each on the H100, never won: none is planned.)
+  implicit-GEMM kernels'. (Their prefetch twins, timed beside each on the H100, never won: none is planned.) Each
+  kernel the budget takes is timed beside its pairs twin (`smem_im2col.pairs_twin`: paired shared-memory loads) where
+  the problem takes one.
 
 Split-k slice counts are launch parameters, not kernels: a kernel enters the plan once and is timed with the
 few slice counts the model ranks best for each problem (`heuristics.launch_slices`: 2.x kernels, and the sm90
@@ -233,7 +235,9 @@ def plan_problem(
         by_family, valid, opt_pruned = _rank_families(kp, arch, sms)
         if (blk, pad_c, pad_k) != (1, 1, 1):  # it reads any C as it is: its padded or folded twins only cost more
             by_family.pop(KernelFamily.SMEM_IM2COL, None)
+            by_family.pop(_IM2COL_PAIRS, None)
         side = [t for key, budget in _side_budgets(max_candidates, kp).items() for t in by_family.pop(key, [])[:budget]]
+        side += _twins_of(side, by_family.pop(_IM2COL_PAIRS, []), "pairs")
         side += _twins_of(side, by_family.pop(_COLS_AHEAD, []), "prefetch")
         side += _twins_of(side, by_family.pop(_COLS_CAPPED, []), "min_blocks")
         tag = ("" if blk == 1 else f" (space-to-depth {blk}x{blk})") + \
@@ -325,6 +329,7 @@ _COLS_AHEAD = "depthwise cols, prefetch twins"
 _COLS_CAPPED = "depthwise cols fprop/dgrad, register-capped twins"
 _CLUSTER = "depthwise wgrad, cluster split"
 _GEMM_WAVE = "GEMM 1x1, whole-wave tiles"
+_IM2COL_PAIRS = "shared-memory im2col, pairs twins"
 _SIDE_BUDGETS = {_WIDE: WIDE_STRIP_BUDGET, _PIPELINED: PIPELINED_BUDGET, _COLS: COLS_BUDGET,
                  KernelFamily.SMEM_IM2COL: SMEM_IM2COL_BUDGET, _PINGPONG: PINGPONG_BUDGET,
                  _CLUSTER: CLUSTER_SPLIT_BUDGET, _GEMM_WAVE: GEMM_WAVE_BUDGET}
@@ -347,7 +352,8 @@ def _twins_of(side: list, twins: list, field: str) -> list:
     alone: each kernel the depthwise cols budget takes is timed beside its prefetch twin ("prefetch":
     depthwise.prefetch_variant, loads two rows ahead) and, for fprop / dgrad, its register-capped twin
     ("min_blocks": depthwise.min_blocks_variant, taps read from shared memory, more CTAs per SM). The model cannot
-    tell which wins (more loads in flight, or more warps)."""
+    tell which wins (more loads in flight, or more warps). Likewise each shared-memory im2col kernel beside its pairs
+    twin ("pairs")."""
     taken = {t[1] for t in side}
     return [t for t in twins if dataclasses.replace(t[1], **{field: None}) in taken]
 
@@ -358,6 +364,8 @@ def _family_key(kernel: KernelConfig):
         return _PINGPONG
     if is_wave_tile(kernel):
         return _GEMM_WAVE
+    if kernel.family is KernelFamily.SMEM_IM2COL and kernel.pairs:
+        return _IM2COL_PAIRS
     if kernel.family is KernelFamily.DEPTHWISE_DIRECT:
         if is_cluster_split(kernel):
             return _CLUSTER
