@@ -85,9 +85,31 @@ def shape_launches() -> list[LaunchConfig]:
     return [LaunchConfig(c) for c in smem_im2col_candidates(stem(), twins=True)]
 
 
+#: (name, problem): fprop, dgrad and wgrad problems the pairs twins take besides the stem (smem_im2col.pairs_error):
+#: odd and even S*C, rectangular strides, dilation_h 2, bf16 into fp32, two channel blocks, stride 3.
+PAIRS_CASES = {
+    "c1_5x5_s2": Conv2dProblem.make("fprop", 2, 1, 21, 19, 24, 5, stride=2, padding=2),
+    "c6_rect_s2x1": CASES["c6_rect_s2x1"],
+    "c3_k96_dil2x1_bf16_f32": Conv2dProblem.make("fprop", 2, 3, 33, 35, 96, 7, stride=2, padding=3,
+                                                 dilation=(2, 1), dtype="bf16", out_dtype="f32"),
+    "stem_residual_silu": stem(epilogue=Epilogue(Activation.SILU, SourceKind.RESIDUAL)),
+    "dgrad_k34": Conv2dProblem.make("dgrad", 2, 7, 13, 11, 34, 3, padding=1),
+    "dgrad_k12_dil2x1": Conv2dProblem.make("dgrad", 2, 5, 23, 21, 12, 3, padding=(2, 1), dilation=(2, 1)),
+    "wgrad_bf16_f32": WGRAD_CASES["stem_bf16_f32_out"],
+    "wgrad_c3_k96_two_blocks": layers.SMEM_WGRAD_CASES["c3_k96_two_blocks"],
+    "wgrad_c5_3x3_s3_odd": layers.SMEM_WGRAD_CASES["c5_3x3_s3_odd"],
+}
+
+
+def pairs_config(p: Conv2dProblem):
+    return next(c for c in smem_im2col_candidates(p) if c.pairs)
+
+
 def used_configs():
     """Every kernel this module launches (scripts/warm_cache.py compiles them beforehand)."""
     out = [l.kernel for l in shape_launches()]
+    out += [pairs_config(p) for p in PAIRS_CASES.values()]
+    out += [pairs_config(INF_WGRAD), pairs_config(stem())]
     out += [config(p) for p in CASES.values()]
     out += [config(epilogue_problem(e)) for e in EPILOGUES]
     out += [config(stem(out_dtype="f32", epilogue=EPILOGUES["bias_relu"]))]
@@ -110,10 +132,10 @@ def test_the_planner_times_the_family_on_the_stem():
     assert ours and all(not l.padded for l in ours)
 
 
-@pytest.mark.parametrize("i", range(2 * len(SHAPES)))  # each shape and its prefetch twin
+@pytest.mark.parametrize("i", range(3 * len(SHAPES)))  # each shape, its pairs twin and its prefetch twin
 def test_every_config_on_the_stem(i):
     launches = shape_launches()
-    assert len(launches) == 2 * len(SHAPES)
+    assert len(launches) == 3 * len(SHAPES)
     check_launch(stem(), launches[i], seed=700 + i)
 
 
@@ -152,10 +174,10 @@ def test_misaligned_output_runs_a_narrower_kernel():
     assert rel_err(out, ref) < TOLERANCE[p.element_out]
 
 
-@pytest.mark.parametrize("i", range(2 * len(WGRAD_SHAPES)))  # each shape and its prefetch twin
+@pytest.mark.parametrize("i", range(3 * len(WGRAD_SHAPES)))  # each shape, its pairs twin and its prefetch twin
 def test_every_wgrad_config_on_the_stem(i):
     launches = [LaunchConfig(c) for c in smem_im2col_candidates(WGRAD_STEM, twins=True)]
-    assert len(launches) == 2 * len(WGRAD_SHAPES)
+    assert len(launches) == 3 * len(WGRAD_SHAPES)
     check_launch(WGRAD_STEM, launches[i], seed=1000 + i)
 
 
@@ -178,6 +200,49 @@ def test_wgrad_pixels_past_the_output_add_nothing_whatever_x_holds():
     b[:, :, :, 9] = float("inf")
     out = poisoned_output(p)
     ops.run_problem(p, a, b, out, None, config=LaunchConfig(config(p)))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOLERANCE[p.element_out]
+
+
+@pytest.mark.parametrize("case", list(PAIRS_CASES))
+def test_pairs_twins_on_other_problems(case):
+    p = PAIRS_CASES[case]
+    check_launch(p, LaunchConfig(pairs_config(p)), seed=1300 + list(PAIRS_CASES).index(case))
+
+
+def test_pairs_padding_taps_read_zero_whatever_x_holds():
+    """The stem's 21 taps a filter row are padded to 22 in the pairs kernel: pixel q's padding tap reads input column
+    2q + 4, channel 0, outside its window. With an Inf there, every output whose window misses it stays finite and
+    right (the tap's mask zeroes it before the mma; 0 x Inf would be NaN)."""
+    from cutlass_byoc import ops  # noqa: PLC0415
+    from gpu_util import TOLERANCE, epilogue_operands, poisoned_output  # noqa: PLC0415
+
+    p = stem()
+    a, b, _, _, _ = epilogue_operands(p, 1400)
+    a[:, 0, :, 13] = float("inf")  # pixel q = 4's padding tap; the windows of q = 5..8 hold the column
+    ref = torch.nn.functional.conv2d(a.double(), b.double(), None, stride=2, padding=3)
+    out = poisoned_output(p)
+    ops.run_problem(p, a, b, out, None, config=LaunchConfig(pairs_config(p)))
+    torch.cuda.synchronize()
+    finite = torch.isfinite(ref)
+    assert finite[..., 4].all() and not finite.all()
+    assert torch.isfinite(out.double()[finite]).all(), "a padding tap read the Inf"
+    err = float((out.double()[finite] - ref[finite]).norm() / ref[finite].norm())
+    assert err < TOLERANCE[p.element_out], err
+
+
+def test_wgrad_pairs_pixels_past_the_output_add_nothing_whatever_x_holds():
+    """As the plain kernel's test: whole pixel pairs past P and Q read a zero window (Q=4 is even)."""
+    from cutlass_byoc import ops  # noqa: PLC0415
+    from gpu_util import TOLERANCE, epilogue_operands, poisoned_output, rel_err  # noqa: PLC0415
+
+    p = INF_WGRAD
+    a, b, _, _, ref = epilogue_operands(p, 1410)
+    b[:, :, 9, :] = float("inf")
+    b[:, :, :, 9] = float("inf")
+    out = poisoned_output(p)
+    ops.run_problem(p, a, b, out, None, config=LaunchConfig(pairs_config(p)))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[p.element_out]

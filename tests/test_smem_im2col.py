@@ -24,18 +24,22 @@ ODD = Conv2dProblem.make("fprop", 32, 7, 56, 56, 33, 3, padding=1)
 
 
 def test_every_shape_is_a_valid_config_for_the_stem():
-    """Each shape, then (twins=True) its prefetch twin (the stem's 8 x 16 tile: a patch of 21 x 37 x 3, 10 elements
-    a thread); without twins=True, the plain kernels alone (the twins never won on the H100)."""
-    assert [c.prefetch for c in smem_im2col_candidates(STEM)] == [None] * len(SHAPES)
+    """Each shape, then its pairs twin (the stem takes them: stride_w * C = 6, dilation 1) and (twins=True) its
+    prefetch twin (the stem's 8 x 16 tile: a patch of 21 x 37 x 3, 10 elements a thread); without twins=True, the
+    plain kernels and pairs twins alone (the prefetch twins never won on the H100)."""
+    assert [(c.prefetch, c.pairs) for c in smem_im2col_candidates(STEM)] == [(None, None), (None, True)] * len(SHAPES)
     cs = list(smem_im2col_candidates(STEM, twins=True))
-    assert len(cs) == 2 * len(SHAPES) and len({c.name for c in cs}) == len(cs)
+    assert len(cs) == 3 * len(SHAPES) and len({c.name for c in cs}) == len(cs)
     for c in cs:
         assert c.family is KernelFamily.SMEM_IM2COL and c.reject_reason(STEM) is None
         assert c.name.startswith("cb_im2colsm_fprop_f16f16_f16_accf32_t") and c.align_c == 8
         assert KernelConfig.from_dict(c.to_dict()) == c
-    assert [c.prefetch is None for c in cs] == [True, False] * len(SHAPES)
-    assert all(twin == dataclasses.replace(c, prefetch=twin.prefetch) for c, twin in zip(cs[0::2], cs[1::2]))
-    assert cs[1].name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_pf10_sm90"
+    assert [(c.prefetch is None, c.pairs) for c in cs] == [(True, None), (True, True), (False, None)] * len(SHAPES)
+    assert all(twin == dataclasses.replace(c, prefetch=twin.prefetch) for c, twin in zip(cs[0::3], cs[2::3]))
+    assert all(pair == dataclasses.replace(c, pairs=True) for c, pair in zip(cs[0::3], cs[1::3]))
+    assert cs[1].name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_pair_sm90"
+    assert cs[2].name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_pf10_sm90"
+    assert "pairs" not in cs[0].to_dict() and cs[1].to_dict()["pairs"] is True  # the plain kernels' keys unchanged
 
 
 def test_output_accesses_follow_k():
@@ -84,14 +88,18 @@ def test_shared_memory_limit_refuses_a_patch_too_large():
 
 
 def test_the_planner_times_the_unpadded_family_on_a_budget_of_its_own():
-    """SMEM_IM2COL_BUDGET kernels of the family, no prefetch twin (none won on the H100)."""
+    """SMEM_IM2COL_BUDGET kernels of the family, each beside its pairs twin, no prefetch twin (none won on the
+    H100)."""
     plan = plan_problem(STEM)
     ours = [c.launch for c in plan.candidates if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
-    assert len({l.kernel for l in ours}) == len(ours) == SMEM_IM2COL_BUDGET
+    assert len({l.kernel for l in ours}) == len(ours) == 2 * SMEM_IM2COL_BUDGET
+    plain = {l.kernel for l in ours if not l.kernel.pairs}
+    assert len(plain) == SMEM_IM2COL_BUDGET
+    assert {l.kernel for l in ours if l.kernel.pairs} == {dataclasses.replace(k, pairs=True) for k in plain}
     assert all(l.kernel.prefetch is None for l in ours)
     assert all(not l.padded for l in ours)  # its padded or folded twins only cost more
     others = [c for c in plan.candidates if c.launch.kernel.family is not KernelFamily.SMEM_IM2COL]
-    assert len(others) == len(plan_problem(STEM, max_candidates=8).candidates) - SMEM_IM2COL_BUDGET
+    assert len(others) == len(plan_problem(STEM, max_candidates=8).candidates) - 2 * SMEM_IM2COL_BUDGET
     assert not [c for c in plan_problem(STEM.replace(c=8)).candidates
                 if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
 
@@ -179,11 +187,12 @@ STEM_WGRAD = STEM.replace(kind=STEM.kind.WGRAD, element_out=DType.F32)
 
 
 def test_wgrad_configs_for_the_stem():
-    """Each shape, then its prefetch twin: enough patch elements a thread for the tile's whole patch (21 x 37 x 3 for
-    8 x 16 pixels at stride 2: 10 a thread of 256), at most MAX_PREFETCH."""
+    """Each shape, then its pairs twin (Q=112 is even), then its prefetch twin: enough patch elements a thread for the
+    tile's whole patch (21 x 37 x 3 for 8 x 16 pixels at stride 2: 10 a thread of 256), at most MAX_PREFETCH."""
     cs = list(smem_im2col_candidates(STEM_WGRAD, twins=True))
-    assert len(cs) == 2 * len(WGRAD_SHAPES) and len({c.name for c in cs}) == len(cs)
-    plain, twins = cs[0::2], cs[1::2]
+    assert len(cs) == 3 * len(WGRAD_SHAPES) and len({c.name for c in cs}) == len(cs)
+    plain, pairs, twins = cs[0::3], cs[1::3], cs[2::3]
+    assert pairs == [dataclasses.replace(c, pairs=True) for c in plain]
     for c, twin, shape in zip(plain, twins, WGRAD_SHAPES):
         for k in (c, twin):
             assert k.reject_reason(STEM_WGRAD) is None and KernelConfig.from_dict(k.to_dict()) == k
@@ -194,7 +203,8 @@ def test_wgrad_configs_for_the_stem():
         ahead = min(MAX_PREFETCH, -(-ph * pw * 3 // threads))
         assert c.prefetch is None and twin == dataclasses.replace(c, prefetch=ahead)
     assert cs[0].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_sm90"
-    assert cs[1].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_pf10_sm90"
+    assert cs[1].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_pair_sm90"
+    assert cs[2].name == "cb_im2colsm_wgrad_f16f16_f32_accf32_t8x16x64_w1x4x2_align811_pf10_sm90"
     # the fprop's names are unchanged by the third warp count (their kernels stay in the cache)
     assert config(STEM).name == "cb_im2colsm_fprop_f16f16_f16_accf32_t8x16x64_w8x1_align118_sm90"
 
@@ -218,10 +228,11 @@ def test_wgrad_rules_name_the_parameter():
 
 
 def test_the_planner_times_the_wgrad_kernels_on_the_stem():
-    """The family's budget of plain kernels (no prefetch twin: none won on the H100)."""
+    """The family's budget of plain kernels, each beside its pairs twin (no prefetch twin: none won on the H100)."""
     ours = [c.launch for c in plan_problem(STEM_WGRAD).candidates
             if c.launch.kernel.family is KernelFamily.SMEM_IM2COL]
-    assert len(ours) == min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES)) and all(not l.padded for l in ours)
+    assert len(ours) == 2 * min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES)) and all(not l.padded for l in ours)
+    assert sum(bool(l.kernel.pairs) for l in ours) == min(SMEM_IM2COL_BUDGET, len(WGRAD_SHAPES))
     assert all(l.kernel.kind is STEM_WGRAD.kind and l.kernel.prefetch is None for l in ours)
 
 
