@@ -187,19 +187,21 @@ def test_wgrad_types_channels_taps_and_strides(case):
     check_launch(p, LaunchConfig(config(p)), seed=1100 + list(WGRAD_CASES).index(case))
 
 
-def test_wgrad_pixels_past_the_output_add_nothing_whatever_x_holds():
+@pytest.mark.parametrize("pairs", [False, True], ids=["plain", "pairs"])
+def test_wgrad_pixels_past_the_output_add_nothing_whatever_x_holds(pairs):
     """x's last row and column hold Inf, read by no output pixel: the reference does not see them, and neither may the
-    kernel (its tile's pixels past P and Q read a zero window, not the patch)."""
+    kernel (its tile's pixels past P and Q read a zero window, not the patch; the pairs twin's whole pixel pairs, Q
+    being even)."""
     from cutlass_byoc import ops  # noqa: PLC0415
     from gpu_util import TOLERANCE, epilogue_operands, poisoned_output, rel_err  # noqa: PLC0415
 
     p = INF_WGRAD
     assert (p.p, p.q) == (4, 4)
-    a, b, _, _, ref = epilogue_operands(p, 1200)
+    a, b, _, _, ref = epilogue_operands(p, 1410 if pairs else 1200)
     b[:, :, 9, :] = float("inf")
     b[:, :, :, 9] = float("inf")
     out = poisoned_output(p)
-    ops.run_problem(p, a, b, out, None, config=LaunchConfig(config(p)))
+    ops.run_problem(p, a, b, out, None, config=LaunchConfig(pairs_config(p) if pairs else config(p)))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOLERANCE[p.element_out]
@@ -231,18 +233,3 @@ def test_pairs_padding_taps_read_zero_whatever_x_holds():
     err = float((out.double()[finite] - ref[finite]).norm() / ref[finite].norm())
     assert err < TOLERANCE[p.element_out], err
 
-
-def test_wgrad_pairs_pixels_past_the_output_add_nothing_whatever_x_holds():
-    """As the plain kernel's test: whole pixel pairs past P and Q read a zero window (Q=4 is even)."""
-    from cutlass_byoc import ops  # noqa: PLC0415
-    from gpu_util import TOLERANCE, epilogue_operands, poisoned_output, rel_err  # noqa: PLC0415
-
-    p = INF_WGRAD
-    a, b, _, _, ref = epilogue_operands(p, 1410)
-    b[:, :, 9, :] = float("inf")
-    b[:, :, :, 9] = float("inf")
-    out = poisoned_output(p)
-    ops.run_problem(p, a, b, out, None, config=LaunchConfig(pairs_config(p)))
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < TOLERANCE[p.element_out]

@@ -97,17 +97,18 @@ def test_wgrad_types_channels_taps_and_strides(case):
     check(p, config(p), seed=30 + list(WGRAD_CASES).index(case))
 
 
+def with_inf(problem: Conv2dProblem, seed: int):
+    """operands() with x's last row and column Inf (a wgrad's b)."""
+    a, b, ref = operands(problem, seed)
+    b[:, :, -1, :] = float("inf")
+    b[:, :, :, -1] = float("inf")
+    return a, b, ref
+
+
 def test_wgrad_pixels_past_the_output_add_nothing_whatever_x_holds():
     """10x10 in, 3x3 stride 2 without padding: 4x4 out, and x's last row and column (Inf here) read by no output
     pixel, but by the pixels past P and Q of the kernel's 8x16 tile, which must read a zero window instead."""
     p = layers.INF_WGRAD
-
-    def with_inf(problem, seed):
-        a, b, ref = operands(problem, seed)
-        b[:, :, -1, :] = float("inf")
-        b[:, :, :, -1] = float("inf")
-        return a, b, ref
-
     check(p, config(p), seed=50, operands_of=with_inf)
 
 
@@ -257,14 +258,8 @@ def test_wgrad_pairs_cases(case):
 
 
 def test_wgrad_pairs_pixels_past_the_output_add_nothing_whatever_x_holds():
+    """As the plain kernel's: whole pixel pairs past P and Q (Q=4 is even) read a zero window."""
     p = layers.INF_WGRAD
-
-    def with_inf(problem, seed):
-        a, b, ref = operands(problem, seed)
-        b[:, :, -1, :] = float("inf")
-        b[:, :, :, -1] = float("inf")
-        return a, b, ref
-
     for cfg in pairs_of(p)[:2]:
         check(p, cfg, seed=130, operands_of=with_inf)
 
