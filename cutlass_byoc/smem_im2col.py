@@ -217,8 +217,8 @@ def prefetch_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
     return dataclasses.replace(c, prefetch=min(MAX_PREFETCH, -(-ph * pw * p.c // threads)))
 
 
-def pairs_error(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
-    """Why the pairs variant of `c` cannot compute `p` (None if it can): see the module's docstring."""
+def pairs_error(p: Conv2dProblem) -> Optional[str]:
+    """Why no pairs kernel (of any shape) can compute `p` (None if one can): see the module's docstring."""
     if p.kind is ConvKind.WGRAD:
         if p.q % 2:
             return f"output width: Q={p.q} is odd (the pairs kernel reads x for pairs of output pixels)"
@@ -242,7 +242,7 @@ def row_taps(p: Conv2dProblem) -> int:
 def pairs_twin(c: KernelConfig, p: Conv2dProblem) -> Optional[KernelConfig]:
     """`c` with paired loads (KernelConfig.pairs), or None where `c` has them, has a prefetch twin's loads, or `p` is
     not a problem they take (`pairs_error`)."""
-    if c.pairs or c.prefetch is not None or pairs_error(c, p) is not None:
+    if c.pairs or c.prefetch is not None or pairs_error(p) is not None:
         return None
     return dataclasses.replace(c, pairs=True)
 
@@ -326,7 +326,7 @@ def reject_reason(c: KernelConfig, p: Conv2dProblem) -> Optional[str]:
     if why:
         return why
     if c.pairs:
-        why = pairs_error(c, p)
+        why = pairs_error(p)
         if why:
             return why
     out_channels = gathered(p).k
