@@ -1,5 +1,5 @@
 """CPU: programmatic dependent launches (sm_90 PDL). Which templates render them (the GEMM 1x1 family's persistent
-schedules, the sm90 conv family's ping-pong kernel) and which are left byte-for-byte as they were; where the kernels
+schedules, the sm90 conv family's ping-pong kernel and its atomic split-k wgrad) and which are left byte-for-byte as they were; where the kernels
 wait; the library switch (compiled with the host compiler and driven); runtime.set_dependent_launch over the loaded
 libraries; the offload benchmark's no-pdl modes. The GPU behaviour is tests/test_gpu_dependent_launch.py's."""
 
@@ -14,8 +14,8 @@ from cutlass_byoc import runtime
 from cutlass_byoc.gemm1x1 import gemm1x1_config, im2col_config
 from cutlass_byoc.problem import Conv2dProblem
 from cutlass_byoc.render import environment, render
-from cutlass_byoc.sm90 import sm90_config
-from cutlass_byoc.types import ConvKind
+from cutlass_byoc.sm90 import atomic_twin, sm90_config
+from cutlass_byoc.types import ConvKind, SplitKMode
 
 SWITCH = 'extern "C" int64_t cb_dependent_launch(int64_t on)'
 
@@ -76,10 +76,26 @@ def test_pingpong_conv_kernel_waits_before_it_touches_memory():
     assert "const bool pdl = !after_memset && g_cb_dependent_launch.load(std::memory_order_relaxed);" in src
 
 
+def test_atomic_split_wgrad_zeroing_waits_then_lets_the_split_kernel_in():
+    p = Conv2dProblem.make("wgrad", 4, 64, 20, 20, 64, 3, padding=1, out_dtype="f32")
+    cfg = atomic_twin(sm90_config(p, (64, 128, 64), split_k_mode=SplitKMode.PARALLEL))
+    src = render(cfg, "nvcc")
+    assert src.count(SWITCH) == 1
+    zero = src[src.index("cb_splitk_zero(float4* __restrict__ sums"):]
+    zero = zero[:zero.index("\n}\n")]
+    assert zero.index("griddepcontrol.wait;") < zero.index("griddepcontrol.launch_dependents;") < zero.index("sums[i]")
+    # launched through cudaLaunchKernelEx, the programmatic attribute under the switch
+    assert "cfg.numAttrs = (g_cb_dependent_launch.load(std::memory_order_relaxed)) ? 1 : 0;" in src
+    assert "cb_splitk_zero<<<" not in src
+
+
 def test_other_sm90_conv_kernels_are_left_alone():
     p = Conv2dProblem.make("fprop", 4, 64, 20, 20, 128, 3, padding=1)
-    src = render(sm90_config(p, (128, 128, 64)), "nvcc")
-    assert "cb_dependent_launch" not in src and "griddepcontrol.wait" not in src
+    w = Conv2dProblem.make("wgrad", 4, 64, 20, 20, 64, 3, padding=1)
+    for cfg in (sm90_config(p, (128, 128, 64)), sm90_config(w, (64, 128, 64), split_k_mode=SplitKMode.PARALLEL)):
+        src = render(cfg, "nvcc")
+        assert "cb_dependent_launch" not in src and "g_cb_dependent_launch" not in src, cfg.name
+    assert "griddepcontrol.wait" not in render(sm90_config(p, (128, 128, 64)), "nvcc")
 
 
 HARNESS = r"""
