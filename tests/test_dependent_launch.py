@@ -190,3 +190,19 @@ def test_bench_no_pdl_modes_switch_around_each_step_or_timed_loop(monkeypatch):
     for mode in bench.NO_PDL_MODES:
         assert mode in bench.EXTRA_MODES and mode not in bench.MODES
     assert bench.NO_PDL_MODES[1].endswith("-cudagraphs")
+
+
+def test_time_gpu_times_each_run_with_dependent_launches_off(monkeypatch):
+    """The profiler's timing (tune, bench) measures the kernel alone: no run overlaps the one before it."""
+    from cutlass_byoc.profiler import timing
+
+    seen = []
+    monkeypatch.setattr(timing, "_time_gpu", lambda fn, rotations, settings: seen.append(
+        runtime.dependent_launch_enabled()) or "stats")
+    monkeypatch.setattr(runtime, "_loaded", {})
+    monkeypatch.setattr(runtime, "_dependent_launch", True)
+    assert timing.time_gpu(None, 1) == "stats" and seen == [False] and runtime.dependent_launch_enabled()
+    monkeypatch.setattr(timing, "_time_gpu", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        timing.time_gpu(None, 1)
+    assert runtime.dependent_launch_enabled()  # restored when timing fails too
