@@ -6,7 +6,6 @@ import ctypes
 import dataclasses
 import functools
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Optional
@@ -87,21 +86,7 @@ def open_library(path: Path | str) -> ctypes.CDLL:
     if hasattr(lib, "cb_launch_memo"):  # the CUTLASS-based templates' launch memo (launch_memo.h.j2)
         lib.cb_launch_memo.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
         lib.cb_launch_memo.restype = ctypes.c_int64
-    if hasattr(lib, "cb_dependent_launch"):  # programmatic dependent launch (dependent_launch.j2's switch)
-        lib.cb_dependent_launch.argtypes = [ctypes.c_int64]
-        lib.cb_dependent_launch.restype = ctypes.c_int64
     return lib
-
-
-def _env_dependent_launch() -> bool:
-    """$CUTLASS_BYOC_DEPENDENT_LAUNCH: 0 (or off / false / no) starts the process with programmatic dependent launches
-    off; anything else, or unset, on."""
-    return os.environ.get("CUTLASS_BYOC_DEPENDENT_LAUNCH", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-#: Whether the kernel libraries that can (the GEMM 1x1 family's persistent schedules, the sm90 ping-pong conv kernel)
-#: launch their kernel as the stream's previous kernel's programmatic dependent (sm_90 PDL): set_dependent_launch.
-_dependent_launch = _env_dependent_launch()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +114,6 @@ class KernelLibrary:
         if shipped != config:  # never run a kernel other than the one asked for
             raise KernelLaunchError(f"{self.path} holds {shipped.name}, expected {config.name}")
         self._lib = lib
-        if not _dependent_launch:
-            self.dependent_launch(False)
 
     @property
     def name(self) -> str:
@@ -179,15 +162,6 @@ class KernelLibrary:
         was = bool(fn(-1 if on is None else int(on), counters))
         return MemoState(was if on is None else bool(on), int(counters[0]), int(counters[1]))
 
-    def dependent_launch(self, on: Optional[bool] = None) -> Optional[bool]:
-        """Whether the library launches its kernel as the stream's previous kernel's programmatic dependent (None where
-        its template never does), switched on or off first unless `on` is None; returns the state before. Process-wide
-        for the library; set_dependent_launch sets every library's."""
-        fn = getattr(self._lib, "cb_dependent_launch", None)
-        if fn is None:
-            return None
-        return bool(fn(-1 if on is None else int(on)))
-
     def launch(self, args: CbConv2dArgs, workspace: int, workspace_bytes: int, stream: int) -> None:
         """The bare launch of already validated arguments (the kernel still runs its own can_implement)."""
         buf = ctypes.create_string_buffer(256)
@@ -235,25 +209,6 @@ def loaded_libraries() -> list[KernelLibrary]:
         return list(_loaded.values())
 
 
-def set_dependent_launch(on: bool) -> bool:
-    """Programmatic dependent launches (sm_90 PDL) on or off for every kernel library loaded and loaded later;
-    returns the setting before. On by default ($CUTLASS_BYOC_DEPENDENT_LAUNCH=0: off). A launch with it lets the
-    kernel's CTAs be scheduled while the stream's previous kernel drains; the kernel waits (griddepcontrol.wait) before
-    it touches global memory, so results are the same either way. A CUDA graph replays what its capture recorded."""
-    global _dependent_launch
-    with _lock:
-        was, _dependent_launch = _dependent_launch, bool(on)
-        libs = list(_loaded.values())
-    for lib in libs:
-        lib.dependent_launch(on)
-    return was
-
-
-def dependent_launch_enabled() -> bool:
-    """The process's setting (set_dependent_launch)."""
-    return _dependent_launch
-
-
 def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, build_missing: bool = True) -> KernelLibrary:
     """The loaded library of `config`, compiling it first if it is not in the cache (and `build_missing`).
 
@@ -279,10 +234,7 @@ def load_kernel(config: KernelConfig, cache: Optional[KernelCache] = None, *, bu
     ensure_trusted_kernel(result.entry.path)
     lib = KernelLibrary(config, result.library)
     with _lock:
-        kept = _loaded.setdefault(key, lib)
-        if kept is lib:  # the process's setting as of now (set_dependent_launch may have run since __init__)
-            lib.dependent_launch(_dependent_launch)
-        return kept
+        return _loaded.setdefault(key, lib)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,8 +7,7 @@ twice the L2 cache (60 MB on H200), so no run finds its inputs in L2 from the ru
 Each run is bracketed by its own pair of events. Before the timed runs a spin kernel (``torch.cuda._sleep``)
 holds the GPU while the CPU enqueues all runs, so the events measure the GPU's time only, not Python's launch
 overhead (which for a 10 us kernel would otherwise dominate). The same function times cuDNN in `bench`, so
-both sides are measured alike. Programmatic dependent launches are off while it times
-(runtime.set_dependent_launch): each run is the kernel alone, not overlapping the run before it.
+both sides are measured alike.
 """
 
 from __future__ import annotations
@@ -72,17 +71,7 @@ def _spin(us: float) -> None:
 
 
 def time_gpu(fn: Callable[[int], None], rotations: int, settings: TimingSettings = TimingSettings()) -> TimingStats:
-    """Median (and more) microseconds of ``fn`` on the current stream, with programmatic dependent launches off."""
-    from cutlass_byoc.runtime import set_dependent_launch  # noqa: PLC0415 (scripts import profiler.timing top-level)
-
-    was = set_dependent_launch(False)
-    try:
-        return _time_gpu(fn, rotations, settings)
-    finally:
-        set_dependent_launch(was)
-
-
-def _time_gpu(fn: Callable[[int], None], rotations: int, settings: TimingSettings) -> TimingStats:
+    """Median (and more) microseconds of ``fn`` on the current stream."""
     import torch  # noqa: PLC0415
 
     fn(0)  # first call untimed and unmeasured: module loads, cudnn.benchmark's search, workspace growth

@@ -67,7 +67,7 @@ MODULE_KERNELS = {
     "tune": lambda m: [*_plan_kernels(m.PROBLEMS, 2), *m.backend_kernels()], "depthwise": lambda m: m.all_kernels(),
     "s2d": lambda m: m.used_configs(), "smem_im2col": lambda m: m.used_configs(),
     "launch_memo": lambda m: m.used_configs(), "channel_stats": lambda m: m.used_configs(),
-    "fuzz": lambda m: m.kernels(), "dependent_launch": lambda m: m.used_configs(),
+    "fuzz": lambda m: m.kernels(),
 }
 
 

@@ -59,9 +59,6 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode;
 #: - cutlass_byoc-inductor-pool, cutlass_byoc-inductor-pool-cudagraphs: max_pool off, the max pools' forward and
 #:   backward as Inductor compiles them (pooling.py): what this backend's pool kernels gain in the step.
-#: - cutlass_byoc-no-pdl, cutlass_byoc-no-pdl-cudagraphs: the kernel libraries' programmatic dependent launches off
-#:   (runtime.set_dependent_launch) from this mode's first step on, its CUDA graphs captured without them: what they
-#:   gain in the step.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -87,11 +84,7 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-unbatched-cudagraphs": {"batch_params": False},
     "cutlass_byoc-inductor-pool": {"max_pool": False},
     "cutlass_byoc-inductor-pool-cudagraphs": {"max_pool": False},
-    "cutlass_byoc-no-pdl": {},
-    "cutlass_byoc-no-pdl-cudagraphs": {},
 }
-#: the modes that run with the kernel libraries' programmatic dependent launches off (_pdl_off)
-NO_PDL_MODES = ("cutlass_byoc-no-pdl", "cutlass_byoc-no-pdl-cudagraphs")
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch
 DYNAMIC_FRACTION = 0.75
@@ -565,9 +558,6 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
         library.RUNTIME.clear()
         model = copy.deepcopy(base)
         run, backend = compile_mode(model, mode, options)
-        no_pdl = _pdl_off(lambda: None) if mode in NO_PDL_MODES else None
-        if no_pdl is not None:
-            no_pdl.begin()  # the first steps (compile, CUDA graph warm-up) too; the timed loops switch it themselves
         graphs = mode.endswith("-cudagraphs")
         mark = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
         torch.cuda.synchronize()
@@ -620,8 +610,6 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
         for opt_name, (one, scaler) in steps_of.items():
             if mode == "cutlass_byoc-memo-off":
                 one = _memo_off(one)
-            if no_pdl is not None:
-                one = _pdl_off(one)
             for _ in range(warmup):
                 one()
             scale0 = scaler.get_scale() if scaler is not None else None  # after the warm-up steps (a sync)
@@ -645,8 +633,6 @@ def run_case(case: Case, modes: Sequence[str] = MODES, image: int = 224, steps: 
             scales.append((scaler, scale0))
             if not interleave:
                 log.info("%s", row.line())
-        if no_pdl is not None:
-            no_pdl.end()
     if interleave:
         memo: dict[int, list[int]] = {}
 
@@ -694,37 +680,6 @@ class _memo_off:
 
     def end(self) -> None:
         _launch_memos(True)
-
-
-class _pdl_off:
-    """A step run with programmatic dependent launches off (runtime.set_dependent_launch): switched off around each
-    call, or once around a timed loop (begin / end), and back to what it was after."""
-
-    def __init__(self, step: Callable[[], None]):
-        self.step = step
-        self.saved: Optional[bool] = None
-
-    def __call__(self) -> None:
-        if self.saved is not None:  # inside begin / end
-            self.step()
-            return
-        self.begin()
-        try:
-            self.step()
-        finally:
-            self.end()
-
-    def begin(self) -> None:
-        from ..runtime import set_dependent_launch  # noqa: PLC0415
-
-        self.saved = set_dependent_launch(False)
-
-    def end(self) -> None:
-        from ..runtime import set_dependent_launch  # noqa: PLC0415
-
-        if self.saved is not None:
-            set_dependent_launch(self.saved)
-            self.saved = None
 
 
 def interleaved_rounds(steppers: Sequence, rounds: int, time_one: Callable) -> list[list[float]]:
