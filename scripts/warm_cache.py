@@ -71,6 +71,21 @@ MODULE_KERNELS = {
 }
 
 
+def stats_twins(cfgs: list[KernelConfig]) -> list[KernelConfig]:
+    """The channel-statistics twins of the sm90 conv fprop kernels among `cfgs` (the launches fuse_bn_stats runs in
+    place of a plain one: offload.library.stats_launch)."""
+    from cutlass_byoc.types import ConvKind, KernelFamily, SplitKMode  # noqa: PLC0415
+
+    out = []
+    for c in cfgs:
+        if (c.family is KernelFamily.SM90_TMA_WGMMA and c.kind is ConvKind.FPROP and c.split_k_mode is SplitKMode.SERIAL
+                and not c.channel_stats):
+            twin = c.with_channel_stats()
+            if twin is not None:
+                out.append(twin)
+    return list(dict.fromkeys(out))
+
+
 def _plan_kernels(problems, max_candidates: int):
     from cutlass_byoc.profiler.plan import plan_workload  # noqa: PLC0415
 
@@ -221,6 +236,10 @@ def main() -> int:
     ap.add_argument("--fuzz", default=None, metavar="A:B", type=_fuzz_seeds,
                     help="the kernels `scripts/fuzz_partition.py --device cuda --seeds A:B` launches (the round's "
                          "fuzz step, FUZZ_SEEDS), its programs partitioned here under fp16 autocast")
+    ap.add_argument("--stats-twins", action="store_true",
+                    help="also the channel-statistics twin (LaunchConfig.with_channel_stats) of every sm90 conv fprop "
+                         "kernel selected: what the offload bench's bnstats modes (fuse_bn_stats) launch after "
+                         "`tune --model`")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                     help=f"the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
                          "the archive of a round that runs a few test modules and tunes a model")
@@ -267,6 +286,8 @@ def main() -> int:
     if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only
             or a.families or a.offload_tests or a.channel_stats or a.fuzz):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
+    if a.stats_twins:
+        cfgs += stats_twins(cfgs)
     cfgs = list(dict.fromkeys(cfgs))
     print(f"{len(cfgs)} kernels", flush=True)
     if a.list:

@@ -166,3 +166,24 @@ def test_sweep_store_stages_twins_and_tile_specs():
     assert [(k.tile, k.epi_tile, k.epi_stages) for k in only] == [((128, 128, 64), (64, 64), None),
                                                                   ((128, 128, 64), (64, 64), 4)]
     assert not set(only) & set(plain)
+
+
+def test_stats_twins_add_each_sm90_fprop_kernels_channel_statistics_twin():
+    """`--stats-twins`: the twins fuse_bn_stats launches, of the sm90 conv fprop kernels selected (only those)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import warm_cache  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
+    from cutlass_byoc.problem import Conv2dProblem  # noqa: PLC0415
+    from cutlass_byoc.sm90 import sm90_config  # noqa: PLC0415
+
+    fprop = Conv2dProblem.make("fprop", 4, 64, 20, 20, 128, 3, padding=1)
+    wgrad = Conv2dProblem.make("wgrad", 4, 64, 20, 20, 128, 3, padding=1)
+    plain = [sm90_config(fprop, (128, 128, 64)), sm90_config(fprop, (64, 64, 64), schedule="pingpong"),
+             sm90_config(wgrad, (64, 128, 64)), gemm1x1_config(Conv2dProblem.make("fprop", 4, 64, 20, 20, 128, 1))]
+    twins = warm_cache.stats_twins(plain + [plain[0]])
+    assert twins == [plain[0].with_channel_stats(), plain[1].with_channel_stats()]
+    assert all(t.channel_stats for t in twins) and twins[0].tile[:2] == (128, 64)
+    assert warm_cache.stats_twins(twins) == []
