@@ -169,12 +169,13 @@ def _max_pool2d_bwd(grad: torch.Tensor, offsets: torch.Tensor, input_size: list[
     if kernels is not None:
         kernels.max_pool2d_bwd(grad, offsets, grad_input, kernel, stride, padding, dilation, grad2=grad2)
         return grad_input
-    # ATen's backward in fp32 (the kernels' sums), reading only the shape and layout of its input (grad_input stands
-    # in for it) and the indices
+    # ATen's backward in fp32 (the kernels' sums), reading only the shape and layout of its input (an empty fp32
+    # tensor of grad_input's shape and strides stands in for it: nothing is read, nothing cast) and the indices
     idx = offsets_to_indices(offsets, input_size[3], kernel, stride, padding, dilation)
     g = grad.float() if grad2 is None else grad.float() + grad2.float()
-    grad_input.copy_(aten.max_pool2d_with_indices_backward.default(g, grad_input.float(), kernel, stride,
-                                                                   padding, dilation, ceil_mode, idx))
+    like = torch.empty_strided(grad_input.shape, grad_input.stride(), dtype=torch.float32, device=grad_input.device)
+    grad_input.copy_(aten.max_pool2d_with_indices_backward.default(g, like, kernel, stride, padding, dilation,
+                                                                   ceil_mode, idx))
     return grad_input
 
 
