@@ -114,6 +114,36 @@ def test_ops_on_cuda_match_aten_through_the_dispatcher():
     torch.testing.assert_close(gi, ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("channels_last", [True, False], ids=["cl", "nchw"])
+def test_backward_fallback_on_cuda_is_atens(monkeypatch, channels_last):
+    """Where the kernels cannot run (pooling._kernels_for gives None), the backward is ATen's on CUDA: its gradient
+    (one, or the sum of two) bitwise, in the input's layout, the output poisoned first."""
+    from cutlass_byoc.offload import pooling
+
+    torch.manual_seed(5)
+    x = _input(2, 24, 17, 19, channels_last, torch.float16, specials=False)
+    args = ([3, 3], [2, 2], [1, 1], [1, 1])
+    vals, offsets = pooling.FWD(x, *args, False)
+    _, ref_idx = torch.ops.aten.max_pool2d_with_indices(x, *args, False)
+    made = []
+
+    def poisoned_output(*a, **k):
+        out = _poison(real_output(*a, **k))
+        made.append(out)
+        return out
+
+    real_output = pooling._bwd_output
+    monkeypatch.setattr(pooling, "_kernels_for", lambda *a: None)
+    monkeypatch.setattr(pooling, "_bwd_output", poisoned_output)
+    g, g2 = torch.randn_like(vals), torch.randn_like(vals)
+    for extra in ((), (g2,)):
+        gi = pooling.BWD(g, offsets, list(x.shape), *args, False, channels_last, *extra)
+        total = g.float() + (g2.float() if extra else 0)
+        ref = torch.ops.aten.max_pool2d_with_indices_backward(total, x.float(), *args, False, ref_idx).half()
+        assert made and gi.data_ptr() == made[-1].data_ptr()  # the poisoned output is what came back, all written
+        assert torch.equal(gi, ref) and gi.stride() == x.stride()
+
+
 def test_resnet50_joint_graph_on_cuda_takes_the_stem_pool():
     """The joint graph of ResNet-50 as this torch build traces it on CUDA (fp16 autocast): its one max pool is
     rewritten, whichever form the build's decompositions give the backward."""
