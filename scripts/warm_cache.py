@@ -72,18 +72,10 @@ MODULE_KERNELS = {
 
 
 def stats_twins(cfgs: list[KernelConfig]) -> list[KernelConfig]:
-    """The channel-statistics twins of the sm90 conv fprop kernels among `cfgs` (the launches fuse_bn_stats runs in
-    place of a plain one: offload.library.stats_launch)."""
-    from cutlass_byoc.types import ConvKind, KernelFamily, SplitKMode  # noqa: PLC0415
-
-    out = []
-    for c in cfgs:
-        if (c.family is KernelFamily.SM90_TMA_WGMMA and c.kind is ConvKind.FPROP and c.split_k_mode is SplitKMode.SERIAL
-                and not c.channel_stats):
-            twin = c.with_channel_stats()
-            if twin is not None:
-                out.append(twin)
-    return list(dict.fromkeys(out))
+    """The channel-statistics twins (KernelConfig.with_channel_stats: the sm90 conv fprop kernels have one) of the
+    plain kernels among `cfgs`: the launches fuse_bn_stats runs in place of a plain one (offload.library.stats_launch)."""
+    twins = (c.with_channel_stats() for c in cfgs if not c.channel_stats)
+    return list(dict.fromkeys(t for t in twins if t is not None))
 
 
 def _plan_kernels(problems, max_candidates: int):
@@ -237,7 +229,7 @@ def main() -> int:
                     help="the kernels `scripts/fuzz_partition.py --device cuda --seeds A:B` launches (the round's "
                          "fuzz step, FUZZ_SEEDS), its programs partitioned here under fp16 autocast")
     ap.add_argument("--stats-twins", action="store_true",
-                    help="also the channel-statistics twin (LaunchConfig.with_channel_stats) of every sm90 conv fprop "
+                    help="also the channel-statistics twin (KernelConfig.with_channel_stats) of every sm90 conv fprop "
                          "kernel selected: what the offload bench's bnstats modes (fuse_bn_stats) launch after "
                          "`tune --model`")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
