@@ -13,7 +13,7 @@ import json
 import math
 from typing import Optional, Sequence
 
-from ..config import LaunchConfig
+from ..config import KernelConfig, LaunchConfig
 from ..types import ConvKind, KernelFamily, SplitKMode
 from ..workloads import WorkloadItem
 from .plan import enumerate_kernels, launches_for
@@ -97,6 +97,14 @@ def _sides(problem, per_side: int) -> tuple[list[LaunchConfig], list[LaunchConfi
         per_family.setdefault(l.kernel.family, []).append(l)
     unsplit = [l for fam in per_family.values() for l in fam[:per_side]]
     return split, unsplit
+
+
+def study_kernels(items: Sequence[WorkloadItem], per_side: int = 3) -> list[KernelConfig]:
+    """The kernels of the study's two sides on the workload's wgrad problems, in order, without repeats: what
+    `cutlass-byoc bench --split-k` builds beyond the tune's plan (each tuned decision's kernel is in that plan), so
+    `scripts/warm_cache.py --split-k-study` can compile them ahead of a GPU round."""
+    sides = (_sides(it.problem, per_side) for it in items if it.problem.kind is ConvKind.WGRAD)
+    return list(dict.fromkeys(l.kernel for split, unsplit in sides for l in split + unsplit))
 
 
 def bench_split_k(items: Sequence[WorkloadItem], *, per_side: int = 3, jobs: Optional[int] = None,

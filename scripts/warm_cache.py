@@ -14,7 +14,8 @@ tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fak
 ``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--sweep 1x1 [--sweep-kinds fprop dgrad]
 [--sweep-tiles 192x64x64:pingpong]``: what the round's sweep step times (scripts/sweep_kernels.py); ``--workload
 default --archive .tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune
-step then times only, and says it was not a cold tune). The selectors add up (``--offload-only
+step then times only, and says it was not a cold tune; with ``--split-k-study`` also what its bench's split-k study
+launches beyond that plan). The selectors add up (``--offload-only
 --tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
 the offload's kernels. ``--fuzz 0:30``: what the round's fuzz step (scripts/fuzz_partition.py --device cuda)
 launches.
@@ -206,6 +207,10 @@ def main() -> int:
     ap.add_argument("--workload", nargs="+", default=None, metavar="NAME",
                     help="the kernels `cutlass-byoc tune NAME` plans for these named workloads (default, depthwise, "
                          "all) with --max-candidates; archive them as .tune-cache.tar.xz for the round's tune step")
+    ap.add_argument("--split-k-study", action="store_true",
+                    help="the kernels `cutlass-byoc bench --split-k` times on the default workload's wgrad layers "
+                         "beyond the tune's plan (each side's best picks): with --workload default, the round's tune "
+                         "and bench steps then compile nothing")
     ap.add_argument("--kinds", nargs="+", default=None, choices=["fprop", "dgrad", "wgrad"],
                     help="--workload (named ones) and --depthwise: these kinds' problems only, as `tune --kinds`")
     ap.add_argument("--batch", type=int, default=32)
@@ -245,6 +250,13 @@ def main() -> int:
         cfgs += tune_model_kernels(a.tune_model, a.batch, not a.inference, mc) + host_overhead_kernels()
     for name in a.workload or []:
         cfgs += workload_kernels(name, mc, a.kinds)
+    if a.split_k_study:
+        from cutlass_byoc.profiler.splitk import study_kernels  # noqa: PLC0415
+        from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
+
+        study = study_kernels(default_workload())
+        print(f"split-k study: {len(study)} kernels", flush=True)
+        cfgs += study
     if a.depthwise:
         cfgs += depthwise_kernels(a.kinds)
     if a.modules:
@@ -275,8 +287,8 @@ def main() -> int:
         cfgs += offload_kernels([])
     if a.offload_tests:
         cfgs += offload_kernels([r for r in OFFLOAD_RUNS if r[1] == 16], [])
-    if not (a.tune_model or a.workload or a.depthwise or a.modules or a.sweep or a.tests_only or a.offload_only
-            or a.families or a.offload_tests or a.channel_stats or a.fuzz):
+    if not (a.tune_model or a.workload or a.split_k_study or a.depthwise or a.modules or a.sweep or a.tests_only
+            or a.offload_only or a.families or a.offload_tests or a.channel_stats or a.fuzz):
         cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
     if a.stats_twins:
         cfgs += stats_twins(cfgs)

@@ -187,3 +187,17 @@ def test_stats_twins_add_each_sm90_fprop_kernels_channel_statistics_twin():
     assert twins == [plain[0].with_channel_stats(), plain[1].with_channel_stats()]
     assert all(t.channel_stats for t in twins) and twins[0].tile[:2] == (128, 64)
     assert warm_cache.stats_twins(twins) == []
+
+
+def test_split_k_study_names_what_the_benchs_study_builds():
+    """`--split-k-study` lists the split-k study's two sides on the default workload's wgrad layers (what `bench
+    --split-k` builds beyond the tune's plan): split kernels and unsplit ones, wgrad only, no repeats."""
+    from cutlass_byoc.profiler.splitk import study_kernels  # noqa: PLC0415
+    from cutlass_byoc.types import ConvKind, SplitKMode  # noqa: PLC0415
+    from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
+
+    study = study_kernels(default_workload())
+    assert listed("--split-k-study") == [k.name for k in study]
+    assert all(k.kind is ConvKind.WGRAD for k in study) and len(study) == len(set(study))
+    assert any(k.split_k_mode is SplitKMode.PARALLEL for k in study)
+    assert any(k.split_k_mode is not SplitKMode.PARALLEL for k in study)
