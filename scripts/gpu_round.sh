@@ -163,9 +163,15 @@ for step in "${steps[@]}"; do
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
       ;;
     tune)
+      # the log says itself whether its kernels were compiled here (a cold tune) or carried
+      if [ -e "$TUNE_CACHE/.seeded" ]; then
+        echo "tune cache seeded from the carried .tune-cache.tar.xz: NOT a cold tune" > "$OUT/tune.log"
+      else
+        : > "$OUT/tune.log"
+      fi
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} \
         --verbose --no-progress ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 \
-        | tee "$OUT/tune.log" || rc=1
+        | tee -a "$OUT/tune.log" || rc=1
       [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} 2>&1 \
