@@ -100,9 +100,10 @@ def _sides(problem, per_side: int) -> tuple[list[LaunchConfig], list[LaunchConfi
 
 
 def study_kernels(items: Sequence[WorkloadItem], per_side: int = 3) -> list[KernelConfig]:
-    """The kernels of the study's two sides on the workload's wgrad problems, in order, without repeats: what
-    `cutlass-byoc bench --split-k` builds beyond the tune's plan (each tuned decision's kernel is in that plan), so
-    `scripts/warm_cache.py --split-k-study` can compile them ahead of a GPU round."""
+    """The kernels of the study's two sides on the workload's wgrad problems, in order, without repeats. With the
+    tune's plan (which holds each tuned decision's kernel) they are all that `cutlass-byoc bench --split-k` builds, so
+    `scripts/warm_cache.py --split-k-study` can compile them ahead of a GPU round (on the default workload 41, 19 of
+    them outside the plan)."""
     sides = (_sides(it.problem, per_side) for it in items if it.problem.kind is ConvKind.WGRAD)
     return list(dict.fromkeys(l.kernel for split, unsplit in sides for l in split + unsplit))
 

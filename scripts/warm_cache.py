@@ -14,8 +14,8 @@ tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fak
 ``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--sweep 1x1 [--sweep-kinds fprop dgrad]
 [--sweep-tiles 192x64x64:pingpong]``: what the round's sweep step times (scripts/sweep_kernels.py); ``--workload
 default --archive .tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune
-step then times only, and says it was not a cold tune; with ``--split-k-study`` also what its bench's split-k study
-launches beyond that plan). The selectors add up (``--offload-only
+step then times only, and says it was not a cold tune; with ``--split-k-study`` also the kernels its bench's split-k
+study times). The selectors add up (``--offload-only
 --tune-model resnet50 --modules gemm1x1``: one archive for a round's several steps); with none, the tests' and
 the offload's kernels. ``--fuzz 0:30``: what the round's fuzz step (scripts/fuzz_partition.py --device cuda)
 launches.
@@ -208,9 +208,9 @@ def main() -> int:
                     help="the kernels `cutlass-byoc tune NAME` plans for these named workloads (default, depthwise, "
                          "all) with --max-candidates; archive them as .tune-cache.tar.xz for the round's tune step")
     ap.add_argument("--split-k-study", action="store_true",
-                    help="the kernels `cutlass-byoc bench --split-k` times on the default workload's wgrad layers "
-                         "beyond the tune's plan (each side's best picks): with --workload default, the round's tune "
-                         "and bench steps then compile nothing")
+                    help="the kernels of `cutlass-byoc bench --split-k`'s two sides on the default workload's wgrad "
+                         "layers (each side's best picks, most of them outside the tune's plan): with --workload "
+                         "default, the round's tune and bench steps then compile nothing")
     ap.add_argument("--kinds", nargs="+", default=None, choices=["fprop", "dgrad", "wgrad"],
                     help="--workload (named ones) and --depthwise: these kinds' problems only, as `tune --kinds`")
     ap.add_argument("--batch", type=int, default=32)

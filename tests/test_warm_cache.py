@@ -190,8 +190,9 @@ def test_stats_twins_add_each_sm90_fprop_kernels_channel_statistics_twin():
 
 
 def test_split_k_study_names_what_the_benchs_study_builds():
-    """`--split-k-study` lists the split-k study's two sides on the default workload's wgrad layers (what `bench
-    --split-k` builds beyond the tune's plan): split kernels and unsplit ones, wgrad only, no repeats."""
+    """`--split-k-study` lists the kernels of the split-k study's two sides on the default workload's wgrad layers
+    (with the tune's plan, all that `bench --split-k` builds): split kernels and unsplit ones, wgrad only, no
+    repeats."""
     from cutlass_byoc.profiler.splitk import study_kernels  # noqa: PLC0415
     from cutlass_byoc.types import ConvKind, SplitKMode  # noqa: PLC0415
     from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
