@@ -3,6 +3,7 @@ names the kernels of what it stands for, and selectors given together add up int
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,15 @@ import pytest
 pytest.importorskip("torch", reason="warm_cache traces models and imports the GPU test modules with PyTorch")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def script(name: str):
+    """The module of scripts/NAME.py (warm_cache, sweep_kernels), imported with scripts/ on the path for that import."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
 
 
 def listed(*args: str) -> list[str]:
@@ -87,11 +97,7 @@ def test_sweep_selector_names_the_sweeps_kernels():
 def test_sweep_replay_finds_what_the_plan_times():
     """sweep_kernels.replay: a cell's best among the launches the tuner's plan would time, against the sweep's best
     (a launch outside the plan that ran faster shows as a miss)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import sweep_kernels  # noqa: PLC0415
-    finally:
-        sys.path.pop(0)
+    sweep_kernels = script("sweep_kernels")
     from cutlass_byoc.profiler.plan import plan_problem  # noqa: PLC0415
     from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
 
@@ -111,11 +117,7 @@ def test_sweep_deep_twins_go_past_the_stage_cap():
     """plan.deep_twin (which sweep_kernels.py --deep adds): a 64 x 64 tile's twin takes the stages its shared memory
     holds past the families' cap of 8 (13 for a GEMM 1x1 ping-pong kernel, 11 for a 3.x split-k wgrad kernel storing
     fp32 partials); a tile the cap does not bind has none."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import sweep_kernels  # noqa: PLC0415
-    finally:
-        sys.path.pop(0)
+    sweep_kernels = script("sweep_kernels")
     from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
     from cutlass_byoc.problem import Conv2dProblem  # noqa: PLC0415
     from cutlass_byoc.profiler.plan import deep_twin  # noqa: PLC0415
@@ -138,11 +140,7 @@ def test_sweep_deep_twins_go_past_the_stage_cap():
 def test_sweep_store_stages_twins_and_tile_specs():
     """sweep_kernels.py --store-stages: each sourceless GEMM 1x1 kernel of a cell gets its twin with one epilogue D
     buffer per sub-tile where that is more than the builder's two; ":sd" / ":sd4" in a --tiles spec ask for them."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import sweep_kernels  # noqa: PLC0415
-    finally:
-        sys.path.pop(0)
+    sweep_kernels = script("sweep_kernels")
     from cutlass_byoc.gemm1x1 import epilogue_sub_tiles  # noqa: PLC0415
     from cutlass_byoc.workloads import default_workload  # noqa: PLC0415
 
@@ -170,11 +168,7 @@ def test_sweep_store_stages_twins_and_tile_specs():
 
 def test_stats_twins_add_each_sm90_fprop_kernels_channel_statistics_twin():
     """`--stats-twins`: the twins fuse_bn_stats launches, of the sm90 conv fprop kernels selected (only those)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import warm_cache  # noqa: PLC0415
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    warm_cache = script("warm_cache")
     from cutlass_byoc.gemm1x1 import gemm1x1_config  # noqa: PLC0415
     from cutlass_byoc.problem import Conv2dProblem  # noqa: PLC0415
     from cutlass_byoc.sm90 import sm90_config  # noqa: PLC0415
