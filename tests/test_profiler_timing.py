@@ -69,8 +69,8 @@ def kernel(stream: Stream, gpu_us: float, host_us):
 
 
 def test_a_cheap_launch_is_timed_on_the_gpu_alone(stream):
-    """1 us of GPU time, 2 us of host work and 8 of event records a run: the GPU drains the queue nine times faster than
-    the host fills it, so the spin must hold 9 us a run. Sized from the launch's host time alone (about 3 us a run, as
+    """1 us of GPU time, 2 us of host work and 8 of event records a run: the GPU drains the queue ten times faster than
+    the host fills it, so the spin must hold 9 us a run. Sized from the launch's host time alone (about 4 us a run, as
     before the warm-up recorded events) it ran out part-way and the later runs took in host time (a mean of 3 us here);
     sized from the warm-up's runs with their events (15 us a run), every run sees only its 1 us."""
     fn, _ = kernel(stream, 1.0, lambda n: 2.0)
