@@ -373,6 +373,9 @@ def cmd_tune(args) -> int:
           f"{report.kernels_failed} failed to compile; compile {report.compile_s:.1f} s, "
           f"timing {report.timing_s:.1f} s ({report.launches_timed} launches timed, "
           f"{report.worker_restarts} worker restarts); total {report.total_s:.1f} s")
+    if report.launches_retimed or report.launches_host_bound:
+        print(f"timing's spin check: {report.launches_retimed} launches re-timed behind a longer spin, "
+              f"{report.launches_host_bound} still host-bound (their times may include host time)")
     if report.overlapped:
         print(f"timing ran beside the build: {report.timing_after_build_s:.1f} s of it after the build ended")
     if report.gpu:

@@ -102,6 +102,10 @@ class TuneReport:
     #: build's start, and timing_after_build_s is the part the build did not hide
     overlapped: bool = False
     timing_after_build_s: float = 0.0
+    #: timed launches whose timing re-timed a pass behind a longer spin (CandidateResult.spin_retries), and those
+    #: whose last pass still ran out of spin (host_bound: their times may include host time)
+    launches_retimed: int = 0
+    launches_host_bound: int = 0
 
     @property
     def all_decided(self) -> bool:
@@ -219,6 +223,7 @@ def tune_workload(
     log_path = _log_file(cache)
     log_lock = threading.Lock()
     timing_s, timing_after_build_s, launches_timed, restarts = 0.0, 0.0, 0, 0
+    launches_retimed, launches_host_bound = 0, 0
     per_gpu: list[GpuTiming] = []
     builds: dict[KernelConfig, BuildResult] = {}  # filled as the build settles each kernel (on_result)
     with open(log_path, "a") as logf:
@@ -266,9 +271,11 @@ def tune_workload(
             return results
 
         def finish(p: Conv2dProblem, results: list[CandidateResult]) -> None:  # one problem at a time
-            nonlocal launches_timed
+            nonlocal launches_timed, launches_retimed, launches_host_bound
             pp = plan_of[p]
             launches_timed += sum(1 for r in results if r.median_us is not None)
+            launches_retimed += sum(1 for r in results if r.spin_retries)
+            launches_host_bound += sum(1 for r in results if r.host_bound)
             for r in results:
                 emit({"event": "candidate", "problem": p.name, **r.to_dict()})
             win = pick_winner(results)
@@ -370,6 +377,7 @@ def tune_workload(
         tuple(outcomes[p] for p in problems), gpu, timed, len(kernels), compiled_now, failed, launches_timed,
         compile_s, timing_s, time.perf_counter() - t_start, restarts, log_path,
         "" if timed else NO_GPU_MESSAGE, tuple(devices), tuple(per_gpu), overlap, timing_after_build_s,
+        launches_retimed, launches_host_bound,
     )
 
 

@@ -47,6 +47,10 @@ class CandidateResult:
     rotations: int = 0
     max_error: Optional[float] = None
     message: str = ""
+    #: the timing's own check (timing.TimingStats): passes re-timed behind a longer spin, and whether the last one
+    #: still ran out (its runs may include host time)
+    spin_retries: int = 0
+    host_bound: bool = False
 
     @property
     def ok(self) -> bool:
@@ -121,7 +125,8 @@ def evaluate_candidate(problem: Conv2dProblem, launch: LaunchConfig, sets, ref, 
     if not stats.valid:
         return CandidateResult(launch, BAD_TIMING, stats.median_us, message=f"invalid time {stats.median_us!r}")
     return CandidateResult(launch, OK, stats.median_us, stats.min_us, stats.iters, stats.rotations,
-                           max(check.max_error, check2.max_error))
+                           max(check.max_error, check2.max_error), spin_retries=stats.spin_retries,
+                           host_bound=stats.host_bound)
 
 
 def _time_baseline(problem: Conv2dProblem, sets, settings: WorkerSettings) -> Optional[float]:

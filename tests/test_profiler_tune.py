@@ -108,6 +108,27 @@ def test_no_winner_records_nothing(fakes, monkeypatch):
     assert T.tune_problem(PROBLEMS[0], cache=cache, store=store, max_candidates=2) is None
 
 
+def test_the_timings_spin_check_is_counted_and_logged(fakes, monkeypatch):
+    """What the timing's spin check did to each launch (re-timed behind a longer spin; still host-bound) reaches the
+    report's counts and the tune log's candidate records."""
+    _, cache = fakes
+    store = DecisionStore(cache.root)
+
+    class Retimed(FakeRunner):
+        def results(self, problem, launches):
+            return [W.CandidateResult(l, W.OK, 20.0 + i, 19.0 + i, 20, 2, 1e-4, spin_retries=min(i, 2),
+                                      host_bound=i == 2) for i, l in enumerate(launches)]
+
+    monkeypatch.setattr(T, "CandidateRunner", Retimed)
+    rep = T.tune_workload(PROBLEMS[:1], max_candidates=3, cache=cache, store=store)
+    assert rep.outcomes[0].status == T.TUNED and rep.launches_timed == 3
+    assert (rep.launches_retimed, rep.launches_host_bound) == (2, 1)
+    assert rep.to_dict()["launches_retimed"] == 2
+    recs = [r for r in map(json.loads, rep.log_path.read_text().splitlines())
+            if r["event"] == "candidate" and r["status"] == W.OK]  # not the launch whose kernel failed to build
+    assert sorted((r["spin_retries"], r["host_bound"]) for r in recs) == [(0, False), (1, False), (2, True)]
+
+
 def test_no_gpu_compiles_but_does_not_time(fakes, monkeypatch):
     builds, cache = fakes
     monkeypatch.setattr(T, "current_gpu", lambda: None)
