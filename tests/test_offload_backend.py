@@ -245,7 +245,10 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
             "void (anonymous namespace)::depthwise_kernel<0>((anonymous namespace)::Params)",
             "(anonymous namespace)::depthwise_kernel((anonymous namespace)::Params)",
             "(anonymous namespace)::reduce_kernel((anonymous namespace)::Params, int)",
-            "(anonymous namespace)::im2col_smem_kernel((anonymous namespace)::Params)"]
+            "(anonymous namespace)::im2col_smem_kernel((anonymous namespace)::Params)",
+            # its wgrad kernel and the slices' sum after it (counted as "other" until the forty-third session)
+            "(anonymous namespace)::im2col_smem_wgrad_kernel((anonymous namespace)::Params)",
+            "(anonymous namespace)::reduce_slices_kernel(float const*, int, int, float, float*)"]
     vendor = ["sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", "nvjet_sm90_hsh_64x64_64x13_2x1_v_bz",
               "void cutlass::Kernel2<cutlass_80_wmma_tensorop_f16_s161616gemm_f16_16x16_128x2_nn_align8>(Params)",
               "cutlass3x_sm90_tensorop_h64x128x16gemm_f16_f16_f16_void_f16_128x64x64_2x1x1_0_tnn_align8"]
@@ -259,6 +262,9 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
     assert kernel_source("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >") == "aten"
     assert kernel_source("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >(...)") == "aten"
     assert kernel_source("Memset (Device)") == "other"
+    # PyTorch's own kernels in an anonymous namespace (the persistent softmax) are not ours
+    assert kernel_source("void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, true, false>(float*)") \
+        == "other"
     ks = [(0.0, 400.0, ours[0]), (400.0, 500.0, vendor[0]), (500.0, 800.0, "triton_red_fused_1"),
           (900.0, 1000.0, ours[1]), (1000.0, 1200.0, "Memset (Device)")]
     assert gpu_ms_by_source(ks, steps=2) == {"cutlass_byoc": 0.25, "cudnn/cublas": 0.05, "triton": 0.15, "aten": 0.0,
@@ -367,6 +373,33 @@ def test_report_names_keep_what_tells_pytorch_kernels_apart():
     assert kernel_timeline(ks, 1)["longest_gaps"][0][1] == "depthwise_kernel(Params)"
     # sources are told from the whole name: ours stays ours
     assert out["gpu_ms_by_source"]["cutlass_byoc"] == 0.001 and kernel_source(ks[2][2]) == "cutlass_byoc"
+
+
+def test_triton_time_splits_by_what_the_kernels_compute():
+    """Inductor's kernels of a training step by role, named as in the forty-second session's ResNet-50 profile."""
+    from cutlass_byoc.offload.bench import profile_breakdown, triton_ms_by_role
+
+    names = {
+        "triton_red_fused__native_batch_norm_legit_functional_9": "bn_statistics",
+        "triton_per_fused__native_batch_norm_legit_functional_add_12": "bn_statistics",
+        "triton_poi_fused__native_batch_norm_legit_functional_add_relu_13": "bn_apply",
+        "triton_red_fused__native_batch_norm_legit_functional_native_batch_norm_backward_threshold_backward_59":
+            "backward",
+        "triton_poi_fused__native_batch_norm_legit_functional_add_convolution_backward_native_batch_norm_backward_"
+        "threshold_backward_67": "backward",
+        "triton_poi_fused_add_max_pool2d_with_indices_max_pool2d_with_indices_backward_69": "backward",
+        "triton_poi_fused__to_copy_74": "other",
+        "triton_poi_fused_max_pool2d_with_indices_6": "other",
+    }
+    ks = [(1000.0 * i, 1000.0 * i + 100.0 * (i + 1), name) for i, name in enumerate(names)]
+    ks += [(9000.0, 9500.0, "cb_pingpong::cb_pingpong_kernel(cb_pingpong::Params)"),  # not Triton: left out
+           (9500.0, 9600.0, "void at::native::reduce_kernel<512, 1>(...)")]
+    want = {"backward": 0.0, "bn_statistics": 0.0, "bn_apply": 0.0, "other": 0.0}
+    for (start, stop, _), role in zip(ks, names.values()):
+        want[role] += (stop - start) / 2 / 1e3
+    got = triton_ms_by_role(ks, steps=2)
+    assert got == pytest.approx(want) and list(got) == list(want)
+    assert profile_breakdown([], ks, steps=2, wall_ms=1.0)["triton_ms_by_role"] == got
 
 
 def test_top_kernels_ranks_names_by_summed_gpu_time():

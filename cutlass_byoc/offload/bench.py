@@ -357,12 +357,14 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
 #: fused kernel after the aten ops it computes, so a pointwise or reduction kernel next to a convolution is called
 #: e.g. triton_poi_fused_convolution_backward_12 and must not count as cuDNN's), this project's kernels (its
 #: templates' cb_ namespaces; the depthwise and shared-memory im2col templates' kernels in their anonymous namespaces,
-#: depthwise_kernel, reduce_kernel and im2col_smem_kernel; and CUTLASS's kernel wrappers around this project's kernel
-#: types; cuBLAS's and cuDNN's CUTLASS kernels carry their own cutlass_80_... / cutlass3x_... names), cuDNN's and
+#: depthwise_kernel, reduce_kernel, im2col_smem_kernel, im2col_smem_wgrad_kernel and reduce_slices_kernel; and
+#: CUTLASS's kernel wrappers around this project's kernel types; cuBLAS's and cuDNN's CUTLASS kernels carry their own
+#: cutlass_80_... / cutlass3x_... names), cuDNN's and
 #: cuBLAS's (their xmma / nvjet / cudnn / CUTLASS kernels), and PyTorch's own (aten) kernels.
 KERNEL_SOURCES = (("triton", re.compile(r"^triton_")),
                   ("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))|"
-                                              r"^(void )?\(anonymous namespace\)::(depthwise|reduce|im2col_smem)_kernel\b")),
+                                              r"^(void )?\(anonymous namespace\)::"
+                                              r"(depthwise|reduce|im2col_smem|im2col_smem_wgrad|reduce_slices)_kernel\b")),
                   ("cudnn/cublas", re.compile(r"xmma|cudnn|nvjet|cutlass|gemm|conv", re.IGNORECASE)),
                   ("aten", re.compile(r"at::native|at::cuda|^void at::")))
 
@@ -382,6 +384,26 @@ def gpu_ms_by_source(kernels: Sequence[tuple[float, float, str]], steps: int) ->
     out = {tag: 0.0 for tag in SOURCE_ORDER}
     for start, stop, name in kernels:
         out[kernel_source(name)] += stop - start
+    return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
+
+
+#: What an Inductor kernel of a training step computes, by the aten ops its name lists (first match wins): anything of
+#: the backward (batch norm's and ReLU's backward, the residual gradients' adds, the pools' backward); the forward
+#: batch norm's statistics (a reduction over the batch: triton_red_ / triton_per_); the forward batch norm's
+#: normalization with what Inductor fused into it (ReLU, the residual add); everything else (casts, pooling, the
+#: loss). It tells how a step's Triton time splits where no kernel of this project runs.
+TRITON_ROLES = (("backward", re.compile(r"backward")),
+                ("bn_statistics", re.compile(r"^triton_(red|per)_.*batch_norm")),
+                ("bn_apply", re.compile(r"^triton_poi_.*batch_norm")),
+                ("other", re.compile(r"")))
+
+
+def triton_ms_by_role(kernels: Sequence[tuple[float, float, str]], steps: int) -> dict:
+    """GPU ms per step of Inductor's Triton kernels by TRITON_ROLES (the other sources' kernels are left out)."""
+    out = {tag: 0.0 for tag, _ in TRITON_ROLES}
+    for start, stop, name in kernels:
+        if kernel_source(name) == "triton":
+            out[next(tag for tag, rx in TRITON_ROLES if rx.search(name))] += stop - start
     return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
 
 
@@ -427,6 +449,7 @@ def profile_breakdown(averages, kernels: Sequence[tuple[float, float, str]], ste
            **kernel_timeline(kernels, steps),
            "top_kernels": [[ms, n, short_kernel_name(name)[:100]] for ms, n, name in every[:10]],
            "gpu_ms_by_source": gpu_ms_by_source(kernels, steps),
+           "triton_ms_by_role": triton_ms_by_role(kernels, steps),
            # every Inductor kernel, whole names (their numeric suffixes tell apart the fused groups), so two modes'
            # Triton kernels can be compared one by one
            "triton_kernels": by_source.pop("triton"),
@@ -860,6 +883,10 @@ def format_table(rows: Sequence[BenchRow], case: Case, image: int, dtype: torch.
             if src:
                 lines.append(f"  {r.label} GPU ms per step by source: "
                              + ", ".join(f"{k} {v:.3f}" for k, v in src.items()))
+            roles = q.get("triton_ms_by_role")
+            if roles:
+                lines.append(f"  {r.label} Triton GPU ms per step by role: "
+                             + ", ".join(f"{k} {v:.3f}" for k, v in roles.items()))
             for ms, n, name in q.get("top_kernels", []):
                 lines.append(f"  {r.label} GPU ms per step {ms:7.3f} in {n:5.1f} launches: {name}")
             for tag in ("cudnn/cublas", "aten", "other"):  # whole names, each of these sources' kernels
