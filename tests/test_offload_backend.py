@@ -263,8 +263,8 @@ def test_gpu_ms_by_source_splits_ours_from_cudnn_triton_and_aten():
     assert kernel_source("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >(...)") == "aten"
     assert kernel_source("Memset (Device)") == "other"
     # PyTorch's own kernels in an anonymous namespace (the persistent softmax) are not ours
-    assert kernel_source("void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, true, false>(float*)") \
-        == "other"
+    softmax = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, true, false>(float*)"
+    assert kernel_source(softmax) == "other"
     ks = [(0.0, 400.0, ours[0]), (400.0, 500.0, vendor[0]), (500.0, 800.0, "triton_red_fused_1"),
           (900.0, 1000.0, ours[1]), (1000.0, 1200.0, "Memset (Device)")]
     assert gpu_ms_by_source(ks, steps=2) == {"cutlass_byoc": 0.25, "cudnn/cublas": 0.05, "triton": 0.15, "aten": 0.0,

@@ -363,8 +363,8 @@ def kernel_timeline(kernels: Sequence[tuple[float, float, str]], steps: int, top
 #: cuBLAS's (their xmma / nvjet / cudnn / CUTLASS kernels), and PyTorch's own (aten) kernels.
 KERNEL_SOURCES = (("triton", re.compile(r"^triton_")),
                   ("cutlass_byoc", re.compile(r"cb_|^(_ZN7cutlass|void cutlass::)(?!.*cutlass(_\d|3x))|"
-                                              r"^(void )?\(anonymous namespace\)::"
-                                              r"(depthwise|reduce|im2col_smem|im2col_smem_wgrad|reduce_slices)_kernel\b")),
+                                              r"^(void )?\(anonymous namespace\)::(depthwise|reduce|im2col_smem|"
+                                              r"im2col_smem_wgrad|reduce_slices)_kernel\b")),
                   ("cudnn/cublas", re.compile(r"xmma|cudnn|nvjet|cutlass|gemm|conv", re.IGNORECASE)),
                   ("aten", re.compile(r"at::native|at::cuda|^void at::")))
 
