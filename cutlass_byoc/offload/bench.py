@@ -378,33 +378,45 @@ def kernel_source(name: str) -> str:
     return next((tag for tag, rx in KERNEL_SOURCES if rx.search(name)), "other")
 
 
+def _ms_per_step_by(kernels: Sequence[tuple[float, float, str]], steps: int, tags: Sequence[str],
+                    tag_of: Callable[[str], Optional[str]]) -> dict:
+    """GPU ms per step of the kernels under each of `tags` (in that order), a kernel's tag being tag_of(its name)
+    (None: left out)."""
+    out = dict.fromkeys(tags, 0.0)
+    for start, stop, name in kernels:
+        tag = tag_of(name)
+        if tag is not None:
+            out[tag] += stop - start
+    return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
+
+
 def gpu_ms_by_source(kernels: Sequence[tuple[float, float, str]], steps: int) -> dict:
     """GPU ms per step of each kernel source (kernel_source), the convolutions' split between this project's
     kernels and cuDNN's included; holds under CUDA graphs too (replayed kernels are recorded)."""
-    out = {tag: 0.0 for tag in SOURCE_ORDER}
-    for start, stop, name in kernels:
-        out[kernel_source(name)] += stop - start
-    return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
+    return _ms_per_step_by(kernels, steps, SOURCE_ORDER, kernel_source)
 
 
 #: What an Inductor kernel of a training step computes, by the aten ops its name lists (first match wins): anything of
 #: the backward (batch norm's and ReLU's backward, the residual gradients' adds, the pools' backward); the forward
 #: batch norm's statistics (a reduction over the batch: triton_red_ / triton_per_); the forward batch norm's
-#: normalization with what Inductor fused into it (ReLU, the residual add); everything else (casts, pooling, the
-#: loss). It tells how a step's Triton time splits where no kernel of this project runs.
+#: normalization with what Inductor fused into it (ReLU, the residual add); and as "other" everything else (casts,
+#: pooling, the loss). It tells how a step's Triton time splits where no kernel of this project runs.
 TRITON_ROLES = (("backward", re.compile(r"backward")),
                 ("bn_statistics", re.compile(r"^triton_(red|per)_.*batch_norm")),
-                ("bn_apply", re.compile(r"^triton_poi_.*batch_norm")),
-                ("other", re.compile(r"")))
+                ("bn_apply", re.compile(r"^triton_poi_.*batch_norm")))
+
+
+def triton_role(name: str) -> Optional[str]:
+    """The TRITON_ROLES tag of a kernel name ("other" when none matches), None for a kernel that is not Triton's."""
+    if kernel_source(name) != "triton":
+        return None
+    return next((tag for tag, rx in TRITON_ROLES if rx.search(name)), "other")
 
 
 def triton_ms_by_role(kernels: Sequence[tuple[float, float, str]], steps: int) -> dict:
-    """GPU ms per step of Inductor's Triton kernels by TRITON_ROLES (the other sources' kernels are left out)."""
-    out = {tag: 0.0 for tag, _ in TRITON_ROLES}
-    for start, stop, name in kernels:
-        if kernel_source(name) == "triton":
-            out[next(tag for tag, rx in TRITON_ROLES if rx.search(name))] += stop - start
-    return {tag: round(us / steps / 1e3, 4) for tag, us in out.items()}
+    """GPU ms per step of Inductor's Triton kernels by TRITON_ROLES, then "other" (the other sources' kernels are
+    left out)."""
+    return _ms_per_step_by(kernels, steps, [tag for tag, _ in TRITON_ROLES] + ["other"], triton_role)
 
 
 _NAME_NOISE = re.compile(r"^void |\(anonymous namespace\)::|\bat::native::|\bat::cuda::|\bc10::")
