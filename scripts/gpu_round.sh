@@ -37,7 +37,9 @@
 #           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
 # inductor-kernels: scripts/inductor_kernels.py -> inductor-kernels.json, .log and inductor-code-<mode>.tar.xz:
 #           Inductor's Triton kernels under inductor-cudagraphs and cutlass_byoc-cudagraphs, by name, time and code
-#           (IK_CASE, IK_SELECT; IK_REFERENCE=1: offloaded convs on the PyTorch reference, nothing to compile)
+#           (IK_CASE, IK_SELECT; IK_REFERENCE=1: offloaded convs on the PyTorch reference, nothing to compile;
+#           IK_BANDWIDTH=1: instead plain Inductor's Triton kernels timed alone against their bytes and the copy
+#           speed -> inductor-bandwidth.json, inductor-kernels-bandwidth.log)
 # time-launches: scripts/time_launches.py $TIME_LAYERS (default stem; any default-workload layer as bench names it,
 #           or stem / down) --extra -> $OUT/time-launches.log: each launch of the layers' plans (and the stem fold's
 #           sm90 variants; TIME_EXTRA=0: not those) timed whole and kernel alone (TIME_KINDS=fprop,wgrad narrows the
@@ -233,8 +235,8 @@ for step in "${steps[@]}"; do
       # their generated code (IK_CASE, default resnet50:32; IK_REFERENCE=1: the offloaded convs on the PyTorch
       # reference, so no kernel is needed; IK_SELECT, default heuristic)
       python3 scripts/inductor_kernels.py "$OUT" --case "${IK_CASE:-resnet50:32}" --select "${IK_SELECT:-heuristic}" \
-        $([ -n "${IK_REFERENCE:-}" ] && echo --reference) 2>&1 | grep -v "^W[0-9]" | tee "$OUT/inductor-kernels.log" \
-        || rc=1 ;;
+        $([ -n "${IK_REFERENCE:-}" ] && echo --reference) $([ -n "${IK_BANDWIDTH:-}" ] && echo --bandwidth) 2>&1 \
+        | grep -v "^W[0-9]" | tee "$OUT/inductor-kernels${IK_BANDWIDTH:+-bandwidth}.log" || rc=1 ;;
     time-launches)
       python3 scripts/time_launches.py ${TIME_LAYERS:-stem} ${TIME_KINDS:+--kinds $TIME_KINDS} \
         $([ "${TIME_EXTRA:-1}" = 1 ] && echo --extra) ${TIME_ONLY:+--only $TIME_ONLY} 2>&1 \

@@ -18,8 +18,16 @@ Triton time summed by the aten ops the kernels fuse (their names without Inducto
 first; DIR/inductor-code-<mode>.tar.xz: the generated Python/Triton modules of the mode's graphs, to read the
 kernels' index expressions.
 
+``--bandwidth`` instead measures how close each of plain Inductor's Triton kernels comes to the memory's speed: one
+training step (after the compiling one) with Inductor's own bandwidth profiler (``TORCHINDUCTOR_PROFILE``: each
+kernel timed alone, L2 flushed, against the bytes Inductor's IR says it moves), beside a device-to-device copy's
+speed measured in the same process. It writes DIR/inductor-bandwidth.json: every kernel (ms, GB, GB/s, its
+``bench.triton_role``) and per role the time, the bytes, the speed and the time those bytes would take at copy speed.
+That bounds what a faster kernel for the same work (not a fusion that removes bytes) could save.
+
     python scripts/inductor_kernels.py OUT_DIR [--case resnet50:32] [--modes inductor-cudagraphs
         cutlass_byoc-cudagraphs] [--reference] [--select heuristic]
+    python scripts/inductor_kernels.py OUT_DIR --bandwidth [--case resnet50:64]
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -68,6 +77,101 @@ def child(mode: str, case: str, reference: bool, select: str, out: Path) -> None
                                "profile": row.profile}) + "\n")
 
 
+def bandwidth_child(case: str, out: Path) -> None:
+    """One profiled training step of `case` under plain Inductor (TORCHINDUCTOR_PROFILE is set by the parent, so
+    every Triton kernel is timed alone as it runs); the profiler's file keeps only the second step's graphs. Writes
+    the copy speed (GB/s, read + write bytes of a 1 GiB device-to-device copy) to `out`."""
+    import torch  # noqa: PLC0415
+
+    from cutlass_byoc.offload import bench  # noqa: PLC0415
+
+    c = bench.Case.parse(case)
+    if not c.training:
+        raise SystemExit("--bandwidth: a training case (MODEL:BATCH)")
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    model = bench.model_factory(c.model)().cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(c.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (c.batch,), device="cuda")
+    run, _ = bench.compile_mode(model, "inductor")
+    opt = bench.make_optimizer("sgd-fused", model.parameters())
+    scaler = bench.make_scaler(True)
+    bench._step(run, x, y, opt, torch.float16, scaler)  # compiles (and times each kernel once: the timings are cached)
+    torch.cuda.synchronize()
+    Path(os.environ["TORCHINDUCTOR_PROFILE_OUTPUT"]).write_text("")
+    bench._step(run, x, y, opt, torch.float16, scaler)
+    torch.cuda.synchronize()
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    out.write_text(json.dumps({"copy_gbs": 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3) / 1e9,
+                               "device": torch.cuda.get_device_name()}))
+
+
+_BW_LINE = re.compile(r"^\s*([0-9.]+)ms\s+([0-9.]+) GB\s+([0-9.]+)GB/s\s+[0-9.]+%\s+(\S+)")
+
+
+def parse_bandwidth(text: str) -> list[list]:
+    """Inductor's bandwidth profile (TORCHINDUCTOR_PROFILE_OUTPUT: one block per graph, each kernel a line
+    ``MS ms  GB GB  GB/s GB/s  PCT%  NAME``) as [ms, GB, GB/s, name] rows, the SUMMARY lines left out."""
+    return [[float(m[1]), float(m[2]), float(m[3]), m[4]] for m in map(_BW_LINE.match, text.splitlines()) if m]
+
+
+def bandwidth_summary(rows: list[list], copy_gbs: float) -> dict:
+    """Per bench.triton_role (and "all"): kernels, ms, GB, GB/s and the ms those bytes take at copy speed."""
+    from cutlass_byoc.offload import bench  # noqa: PLC0415
+
+    acc: dict = {}
+    for ms, gb, _, name in rows:
+        for key in (bench.triton_role(name) or "other", "all"):
+            t = acc.setdefault(key, [0, 0.0, 0.0])
+            t[0] += 1
+            t[1] += ms
+            t[2] += gb
+    return {k: {"kernels": n, "ms": round(ms, 4), "gb": round(gb, 4), "gbs": round(gb / ms * 1e3, 1) if ms else None,
+                "ms_at_copy_speed": round(gb / copy_gbs * 1e3, 4)} for k, (n, ms, gb) in acc.items()}
+
+
+def bandwidth_main(a) -> int:
+    with tempfile.TemporaryDirectory(prefix="ind-bw-") as tmp:
+        bw, res = Path(tmp) / "bw.txt", Path(tmp) / "copy.json"
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "cache"), TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                   TORCHINDUCTOR_AUTOGRAD_CACHE="0", TORCHINDUCTOR_PROFILE="1", TORCHINDUCTOR_PROFILE_OUTPUT=str(bw))
+        cmd = [sys.executable, __file__, str(a.out), "--case", a.case, "--bandwidth-child", "--child-out", str(res)]
+        p = subprocess.run(cmd, env=env)
+        if p.returncode or not res.exists() or not bw.exists():
+            print(f"--bandwidth: the child failed ({p.returncode})", flush=True)
+            return 1
+        info = json.loads(res.read_text())
+        rows = parse_bandwidth(bw.read_text())
+        code = sorted(Path(tmp, "cache").rglob("*.py"))
+        with tarfile.open(a.out / "inductor-code-bandwidth.tar.xz", "w:xz") as tar:
+            for f in code:
+                tar.add(f, arcname=str(f.relative_to(tmp)))
+    from cutlass_byoc.offload import bench  # noqa: PLC0415
+
+    summary = bandwidth_summary(rows, info["copy_gbs"])
+    result = {"case": a.case, "mode": "inductor", "device": info["device"], "copy_gbs": round(info["copy_gbs"], 1),
+              "by_role": summary, "kernels": [[*r, bench.triton_role(r[3])] for r in rows]}
+    (a.out / "inductor-bandwidth.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{info['device']}: copy {info['copy_gbs']:.0f} GB/s; {len(rows)} Triton kernel launches of one step "
+          f"(each timed alone, L2 flushed)")
+    print(f"{'role':14s} {'kernels':>7s} {'ms':>8s} {'GB':>8s} {'GB/s':>8s} {'ms at copy':>10s}")
+    for k, v in sorted(summary.items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"{k:14s} {v['kernels']:7d} {v['ms']:8.3f} {v['gb']:8.3f} {v['gbs'] or 0:8.0f} {v['ms_at_copy_speed']:10.3f}")
+    print("the 40 longest:")
+    for ms, gb, gbs, name in sorted(rows, key=lambda r: -r[0])[:40]:
+        print(f"  {ms:7.3f} ms {gb:7.3f} GB {gbs:7.0f} GB/s  {name}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -75,13 +179,21 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["inductor-cudagraphs", "cutlass_byoc-cudagraphs"])
     ap.add_argument("--reference", action="store_true", help="offloaded convs on the PyTorch reference")
     ap.add_argument("--select", default="heuristic", choices=["heuristic", "cached"])
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="plain Inductor's Triton kernels against the memory's speed (inductor-bandwidth.json)")
+    ap.add_argument("--bandwidth-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.bandwidth_child:
+        bandwidth_child(a.case, a.child_out)
+        return 0
     if a.child:
         child(a.child, a.case, a.reference, a.select, a.child_out)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.bandwidth:
+        return bandwidth_main(a)
     result: dict = {"case": a.case, "reference": a.reference, "select": a.select, "modes": {}}
     rc = 0
     for mode in a.modes:
