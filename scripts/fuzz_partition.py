@@ -11,7 +11,7 @@ batch norm (running or batch statistics), a bias or scale parameter, a residual 
 used twice or returned, casts, channel and spatial slices, concatenation, pooling, padding, a squeeze-excitation
 gate, a layout round trip. It runs in channels_last or NCHW, in fp32 or under CPU bf16 autocast, for training (input
 and parameter gradients) or inference, with random backend options (`fuse_epilogue`, `fuse_casts`,
-`fuse_bn_stats`, `overlap_wgrad`, `transposed`, `channels_last`).
+`fuse_bn_stats`, `bn_sums`, `overlap_wgrad`, `transposed`, `channels_last`).
 
 `check` compiles it with `make_backend(require_cuda=False, strict=True, inductor=...)` (the partitioned graph run
 eagerly, or by Inductor's CPU code, each offloaded call on its PyTorch reference), runs eager on a copy, and compares
@@ -350,6 +350,8 @@ def generate(seed: int, inductor: bool = False, device: str = "cpu", amp: str = 
         program.outputs = [cur]
     if rng.random() < 0.2:  # a second batch size: torch.compile recompiles with a symbolic batch
         program.batches = (rng.choice([b for b in (1, 2, 3, 4) if b != n]),)
+    if rng.random() < 0.3:  # drawn last, so that the seeds before this option keep their programs
+        program.options["bn_sums"] = True
     net = Net(program, modules, params)
     net.train(training)
     for m in net.modules():
@@ -361,7 +363,7 @@ def generate(seed: int, inductor: bool = False, device: str = "cpu", amp: str = 
     return program, net, x
 
 
-_DEFAULTS = {"fuse_epilogue": True, "fuse_casts": True, "fuse_bn_stats": False, "overlap_wgrad": 0,
+_DEFAULTS = {"fuse_epilogue": True, "fuse_casts": True, "fuse_bn_stats": False, "bn_sums": False, "overlap_wgrad": 0,
              "transposed": True, "channels_last": True}
 
 

@@ -35,7 +35,7 @@ def test_programs_are_varied_and_reproducible():
     joined = "\n".join(p.describe() for p in texts)
     for needle in ("ConvTranspose2d(", "groups=", "padding='same'", "weight-standardised", "BatchNorm2d(",
                    "relu(", "cat(", "NCHW", "channels_last", "bf16 autocast", "inference", "training",
-                   "fuse_bn_stats", "overlap_wgrad"):
+                   "fuse_bn_stats", "bn_sums", "overlap_wgrad"):
         assert needle in joined, needle
 
 

@@ -58,7 +58,10 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #: - cutlass_byoc-unbatched, cutlass_byoc-unbatched-cudagraphs: batch_params off, each parameter cast and batch-norm
 #:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode;
 #: - cutlass_byoc-inductor-pool, cutlass_byoc-inductor-pool-cudagraphs: max_pool off, the max pools' forward and
-#:   backward as Inductor compiles them (pooling.py): what this backend's pool kernels gain in the step.
+#:   backward as Inductor compiles them (pooling.py): what this backend's pool kernels gain in the step;
+#: - cutlass_byoc-bnsums, cutlass_byoc-bnsums-cudagraphs: bn_sums, every training batch norm's statistics as one pass
+#:   of shifted sums instead of Inductor's Welford reduction (statistics.py); cutlass_byoc-bnsums-only-cudagraphs:
+#:   that rewrite alone, no conv, pool or cast taken from Inductor: how much of a step's gain is the statistics'.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
     "cutlass_byoc-no-host-credit": {"host_credit_us": 0.0},
@@ -84,6 +87,10 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-unbatched-cudagraphs": {"batch_params": False},
     "cutlass_byoc-inductor-pool": {"max_pool": False},
     "cutlass_byoc-inductor-pool-cudagraphs": {"max_pool": False},
+    "cutlass_byoc-bnsums": {"bn_sums": True},
+    "cutlass_byoc-bnsums-cudagraphs": {"bn_sums": True},
+    "cutlass_byoc-bnsums-only-cudagraphs": {"bn_sums": True, "fprop": False, "dgrad": False, "wgrad": False,
+                                            "transposed": False, "max_pool": False, "batch_params": False},
 }
 EXTRA_MODES = (*EXTRA_MODE_OPTIONS, "inductor-dynamic")
 #: the dynamic modes' smaller batch, as a fraction of the case's batch

@@ -62,6 +62,7 @@ from .patterns import (
 )
 from .patterns import Epilogue
 from .pooling import rewrite_max_pools
+from .statistics import rewrite_batch_statistics
 from .report import DYNAMIC_BATCH, DYNAMIC_SHAPE, OffloadEntry, OffloadReport, Pass
 
 log = logging.getLogger("cutlass_byoc.offload")
@@ -842,6 +843,9 @@ def _partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions, name: 
         if options.max_pool:
             report.max_pools, report.max_pools_left = rewrite_max_pools(g, options.require_cuda)
             changed = changed or bool(report.max_pools)
+        if options.bn_sums:
+            report.bn_sums, _ = rewrite_batch_statistics(g, options.require_cuda)
+            changed = changed or bool(report.bn_sums)
         if changed:
             g.lint()
     except Exception as e:  # noqa: BLE001 - any failure of ours must leave the user's graph as it was

@@ -92,6 +92,8 @@ class OffloadReport:
     #: training max pools on this backend's ops (OffloadOptions.max_pool), and why others were left to Inductor
     max_pools: int = 0
     max_pools_left: list = dataclasses.field(default_factory=list)
+    #: training batch norms' statistics as shifted sums (OffloadOptions.bn_sums)
+    bn_sums: int = 0
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -101,7 +103,7 @@ class OffloadReport:
         self.launches.clear()
         self.problems.clear()
         self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
-        self.overlapped_wgrads = self.batched_casts = self.batched_counters = self.max_pools = 0
+        self.overlapped_wgrads = self.batched_casts = self.batched_counters = self.max_pools = self.bn_sums = 0
         self.max_pools_left = []
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
@@ -148,7 +150,8 @@ class OffloadReport:
                  + (f"; {self.overlapped_wgrads} wgrads on a side stream" if self.overlapped_wgrads else "")
                  + (f"; {self.batched_casts} parameter casts batched" if self.batched_casts else "")
                  + (f"; {self.batched_counters} counter increments batched" if self.batched_counters else "")
-                 + (f"; {self.max_pools} max pools on this backend's kernels" if self.max_pools else "")]
+                 + (f"; {self.max_pools} max pools on this backend's kernels" if self.max_pools else "")
+                 + (f"; {self.bn_sums} batch-norm statistics as shifted sums" if self.bn_sums else "")]
         lines += ["  " + e.line() for e in self.entries]
         lines += [f"  [inductor]  max pool {why}" for why in self.max_pools_left]
         return "\n".join(lines)
@@ -163,7 +166,8 @@ class OffloadReport:
                              self.bn_stats + other.bn_stats, self.overlapped_wgrads + other.overlapped_wgrads,
                              self.batched_casts + other.batched_casts,
                              self.batched_counters + other.batched_counters,
-                             self.max_pools + other.max_pools, self.max_pools_left + other.max_pools_left)
+                             self.max_pools + other.max_pools, self.max_pools_left + other.max_pools_left,
+                             self.bn_sums + other.bn_sums)
 
     def __str__(self) -> str:
         return self.summary()
