@@ -87,7 +87,9 @@
 # time-launches.log, gpu-offload.log, offload.json, offload-bench.log (tune-model's log is appended to
 # offload-bench.log), sweep.json, sweep.log,
 # cudnn-kernels.json, cudnn-kernels.log, channel-stats.json, channel-stats.log, dw-defaults.json, dw-defaults.log,
-# profile.log, copy-floor.json, copy-floor.log, pool-bench.json, pool-bench.log.
+# profile.log, copy-floor.json, copy-floor.log, pool-bench.json, pool-bench.log, inductor-kernels.json,
+# inductor-kernels.log, inductor-code-<mode>.tar.xz, inductor-bandwidth.json, inductor-kernels-bandwidth.log,
+# inductor-code-bandwidth.tar.xz.
 # Kernel caches: tests and offload use $CUTLASS_BYOC_CACHE_DIR, seeded from a carried .kcache.tar.xz (made on a CPU
 # machine by scripts/warm_cache.py); tune and bench use $CB_TUNE_CACHE, cold unless a .tune-cache.tar.xz of kernels
 # compiled elsewhere is carried (the tune then still plans, verifies and times everything, but compiles little).
