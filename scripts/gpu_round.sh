@@ -160,8 +160,12 @@ for step in "${steps[@]}"; do
         --jobs "$CUTLASS_BYOC_JOBS" 2>&1 | tr '\r' '\n' | grep -v "kernel/s\]$" | tee -a "$OUT/gpu-tests.log" || rc=1
       export CUTLASS_BYOC_TEST_NO_PREBUILD=1 ;;
     tests)
-      # run from tests/ so the installed package (not the source tree) is what gets imported
-      (cd tests && python3 -m pytest -m gpu -q -rA -p no:cacheprovider --timeout=900 \
+      # run from tests/ so the installed package (not the source tree) is what gets imported; -v: a line as each test
+      # ends, so a call cut by its limit still brings back which tests ran (with -q the dots of an unfinished line
+      # never passed the line filter: the forty-fourth session's call 6 brought back an empty log). Durations on an
+      # H100 (forty-third session): test_gpu_offload.py without ConvNeXt/EfficientNet, test_gpu_pooling.py and
+      # test_gpu_step_times.py together about 400 s; test_gpu_families/depthwise/fuzz 260 s
+      (cd tests && python3 -m pytest -m gpu -v -rA -p no:cacheprovider --timeout=900 \
         ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:---ignore=test_gpu_offload.py .} 2>&1 \
         | grep --line-buffered -v "^PASSED" | tee "$OUT/gpu-tests.log") || rc=1
       compile_times "$CUTLASS_BYOC_CACHE_DIR" | tee -a "$OUT/gpu-tests.log"
