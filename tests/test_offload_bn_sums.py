@@ -75,6 +75,22 @@ def test_the_sums_give_the_float64_mean_and_variance(shape, dims, correction, ke
     torch.testing.assert_close(var.double(), rv, rtol=2e-5, atol=0)
 
 
+def test_the_new_nodes_keep_the_var_means_provenance():
+    """Inductor names a kernel after its nodes' original_aten ops (and the offload bench's profile tells the batch
+    norms' statistics kernels by that name): the sums carry the var_mean's metadata, their own fake values."""
+    g = var_mean_graph((4, 8, 6, 6), [0, 2, 3])
+    vm = next(n for n in g.nodes if n.target is aten.var_mean.correction)
+    vm.meta.update(original_aten=aten._native_batch_norm_legit_functional.default, stack_trace="model.py:7")
+    rewrite_batch_statistics(g, require_cuda=False)
+    new = [n for n in g.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert {n.target for n in new} >= {aten.sum.dim_IntList, aten.slice.Tensor, aten.clamp_min.default}
+    for n in new:
+        assert n.meta["original_aten"] is aten._native_batch_norm_legit_functional.default, n
+        assert n.meta["stack_trace"] == "model.py:7" and isinstance(n.meta["val"], torch.Tensor), n
+    sums = [n for n in new if n.target is aten.sum.dim_IntList]
+    assert [tuple(n.meta["val"].shape) for n in sums] == [(1, 8, 1, 1)] * 2
+
+
 def test_a_constant_channel_has_variance_zero_not_negative():
     g = var_mean_graph((4, 3, 5, 5), [0, 2, 3])
     rewrite_batch_statistics(g, require_cuda=False)

@@ -34,6 +34,9 @@ aten = torch.ops.aten
 log = logging.getLogger("cutlass_byoc.offload")
 
 VAR_MEAN = aten.var_mean.correction
+#: the metadata the new nodes take from the var_mean they replace: where it came from, not what it computes
+PROVENANCE = ("original_aten", "stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "from_node",
+              "partitioner_tag", "custom")
 
 
 def _val(node) -> Optional[torch.Tensor]:
@@ -81,14 +84,18 @@ def match(vm: fx.Node, require_cuda: bool = True) -> tuple[Optional[dict], str]:
 
 
 class _Builder:
-    """Inserts calls before a node, each with its fake value (meta "val") computed from its inputs'."""
+    """Inserts calls, each with its fake value (meta "val") computed from its inputs' and the replaced node's
+    PROVENANCE (Inductor names a kernel after the original_aten ops of its nodes, and the offload bench's profile
+    tells the batch norms' statistics kernels by that name)."""
 
-    def __init__(self, graph: fx.Graph, fake_mode) -> None:
+    def __init__(self, graph: fx.Graph, fake_mode, meta: dict) -> None:
         self.graph = graph
         self.fake_mode = fake_mode
+        self.meta = meta
 
     def __call__(self, target, *args) -> fx.Node:
         node = self.graph.call_function(target, args)
+        node.meta.update(self.meta)
         fake_args = pytree.tree_map(lambda a: _val(a) if isinstance(a, fx.Node) else a, args)
         with self.fake_mode or contextlib.nullcontext():
             node.meta["val"] = target(*fake_args)
@@ -97,7 +104,7 @@ class _Builder:
 
 def _rewrite(graph: fx.Graph, vm: fx.Node, m: dict) -> None:
     x, dims, n, corr = m["x"], m["dims"], float(m["n"]), float(m["correction"])
-    call = _Builder(graph, getattr(_val(x), "fake_mode", None))
+    call = _Builder(graph, getattr(_val(x), "fake_mode", None), {k: v for k, v in vm.meta.items() if k in PROVENANCE})
     with graph.inserting_before(vm):
         shift = x
         for d in dims:  # x[0:1, :, 0:1, ...]: each channel's first element, shaped as the keepdim result
@@ -114,7 +121,7 @@ def _rewrite(graph: fx.Graph, vm: fx.Node, m: dict) -> None:
     out = {0: var, 1: mean}
     for u in list(vm.users):
         new = out[u.args[1]]
-        new.meta.update({k: v for k, v in u.meta.items() if k not in ("val", "tensor_meta")})
+        new.meta.update({k: v for k, v in u.meta.items() if k in PROVENANCE})
         u.replace_all_uses_with(new)
         graph.erase_node(u)
     graph.erase_node(vm)
