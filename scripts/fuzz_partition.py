@@ -2,6 +2,7 @@
 (a wrong result, a crash of the user's compile, a gradient lost) on patterns no model of the zoo check has.
 
     python scripts/fuzz_partition.py [--seeds 0:200] [--inductor-every 0] [--json out.jsonl] [--show] [--no-plan]
+        [--option NAME=VALUE ...]   # a backend option on every program, e.g. bn_sums=true
 
 Each seed builds one random program (`generate`): a few convs (plain, grouped, depthwise, transposed, dilated,
 strided, reflect/circular/replicate padding, 'same' and 'valid', weight-standardised, shared by two calls, two
@@ -570,6 +571,7 @@ def check(program: Program, net: nn.Module, x: torch.Tensor, plan: bool = True,
         launches += [launch for r in rep for launch in r.launches]
     rec.update(flagged=flagged, worst=worst,
                offloaded={k.value: sum(r.count(k) for r in rep) for k in Pass},
+               bn_sums=sum(r.bn_sums for r in rep),
                left=sorted({e.reason.split(";")[0] for r in rep for e in r.entries if not e.offloaded}),
                reference_calls=library.RUNTIME.reference_calls)
     if program.device == "cuda":  # on the GPU a call on the reference fell back (its reason logged and kept here)
@@ -628,9 +630,12 @@ def _last_value_all(net: nn.Module, x: torch.Tensor):
                 m.eval()
 
 
-def run_seed(seed: int, inductor: bool = False, plan: bool = True, device: str = "cpu", amp: str = "bf16"
-             ) -> tuple[Program, dict]:
+def run_seed(seed: int, inductor: bool = False, plan: bool = True, device: str = "cpu", amp: str = "bf16",
+             force: Optional[dict] = None) -> tuple[Program, dict]:
+    """One seed's program checked; `force`: backend options set on it whatever the seed drew (--option)."""
     program, net, x = generate(seed, inductor, device, amp)
+    if force:
+        program.options = {**program.options, **force}
     try:
         rec = check(program, net, x, plan)
         grads_only = all(not f.startswith("out") for f in rec.get("flagged", []))
@@ -670,6 +675,25 @@ def failed(rec: dict) -> bool:
     return bool(rec.get("crash") or rec.get("flagged"))
 
 
+def forced_option(text: str) -> tuple[str, object]:
+    """--option NAME=VALUE: an OffloadOptions field and a bool (true/false), int or float value."""
+    from cutlass_byoc.offload import OffloadOptions  # noqa: PLC0415
+
+    name, sep, raw = text.partition("=")
+    fields = {f.name for f in dataclasses.fields(OffloadOptions)}
+    if not sep or name not in fields:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME among {sorted(fields)}, got {text!r}")
+    low = raw.strip().lower()
+    if low in ("true", "false"):
+        return name, low == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(raw)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"--option {name}: a bool, int or float, got {raw!r}")
+
+
 def seed_range(text: str) -> range:
     """--seeds: A:B (B excluded) or one seed."""
     a, _, b = text.partition(":")
@@ -695,6 +719,9 @@ def main(argv: Optional[list] = None) -> int:
                          "unless `scripts/warm_cache.py --fuzz` compiled them)")
     ap.add_argument("--amp", choices=("bf16", "fp16"), default=None,
                     help="autocast's dtype in the programs that use it (default: bf16 on the CPU, fp16 on the GPU)")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=forced_option,
+                    help="a backend option set on every program (a bool, int or float; e.g. bn_sums=true), whatever "
+                         "its seed drew; repeatable")
     a = ap.parse_args(argv)
     # a left conv logs its reason (the report counts them); PyTorch's own CPU convolutions, not oneDNN's: with oneDNN,
     # torch 2.13 CPU's eager Conv2d(16, 6, 1, stride=3, padding=2, dilation=(1, 2)) on a channels_last 2x16x2x1 input
@@ -716,7 +743,7 @@ def _run(a: argparse.Namespace) -> int:
     totals: dict = {}
     for seed in a.seeds:
         program, rec = run_seed(seed, bool(a.inductor_every) and seed % a.inductor_every == 0,
-                                not a.no_plan and a.device == "cpu", a.device, amp)
+                                not a.no_plan and a.device == "cpu", a.device, amp, dict(a.option))
         invalid += "invalid" in rec
         theirs += "pytorch_crash" in rec or bool(rec.get("pytorch_wrong"))
         strides += "aten_strides" in rec
@@ -724,6 +751,8 @@ def _run(a: argparse.Namespace) -> int:
         tf32_noise += bool(rec.get("tf32_noise"))
         for k, v in rec.get("offloaded", {}).items():
             totals[k] = totals.get(k, 0) + v
+        if rec.get("bn_sums"):
+            totals["bn_sums"] = totals.get("bn_sums", 0) + rec["bn_sums"]
         if a.show or failed(rec):
             print(program.describe())
         if failed(rec):

@@ -182,3 +182,17 @@ def test_tf32_baseline_still_flags_a_wrong_result(monkeypatch):
     _tf32_references(monkeypatch)
     _, rec = fz.run_seed(_fprop_off_by_one_percent(monkeypatch), plan=False)
     assert rec["flagged"], rec
+
+
+def test_forced_options():
+    """--option NAME=VALUE sets a backend option on every program whatever its seed drew: parsed as a bool, int or
+    float, and refused for a name that is no option."""
+    assert fz.forced_option("bn_sums=true") == ("bn_sums", True)
+    assert fz.forced_option("overlap_wgrad=2") == ("overlap_wgrad", 2)
+    assert fz.forced_option("host_credit_us=2.5") == ("host_credit_us", 2.5)
+    for bad in ("bn_sums", "no_such_option=1", "bn_sums=maybe"):
+        with pytest.raises(Exception):
+            fz.forced_option(bad)
+    seed = next(s for s in range(200) if not fz.generate(s)[0].options.get("bn_sums"))
+    program, _ = fz.run_seed(seed, plan=False, force={"bn_sums": True})
+    assert program.options["bn_sums"] is True
