@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .pooling import _static  # a tensor of static sizes and strides
+
 aten = torch.ops.aten
 log = logging.getLogger("cutlass_byoc.offload")
 
@@ -42,10 +44,6 @@ PROVENANCE = ("original_aten", "stack_trace", "nn_module_stack", "source_fn_stac
 def _val(node) -> Optional[torch.Tensor]:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
-
-
-def _static(v: torch.Tensor) -> bool:
-    return all(isinstance(s, int) for s in v.shape)
 
 
 def match(vm: fx.Node, require_cuda: bool = True) -> tuple[Optional[dict], str]:
