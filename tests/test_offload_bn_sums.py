@@ -141,6 +141,8 @@ def test_the_joint_graph_through_the_backend():
     assert rep.bn_sums == 2 and "2 batch-norm statistics as shifted sums" in rep.summary()
     assert not [n for n in gm.graph.nodes if n.target is aten.var_mean.correction]
     gm, rep = explain(model, x, training=True, autocast=torch.bfloat16, options=OffloadOptions(**opts))
+    assert rep.bn_sums == 2  # on by default
+    gm, rep = explain(model, x, training=True, autocast=torch.bfloat16, options=OffloadOptions(bn_sums=False, **opts))
     assert rep.bn_sums == 0 and len([n for n in gm.graph.nodes if n.target is aten.var_mean.correction]) == 2
     gm, rep = explain(model.eval(), x, training=False, options=OffloadOptions(bn_sums=True, **opts))
     assert rep.bn_sums == 0  # eval: the running statistics, no var_mean

@@ -59,8 +59,10 @@ MODES = ("eager", "inductor", "inductor-cudagraphs", "cutlass_byoc", "cutlass_by
 #:   counter its own kernel as Inductor compiles them: what batching them gains, measured beside the plain mode;
 #: - cutlass_byoc-inductor-pool, cutlass_byoc-inductor-pool-cudagraphs: max_pool off, the max pools' forward and
 #:   backward as Inductor compiles them (pooling.py): what this backend's pool kernels gain in the step;
-#: - cutlass_byoc-bnsums, cutlass_byoc-bnsums-cudagraphs: bn_sums, every training batch norm's statistics as one pass
-#:   of shifted sums instead of Inductor's Welford reduction (statistics.py); cutlass_byoc-bnsums-only-cudagraphs:
+#: - cutlass_byoc-welford, cutlass_byoc-welford-cudagraphs: bn_sums off, the batch norms' statistics as Inductor's
+#:   Welford reductions: what the default's shifted sums (statistics.py) gain, measured beside the plain mode;
+#:   cutlass_byoc-bnsums, cutlass_byoc-bnsums-cudagraphs: bn_sums set explicitly (the default since the forty-fifth
+#:   session, so these equal the plain modes); cutlass_byoc-bnsums-only-cudagraphs:
 #:   that rewrite alone, no conv, pool or cast taken from Inductor: how much of a step's gain is the statistics'.
 EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-memo-off": {},
@@ -87,6 +89,8 @@ EXTRA_MODE_OPTIONS: dict[str, dict] = {
     "cutlass_byoc-unbatched-cudagraphs": {"batch_params": False},
     "cutlass_byoc-inductor-pool": {"max_pool": False},
     "cutlass_byoc-inductor-pool-cudagraphs": {"max_pool": False},
+    "cutlass_byoc-welford": {"bn_sums": False},
+    "cutlass_byoc-welford-cudagraphs": {"bn_sums": False},
     "cutlass_byoc-bnsums": {"bn_sums": True},
     "cutlass_byoc-bnsums-cudagraphs": {"bn_sums": True},
     "cutlass_byoc-bnsums-only-cudagraphs": {"bn_sums": True, "fprop": False, "dgrad": False, "wgrad": False,

@@ -113,8 +113,9 @@ class OffloadOptions:
     # element, which Inductor reduces in one fused pass, instead of its Welford reduction (a division an element; the
     # forward statistics of ResNet-50 b64 training ran at 37% of the H200's copy speed in the step). Any batch norm,
     # whoever made its input (the convs whose epilogue computes the statistics under fuse_bn_stats keep theirs);
-    # static shapes, fp32 compute. Off by default until measured on the GPU
-    bn_sums: bool = False
+    # static shapes, fp32 compute. On by default: on ResNet-50 training under CUDA graphs (H200, fused SGD, three
+    # interleaved rounds) it took the step from 6.38 to 6.26 ms at batch 32 and from 10.36 to 10.18 ms at batch 64
+    bn_sums: bool = True
     # offloaded wgrads launched on a side stream, each running beside the data gradients and batch-norm backward of
     # the next layers (cuDNN under Inductor runs them in line): n > 0 lets up to n of them be in flight there, each
     # joined back into the current stream at the n-th offloaded wgrad after it (the last one of a graph joins them
