@@ -50,13 +50,18 @@ def test_fused_where_the_launch_has_a_twin_and_noted_where_not():
     assert any("no channel-statistics twin" in n for n in first.notes), first.line()
     assert "bias" in third.fused and any("bias or residual" in n for n in third.notes), third.line()
     assert len(targets(gm, library.FPROP_STATS)) == 1 and len(targets(gm, library.FPROP)) == 2
-    assert len(targets(gm, aten.var_mean.correction)) == 2  # the two unfused convs' batch norms
+    # the two unfused convs' batch norms: shifted sums (bn_sums, on by default), or Inductor's var_mean without them
+    assert rep.bn_sums == 2 and not targets(gm, aten.var_mean.correction)
+    gm, rep = partitioned(block(), fuse_bn_stats=True, bn_sums=False)
+    assert rep.bn_stats == 1 and rep.bn_sums == 0 and len(targets(gm, aten.var_mean.correction)) == 2
 
 
 def test_off_by_default_and_in_eval():
-    gm, rep = partitioned(block())
+    gm, rep = partitioned(block(), bn_sums=False)
     assert rep.bn_stats == 0 and not targets(gm, library.FPROP_STATS)
     assert len(targets(gm, aten.var_mean.correction)) == 3
+    gm, rep = partitioned(block())  # the default's shifted sums take all three
+    assert rep.bn_stats == 0 and rep.bn_sums == 3 and not targets(gm, library.FPROP_STATS)
     gm, rep = partitioned(block(), training=False, fuse_bn_stats=True)  # eval: the running statistics, no var_mean
     assert rep.bn_stats == 0 and not targets(gm, library.FPROP_STATS)
 
