@@ -148,6 +148,32 @@ def test_the_joint_graph_through_the_backend():
     assert rep.bn_sums == 0  # eval: the running statistics, no var_mean
 
 
+class _NormPair(nn.Module):
+    """A conv -> BN block, then a layer norm over the channels (a var_mean over the last dimension)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.ln = bn_block(), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.ln(self.block(x).permute(0, 2, 3, 1))
+
+
+def test_the_report_names_the_var_means_left_to_inductor():
+    """The batch norm's statistics become sums; the layer norm's var_mean (over the last dimension) stays Inductor's,
+    and the report says so, node by node, with the reason."""
+    torch.manual_seed(0)
+    model = _NormPair().to(memory_format=torch.channels_last).train()
+    x = torch.randn(4, 8, 8, 8).contiguous(memory_format=torch.channels_last)
+    gm, rep = explain(model, x, training=True, options=OffloadOptions(require_cuda=False, strict=True))
+    assert rep.bn_sums == 2 and len(rep.bn_sums_left) == 1, rep.summary()
+    assert "not every dimension but the channels" in rep.bn_sums_left[0]
+    assert "[inductor]  var_mean " in rep.summary()
+    assert len([n for n in gm.graph.nodes if n.target is aten.var_mean.correction]) == 1
+    merged = rep.merge(rep)
+    assert merged.bn_sums == 4 and len(merged.bn_sums_left) == 2
+
+
 @pytest.mark.parametrize("inductor", [False, True], ids=["eager-variant", "inductor"])
 def test_a_training_step_matches_the_one_without(inductor):
     """torch.compile on the CPU in fp32 (the backend's eager variant, or Inductor compiling the rewritten joint

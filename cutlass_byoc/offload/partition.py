@@ -844,7 +844,7 @@ def _partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions, name: 
             report.max_pools, report.max_pools_left = rewrite_max_pools(g, options.require_cuda)
             changed = changed or bool(report.max_pools)
         if options.bn_sums:
-            report.bn_sums, _ = rewrite_batch_statistics(g, options.require_cuda)
+            report.bn_sums, report.bn_sums_left = rewrite_batch_statistics(g, options.require_cuda)
             changed = changed or bool(report.bn_sums)
         if changed:
             g.lint()

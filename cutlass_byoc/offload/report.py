@@ -92,8 +92,10 @@ class OffloadReport:
     #: training max pools on this backend's ops (OffloadOptions.max_pool), and why others were left to Inductor
     max_pools: int = 0
     max_pools_left: list = dataclasses.field(default_factory=list)
-    #: training batch norms' statistics as shifted sums (OffloadOptions.bn_sums)
+    #: training batch norms' statistics as shifted sums (OffloadOptions.bn_sums), and why other var_means were left
+    #: to Inductor (its Welford reduction)
     bn_sums: int = 0
+    bn_sums_left: list = dataclasses.field(default_factory=list)
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -104,7 +106,7 @@ class OffloadReport:
         self.problems.clear()
         self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
         self.overlapped_wgrads = self.batched_casts = self.batched_counters = self.max_pools = self.bn_sums = 0
-        self.max_pools_left = []
+        self.max_pools_left, self.bn_sums_left = [], []
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
@@ -154,6 +156,7 @@ class OffloadReport:
                  + (f"; {self.bn_sums} batch-norm statistics as shifted sums" if self.bn_sums else "")]
         lines += ["  " + e.line() for e in self.entries]
         lines += [f"  [inductor]  max pool {why}" for why in self.max_pools_left]
+        lines += [f"  [inductor]  var_mean {why}" for why in self.bn_sums_left]
         return "\n".join(lines)
 
     def merge(self, other: "OffloadReport") -> "OffloadReport":
@@ -167,7 +170,7 @@ class OffloadReport:
                              self.batched_casts + other.batched_casts,
                              self.batched_counters + other.batched_counters,
                              self.max_pools + other.max_pools, self.max_pools_left + other.max_pools_left,
-                             self.bn_sums + other.bn_sums)
+                             self.bn_sums + other.bn_sums, self.bn_sums_left + other.bn_sums_left)
 
     def __str__(self) -> str:
         return self.summary()
