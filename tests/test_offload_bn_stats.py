@@ -8,7 +8,6 @@ fp32 sums of the stored y), a training step equals the unfused one."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 
