@@ -340,6 +340,45 @@ def lookup(problem: Conv2dProblem, *, gpu: Optional[GpuInfo] = None,
     return (store or default_store()).lookup(DecisionKey.for_problem(problem, gpu))
 
 
+def differs(key: DecisionKey, current: DecisionKey) -> str:
+    """What makes a decision recorded under `key` unusable where `current` is looked up, in words ('' if nothing)."""
+    why = []
+    if (key.gpu_name, key.gpu_arch) != (current.gpu_name, current.gpu_arch):
+        why.append(f"tuned on {key.gpu_name} (sm_{key.gpu_arch})")
+    if key.cutlass_version != current.cutlass_version:
+        why.append(f"CUTLASS {key.cutlass_version}")
+    if key.template_hash != current.template_hash:
+        why.append("other kernel templates")
+    if key.format != current.format:
+        why.append(f"decision format {key.format}")
+    return ", ".join(why)
+
+
+def decisions_elsewhere(problems, *, gpu: Optional[GpuInfo] = None,
+                        store: Optional[DecisionStore] = None) -> dict[str, list[Conv2dProblem]]:
+    """For the `problems` without a decision for `gpu` (default: the current device), the decisions the store holds
+    for them under another key (another GPU, CUTLASS version, template set or format), grouped by what differs:
+    {"tuned on NVIDIA H200 (sm_90)": [problem, ...]}. Such decisions are never used (a launch tuned for one GPU or one
+    template set is no measurement of another); the backend names them so that a user whose cache came from another
+    machine, or from before an upgrade, knows the model runs untuned. Reads every decision file: call it only where
+    problems were found untuned."""
+    gpu = gpu or current_gpu()
+    if gpu is None:
+        return {}
+    st = store or default_store()
+    wanted = {p: DecisionKey.for_problem(p, gpu) for p in dict.fromkeys(problems)}
+    wanted = {p: k for p, k in wanted.items() if st.lookup(k) is None}
+    out: dict[str, list[Conv2dProblem]] = {}
+    if not wanted:
+        return out
+    for _, dec, _ in st.entries():
+        current = wanted.get(dec.key.problem) if dec is not None else None
+        why = differs(dec.key, current) if current is not None else ""
+        if why and dec.key.problem not in out.setdefault(why, []):
+            out[why].append(dec.key.problem)
+    return {k: v for k, v in out.items() if v}
+
+
 def record_decision(
     problem: Conv2dProblem, launch: LaunchConfig, time_us: float, *, gpu: Optional[GpuInfo] = None,
     store: Optional[DecisionStore] = None, candidates_timed: int = 0, runner_up: Optional[str] = None,

@@ -229,3 +229,23 @@ def test_choice_is_remembered_until_a_decision_is_written_or_cleared(tmp_cache):
     decisions.DecisionStore(tmp_cache.root).clear()
     assert decisions.generation() == g + 1
     assert select.choose(p) == first and len(select._chosen) == keys + 1  # asked again after the write
+
+
+def test_decisions_made_elsewhere_are_named_not_used(store, launch):
+    """A cache copied from another GPU, or holding decisions from other templates: lookup finds nothing for this
+    GPU, and decisions_elsewhere says which problems have decisions only elsewhere, grouped by what differs."""
+    h100 = GpuInfo("NVIDIA H100 80GB HBM3", 90)
+    other = PROBLEM.replace(c=128)
+    record_decision(PROBLEM, launch, 10.0, gpu=GPU, store=store)
+    assert lookup_decision(PROBLEM, gpu=h100, store=store) is None
+    elsewhere = dec_mod.decisions_elsewhere([PROBLEM, other], gpu=h100, store=store)
+    assert elsewhere == {"tuned on NVIDIA H200 (sm_90)": [PROBLEM]}
+    # an old template set: same GPU, another template hash
+    key = dec_mod.DecisionKey.for_problem(other, h100)
+    old = dec_mod.Decision(dataclasses.replace(key, template_hash="0" * 64), default_launch(other), 5.0)
+    store.record(old)
+    elsewhere = dec_mod.decisions_elsewhere([PROBLEM, other], gpu=h100, store=store)
+    assert elsewhere == {"tuned on NVIDIA H200 (sm_90)": [PROBLEM], "other kernel templates": [other]}
+    # decided here: nothing is reported for it
+    record_decision(PROBLEM, launch, 9.0, gpu=h100, store=store)
+    assert dec_mod.decisions_elsewhere([PROBLEM], gpu=h100, store=store) == {}

@@ -494,3 +494,47 @@ def test_bench_counts_the_updates_gradscaler_skipped():
     assert row.record()["skipped_updates"] == 0 and "skipped" not in row.line()
     row.skipped_updates = 57
     assert row.record()["skipped_updates"] == 57 and "57 of the timed updates skipped" in row.line()
+
+
+def test_report_counts_untuned_problems_and_names_decisions_made_elsewhere(tmp_cache, monkeypatch, caplog):
+    """select="cached" on a GPU whose cache holds decisions from another GPU (a cache copied from another machine):
+    the convs run the model's launch, and the report and one warning say so, naming where the decisions came from.
+    The GPU is injected (this test runs anywhere); the partition itself is the CPU trace of explain()."""
+    import logging
+
+    from cutlass_byoc import decisions as dec_mod
+    from cutlass_byoc.heuristics import default_launch
+    import sys
+    from cutlass_byoc.offload.trace import explain
+
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.ReLU(),
+                          nn.Conv2d(32, 32, 1, bias=False)).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    opts = OffloadOptions(require_cuda=False, strict=True, select="cached")
+    _, rep = explain(model, x, options=opts)  # no GPU: nothing to count
+    assert rep.untuned == 0 and rep.tuned_elsewhere == {}
+    problems = list(dict.fromkeys(rep.problems))
+    assert len(problems) == 2
+    h200, h100 = dec_mod.GpuInfo("NVIDIA H200", 90), dec_mod.GpuInfo("NVIDIA H100 80GB HBM3", 90)
+    dec_mod.record_decision(problems[0], default_launch(problems[0]), 10.0, gpu=h200)
+    monkeypatch.setattr(dec_mod, "current_gpu", lambda: h100)
+    # the module (the package exports a function of its name)
+    monkeypatch.setattr(sys.modules["cutlass_byoc.offload.partition"], "_warned_elsewhere", set())
+    with caplog.at_level(logging.WARNING, logger="cutlass_byoc.offload"):
+        _, rep = explain(model, x, options=opts)
+    assert rep.untuned == 2, rep.summary()
+    assert rep.tuned_elsewhere == {"tuned on NVIDIA H200 (sm_90)": [problems[0]]}
+    assert "2 problems untuned" in rep.summary() and "decisions tuned on NVIDIA H200 (sm_90) only" in rep.summary()
+    assert sum("no decision for NVIDIA H100 80GB HBM3" in r.message for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cutlass_byoc.offload"):
+        explain(model, x, options=opts)
+    assert not any("no decision for" in r.message for r in caplog.records)  # once per process and cause
+    # tuned here: nothing left to say
+    for p in problems:
+        dec_mod.record_decision(p, default_launch(p), 10.0, gpu=h100)
+    _, rep = explain(model, x, options=opts)
+    assert rep.untuned == 0 and rep.tuned_elsewhere == {}
+    # heuristic selection is untuned by request: not counted
+    _, rep = explain(model, x, options=OffloadOptions(require_cuda=False, strict=True, select="heuristic"))
+    assert rep.untuned == 0

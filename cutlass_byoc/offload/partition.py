@@ -833,6 +833,7 @@ def _partition(graph: fx.Graph | fx.GraphModule, options: OffloadOptions, name: 
         rw.run_backward()
         rw.fuse_bn_stats()
         _note_host_credit(report, options)
+        _note_untuned(report, options)
         changed = bool(rw.new_nodes)
         if changed:
             rw.fix_layouts()
@@ -877,6 +878,39 @@ def _note_host_credit(report: OffloadReport, options: OffloadOptions) -> None:
         note = host_credit_note(problem, credit) if problem is not None else None
         if note:
             e.notes.append(note)
+
+
+_warned_elsewhere: set = set()
+
+
+def _note_untuned(report: OffloadReport, options: OffloadOptions, gpu=None, store=None) -> None:
+    """select="cached" on a GPU: count the offloaded problems without a decision for it (they run the model's launch),
+    and name the decisions the cache holds for them from elsewhere (another GPU, CUTLASS version or template set:
+    a cache copied from another machine, or from before an upgrade), with a warning once per process and cause."""
+    from ..decisions import current_gpu, decisions_elsewhere, lookup  # noqa: PLC0415
+    from ..select import SelectMode  # noqa: PLC0415
+
+    gpu = gpu or current_gpu()
+    if options.select is not SelectMode.CACHED or gpu is None or not report.problems:
+        return  # heuristic: untuned by request; tune: tuned at prebuild
+    try:
+        offloaded = {e.problem for e in report.offloaded}
+        untuned = [p for p in dict.fromkeys(report.problems)
+                   if p.name in offloaded and lookup(p, gpu=gpu, store=store) is None]
+        report.untuned = len(untuned)
+        if not untuned:
+            return
+        report.tuned_elsewhere = decisions_elsewhere(untuned, gpu=gpu, store=store)
+    except Exception as e:  # noqa: BLE001 - a note of the report; it must not fail the partition
+        log.debug("cutlass_byoc: could not look for decisions made elsewhere: %s", e)
+        return
+    for why, problems in report.tuned_elsewhere.items():
+        if why not in _warned_elsewhere:
+            _warned_elsewhere.add(why)
+            log.warning("cutlass_byoc: %s: %d offloaded problems have no decision for %s; the cache holds decisions "
+                        "for %d of them %s, which are not used here: they run the model's launch until tuned on "
+                        "this GPU (`cutlass-byoc tune --model ...`, or select=\"tune\")", report.graph, len(untuned),
+                        gpu.tag, len(problems), why)
 
 
 def _can_tune() -> bool:

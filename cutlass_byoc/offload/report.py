@@ -96,6 +96,10 @@ class OffloadReport:
     #: to Inductor (its Welford reduction)
     bn_sums: int = 0
     bn_sums_left: list = dataclasses.field(default_factory=list)
+    #: offloaded problems on the model's launch for want of a decision for this GPU (select="cached"), and of those
+    #: the ones whose decisions in the cache were made elsewhere (another GPU, CUTLASS or template set), by what differs
+    untuned: int = 0
+    tuned_elsewhere: dict = dataclasses.field(default_factory=dict)
 
     def fail(self, reason: str) -> None:
         """Record that this graph was compiled without offload; the entries found before the failure are dropped
@@ -107,6 +111,7 @@ class OffloadReport:
         self.layout_conversions = self.output_restrides = self.layout_restores = self.bn_stats = 0
         self.overlapped_wgrads = self.batched_casts = self.batched_counters = self.max_pools = self.bn_sums = 0
         self.max_pools_left, self.bn_sums_left = [], []
+        self.untuned, self.tuned_elsewhere = 0, {}
         log.warning("cutlass_byoc: %s left whole to PyTorch: %s", self.graph, reason)
 
     def add(self, entry: OffloadEntry) -> OffloadEntry:
@@ -153,10 +158,14 @@ class OffloadReport:
                  + (f"; {self.batched_casts} parameter casts batched" if self.batched_casts else "")
                  + (f"; {self.batched_counters} counter increments batched" if self.batched_counters else "")
                  + (f"; {self.max_pools} max pools on this backend's kernels" if self.max_pools else "")
-                 + (f"; {self.bn_sums} batch-norm statistics as shifted sums" if self.bn_sums else "")]
+                 + (f"; {self.bn_sums} batch-norm statistics as shifted sums" if self.bn_sums else "")
+                 + (f"; {self.untuned} problems untuned (no decision for this GPU: the model's launch)"
+                    if self.untuned else "")]
         lines += ["  " + e.line() for e in self.entries]
         lines += [f"  [inductor]  max pool {why}" for why in self.max_pools_left]
         lines += [f"  [inductor]  var_mean {why}" for why in self.bn_sums_left]
+        lines += [f"  [untuned]   {len(ps)} problems with decisions {why} only: not used here"
+                  for why, ps in self.tuned_elsewhere.items()]
         return "\n".join(lines)
 
     def merge(self, other: "OffloadReport") -> "OffloadReport":
@@ -170,7 +179,11 @@ class OffloadReport:
                              self.batched_casts + other.batched_casts,
                              self.batched_counters + other.batched_counters,
                              self.max_pools + other.max_pools, self.max_pools_left + other.max_pools_left,
-                             self.bn_sums + other.bn_sums, self.bn_sums_left + other.bn_sums_left)
+                             self.bn_sums + other.bn_sums, self.bn_sums_left + other.bn_sums_left,
+                             self.untuned + other.untuned,
+                             {k: list(dict.fromkeys([*self.tuned_elsewhere.get(k, ()),
+                                                     *other.tuned_elsewhere.get(k, ())]))
+                              for k in dict.fromkeys([*self.tuned_elsewhere, *other.tuned_elsewhere])})
 
     def __str__(self) -> str:
         return self.summary()
