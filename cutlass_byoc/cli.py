@@ -479,7 +479,7 @@ def cmd_cache(args) -> int:
     store = DecisionStore(cache.root)
     sub = args.cache_cmd
     if sub == "list":
-        from .decisions import DecisionKey  # noqa: PLC0415
+        from .decisions import DecisionKey, GpuInfo, differs  # noqa: PLC0415
 
         gpu = current_gpu()
         n = 0
@@ -489,17 +489,14 @@ def cmd_cache(args) -> int:
             if dec is None:
                 print(f"{path.stem[:12]}  STALE  {why}")
                 continue
-            current = dec.key == DecisionKey.for_problem(dec.key.problem, gpu) if gpu else None
-            state = {True: "current", False: "stale", None: "-"}[current]
-            if current is False or gpu is None:
+            if gpu:
+                state = "stale" if differs(dec.key, DecisionKey.for_problem(dec.key.problem, gpu)) else "current"
+            else:  # the key under the decision's own GPU: only the CUTLASS version and the templates can differ
                 try:
-                    from .decisions import _cutlass_version, template_hash  # noqa: PLC0415
-
-                    now = (template_hash(dec.key.problem.is_depthwise), _cutlass_version())
-                    if (dec.key.template_hash, dec.key.cutlass_version) != now:
-                        state = "stale"
-                except Exception:  # noqa: BLE001
-                    pass
+                    own = DecisionKey.for_problem(dec.key.problem, GpuInfo(dec.key.gpu_name, dec.key.gpu_arch))
+                    state = "stale" if differs(dec.key, own) else "-"
+                except Exception:  # noqa: BLE001 - the versions unreadable here: the state unknown
+                    state = "-"
             in_step = (f" (in the step: {dec.step_us:.2f} us, cuDNN {dec.step_cudnn_us:.2f})"
                        if dec.in_step else "")
             print(f"{path.stem[:12]}  {state:7s}  {dec.key.gpu_name} sm_{dec.key.gpu_arch}  "

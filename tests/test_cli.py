@@ -280,3 +280,26 @@ def test_tune_times_beside_the_build_unless_asked_not_to(tmp_cache, monkeypatch,
     assert cli.main(argv + ["--time-after-build"]) == cli.EXIT_OK
     assert "beside the build" not in capsys.readouterr().out
     assert seen == [True, False]
+
+
+def test_cache_list_marks_each_decision_current_or_stale(tmp_path, monkeypatch, capsys):
+    """`cache list`: a decision for this GPU is current, one for another GPU or from other templates is stale, and
+    without a GPU only the templates and CUTLASS version can make one stale ("-" otherwise)."""
+    import dataclasses
+
+    monkeypatch.setenv("CUTLASS_BYOC_CACHE_DIR", str(tmp_path / "c"))
+    here, there = _seed_decisions(2)
+    store = DecisionStore(tmp_path / "c")
+    h100 = GpuInfo("NVIDIA H100 80GB HBM3", 90)
+    record_decision(there, default_launch(there), 5.0, gpu=h100)
+    old_key = dataclasses.replace(dec_mod.DecisionKey.for_problem(here, h100), template_hash="0" * 64)
+    store.record(dec_mod.Decision(old_key, default_launch(here), 6.0))
+
+    def states():
+        assert cli.main(["cache", "list"]) == 0
+        return sorted(line.split()[1] for line in capsys.readouterr().out.splitlines() if " sm_90 " in line)
+
+    monkeypatch.setattr(dec_mod, "current_gpu", lambda: h100)  # the H100 decision current, the H200 ones stale
+    assert states() == ["current", "stale", "stale", "stale"]
+    monkeypatch.setattr(dec_mod, "current_gpu", lambda: None)  # no GPU: only the old templates' decision stale
+    assert states() == ["-", "-", "-", "stale"]
