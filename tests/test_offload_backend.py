@@ -501,10 +501,10 @@ def test_report_counts_untuned_problems_and_names_decisions_made_elsewhere(tmp_c
     the convs run the model's launch, and the report and one warning say so, naming where the decisions came from.
     The GPU is injected (this test runs anywhere); the partition itself is the CPU trace of explain()."""
     import logging
+    import sys
 
     from cutlass_byoc import decisions as dec_mod
     from cutlass_byoc.heuristics import default_launch
-    import sys
     from cutlass_byoc.offload.trace import explain
 
     model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.ReLU(),

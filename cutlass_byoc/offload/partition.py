@@ -883,24 +883,24 @@ def _note_host_credit(report: OffloadReport, options: OffloadOptions) -> None:
 _warned_elsewhere: set = set()
 
 
-def _note_untuned(report: OffloadReport, options: OffloadOptions, gpu=None, store=None) -> None:
+def _note_untuned(report: OffloadReport, options: OffloadOptions) -> None:
     """select="cached" on a GPU: count the offloaded problems without a decision for it (they run the model's launch),
     and name the decisions the cache holds for them from elsewhere (another GPU, CUTLASS version or template set:
     a cache copied from another machine, or from before an upgrade), with a warning once per process and cause."""
     from ..decisions import current_gpu, decisions_elsewhere, lookup  # noqa: PLC0415
     from ..select import SelectMode  # noqa: PLC0415
 
-    gpu = gpu or current_gpu()
+    gpu = current_gpu()
     if options.select is not SelectMode.CACHED or gpu is None or not report.problems:
         return  # heuristic: untuned by request; tune: tuned at prebuild
     try:
         offloaded = {e.problem for e in report.offloaded}
         untuned = [p for p in dict.fromkeys(report.problems)
-                   if p.name in offloaded and lookup(p, gpu=gpu, store=store) is None]
+                   if p.name in offloaded and lookup(p, gpu=gpu) is None]
         report.untuned = len(untuned)
         if not untuned:
             return
-        report.tuned_elsewhere = decisions_elsewhere(untuned, gpu=gpu, store=store)
+        report.tuned_elsewhere = decisions_elsewhere(untuned, gpu=gpu)
     except Exception as e:  # noqa: BLE001 - a note of the report; it must not fail the partition
         log.debug("cutlass_byoc: could not look for decisions made elsewhere: %s", e)
         return
