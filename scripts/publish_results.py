@@ -22,7 +22,8 @@ every number comes from those files.
                                               # (with --merge-bench: its cells not re-measured are kept)
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
-A file that no given folder holds is left as it is in benchmarks/h200/. bench.json is the file the per-layer and the
+A file that no given folder holds is left as it is in benchmarks/h200/. A file measured on another GPU than an H200
+(a call that named the H200 can run on an H100) is refused, and nothing is published. bench.json is the file the per-layer and the
 depthwise issues share: whenever a bench file is published it also takes every row of bench-depthwise.json (the
 depthwise step's own file), and the README renders both from it (combine_bench).
 """
@@ -562,12 +563,30 @@ def combine_bench(bench: dict, dw: dict) -> dict:
     return dict(bench, summary=_bench_summary(rows, bench), rows=rows, runs=dense_runs + dw_runs)
 
 
+def check_gpu(dirs: list[Path], gpu: str) -> None:
+    """Refuse, before anything is written, a result file that names another GPU than `gpu` (offload.json's
+    "device", the bench files' "gpu"): a device call that named the H200 can run on an H100, and its numbers (and
+    the decisions behind them) must not enter the H200's tables."""
+    for d in dirs:
+        for f in FILES:
+            if not (d / f).exists():
+                continue
+            data = json.loads((d / f).read_text())
+            name = data.get("device") or data.get("gpu")
+            if name and gpu.lower() not in str(name).lower():
+                raise SystemExit(f"{d / f} was measured on {name!r}, not an {gpu}: nothing published (keep another "
+                                 f"GPU's files in a folder of their own, e.g. benchmarks/h100/)")
+
+
 def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool = False,
-            merge_bench_rows: bool = False, note: str = "") -> None:
+            merge_bench_rows: bool = False, note: str = "", gpu: str | None = None) -> None:
     """Copy the given device folders' result files into `results` (see the module's docstring); a file no folder
     holds is left as it is there. `merge_offload_rows`: offload.json keeps the published rows the folders do not
     re-measure (merge_offload); `merge_bench_rows`: bench.json and bench-depthwise.json keep the published rows of the
-    cells the folders do not re-measure (merge_bench, the new run described by `note`)."""
+    cells the folders do not re-measure (merge_bench, the new run described by `note`). `gpu`: every file must name
+    it (check_gpu), else nothing is published."""
+    if gpu:
+        check_gpu(dirs, gpu)
     results.mkdir(parents=True, exist_ok=True)
     offload = None
     texts: dict[str, list[str]] = {}
@@ -663,9 +682,10 @@ def main(argv=None) -> int:
     if a.bench_as:
         if len(a.dirs) != 1:
             raise SystemExit("--bench-as: expected one folder")
+        check_gpu(a.dirs, "H200")
         publish_bench_as(a.dirs[0], a.bench_as, merge=a.merge_bench, note=a.note)
     elif a.dirs:
-        publish(a.dirs, merge_offload_rows=a.merge_offload, merge_bench_rows=a.merge_bench, note=a.note)
+        publish(a.dirs, merge_offload_rows=a.merge_offload, merge_bench_rows=a.merge_bench, note=a.note, gpu="H200")
     text = render()
     if a.print or not a.dirs:
         print(text)

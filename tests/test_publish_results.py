@@ -412,3 +412,20 @@ def test_optimizer_table_sets_a_runs_optimizers_side_by_side(pr):
     assert "| 35 | resnet50 | 32 | inductor-cudagraphs | 7.90 (1.000) | 7.80-8.10 | 6.50 | 6.80 (1.000) | 6.70-7.00 | 6.54 |" in text
     assert "cutlass_byoc-cudagraphs" not in text and "eager" not in text
     assert pr.optimizer_table(rows[2:]) == []
+
+
+def test_files_of_another_gpu_are_refused_before_anything_is_written(pr, tmp_path):
+    """A device call that named the H200 can run on an H100: with gpu="H200" (what the command line passes) a file
+    naming another GPU stops the whole publication, the other folders' files included."""
+    results = tmp_path / "h200"
+    good, other = tmp_path / "call1", tmp_path / "call2"
+    good.mkdir()
+    other.mkdir()
+    rows = [offload_row("resnet50", 32, True, "inductor", 9.8)]
+    (good / "offload.json").write_text(json.dumps(dict(offload_file(rows, []), device="NVIDIA H200")))
+    (other / "bench.json").write_text(json.dumps(bench_file([], "2.x") | {"gpu": "NVIDIA H100 80GB HBM3 (sm_90)"}))
+    with pytest.raises(SystemExit, match="H100 80GB HBM3.*not an H200"):
+        pr.publish([good, other], results, gpu="H200")
+    assert not results.exists()
+    pr.publish([good], results, gpu="H200")
+    assert json.loads((results / "offload.json").read_text())["device"] == "NVIDIA H200"
