@@ -10,7 +10,8 @@ depthwise), and the kernels the offload
 partitioner chooses (compile-time select: decision cache, else heuristic) for the models and batch sizes of
 tests/test_gpu_offload.py and ``cutlass_byoc.offload.bench``, traced here on fake tensors under fp16 autocast.
 ``--depthwise``: the depthwise tests' and `tune depthwise` plan's kernels; ``--tune-model resnet50 --batch 32
---max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there;
+--max-candidates 2``: what the round's tune-model step (TUNE_MAX=2) plans, so it compiles nothing there (``--batch 32
+64``: both of the offload bench's ResNet-50 batches, for two tune-model steps);
 ``--modules gemm1x1 sm90_splitk``: those GPU test modules' kernels; ``--sweep 1x1 [--sweep-kinds fprop dgrad]
 [--sweep-tiles 192x64x64:pingpong]``: what the round's sweep step times (scripts/sweep_kernels.py); ``--workload
 default --archive .tune-cache.tar.xz``: what `cutlass-byoc tune` plans for the default workload (the round's tune
@@ -213,7 +214,9 @@ def main() -> int:
                          "default, the round's tune and bench steps then compile nothing")
     ap.add_argument("--kinds", nargs="+", default=None, choices=["fprop", "dgrad", "wgrad"],
                     help="--workload (named ones) and --depthwise: these kinds' problems only, as `tune --kinds`")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, nargs="+", default=[32],
+                    help="--tune-model: each of these batch sizes (e.g. 32 64: the offload bench's two ResNet-50 cases "
+                         "in one archive); --channel-stats: the first")
     ap.add_argument("--inference", action="store_true")
     ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--no-archive", action="store_true", help="build into --cache-dir only (e.g. on the GPU machine)")
@@ -247,7 +250,9 @@ def main() -> int:
     mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
     cfgs: list[KernelConfig] = []
     if a.tune_model:
-        cfgs += tune_model_kernels(a.tune_model, a.batch, not a.inference, mc) + host_overhead_kernels()
+        for batch in a.batch:
+            cfgs += tune_model_kernels(a.tune_model, batch, not a.inference, mc)
+        cfgs += host_overhead_kernels()
     for name in a.workload or []:
         cfgs += workload_kernels(name, mc, a.kinds)
     if a.split_k_study:
@@ -272,7 +277,7 @@ def main() -> int:
         import channel_stats_bench  # noqa: PLC0415 - scripts/channel_stats_bench.py, beside this file
 
         torch.manual_seed(0)
-        cfgs += channel_stats_bench.kernels(channel_stats_bench.fprop_problems(MODELS["resnet50"](), a.batch))
+        cfgs += channel_stats_bench.kernels(channel_stats_bench.fprop_problems(MODELS["resnet50"](), a.batch[0]))
     if a.fuzz:
         import fuzz_partition  # noqa: PLC0415 - scripts/fuzz_partition.py, beside this file
 

@@ -196,3 +196,12 @@ def test_split_k_study_names_what_the_benchs_study_builds():
     assert all(k.kind is ConvKind.WGRAD for k in study) and len(study) == len(set(study))
     assert any(k.split_k_mode is SplitKMode.PARALLEL for k in study)
     assert any(k.split_k_mode is not SplitKMode.PARALLEL for k in study)
+
+
+def test_tune_model_takes_several_batches_into_one_list():
+    """`--tune-model M --batch 8 16`: what the two tune-model steps plan (one per batch), in one list without repeats,
+    the host-overhead problem's kernels once."""
+    args = ("--tune-model", "resnet18", "--max-candidates", "1")
+    small, large = listed(*args, "--batch", "8"), listed(*args, "--batch", "16")
+    both = listed(*args, "--batch", "8", "16")
+    assert set(both) == set(small) | set(large) and len(both) == len(set(both))
