@@ -23,9 +23,9 @@ every number comes from those files.
     python scripts/publish_results.py --print # only print the tables rendered from benchmarks/h200/
 
 A file that no given folder holds is left as it is in benchmarks/h200/. A file measured on another GPU than an H200
-(a call that named the H200 can run on an H100) is refused, and nothing is published. bench.json is the file the per-layer and the
-depthwise issues share: whenever a bench file is published it also takes every row of bench-depthwise.json (the
-depthwise step's own file), and the README renders both from it (combine_bench).
+(a call that named the H200 can run on an H100) is refused, and nothing is published. bench.json is the file the
+per-layer and the depthwise issues share: whenever a bench file is published it also takes every row of
+bench-depthwise.json (the depthwise step's own file), and the README renders both from it (combine_bench).
 """
 
 from __future__ import annotations
