@@ -563,18 +563,29 @@ def combine_bench(bench: dict, dw: dict) -> dict:
     return dict(bench, summary=_bench_summary(rows, bench), rows=rows, runs=dense_runs + dw_runs)
 
 
+def _measured_on(d: Path):
+    """(file, GPU name) of every record in the device folder `d` that names the GPU it was measured on: the
+    single-GPU round's result files (offload.json's "device", the bench files' "gpu"), the multi-GPU round's tune
+    reports ("gpu") and each ddp.jsonl line ("gpu")."""
+    for p in [*(d / f for f in FILES), *sorted(d.glob(TUNE_GPUS))]:
+        if p.exists():
+            data = json.loads(p.read_text())
+            yield p, data.get("device") or data.get("gpu")
+    for p in (d / f for f in CONCATENATED if f.endswith(".jsonl")):
+        if p.exists():
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    yield p, json.loads(line).get("gpu")
+
+
 def check_gpu(dirs: list[Path], gpu: str) -> None:
-    """Refuse, before anything is written, a result file that names another GPU than `gpu` (offload.json's
-    "device", the bench files' "gpu"): a device call that named the H200 can run on an H100, and its numbers (and
-    the decisions behind them) must not enter the H200's tables."""
+    """Refuse, before anything is written, a result file that names another GPU than `gpu` (_measured_on): a device
+    call that named the H200 can run on an H100, and its numbers (and the decisions behind them) must not enter the
+    H200's tables."""
     for d in dirs:
-        for f in FILES:
-            if not (d / f).exists():
-                continue
-            data = json.loads((d / f).read_text())
-            name = data.get("device") or data.get("gpu")
+        for p, name in _measured_on(d):
             if name and gpu.lower() not in str(name).lower():
-                raise SystemExit(f"{d / f} was measured on {name!r}, not an {gpu}: nothing published (keep another "
+                raise SystemExit(f"{p} was measured on {name!r}, not an {gpu}: nothing published (keep another "
                                  f"GPU's files in a folder of their own, e.g. benchmarks/h100/)")
 
 

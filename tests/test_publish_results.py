@@ -429,3 +429,26 @@ def test_files_of_another_gpu_are_refused_before_anything_is_written(pr, tmp_pat
     assert not results.exists()
     pr.publish([good], results, gpu="H200")
     assert json.loads((results / "offload.json").read_text())["device"] == "NVIDIA H200"
+
+
+def test_multi_gpu_files_of_another_gpu_are_refused_too(pr, tmp_path):
+    """The multi-GPU round's tune reports and ddp.jsonl lines name their GPU as well: one that names another GPU stops
+    the publication before anything is written; the H200's own are copied."""
+    results = tmp_path / "h200"
+    call = tmp_path / "call"
+    call.mkdir()
+    (call / "tune-gpus-1.json").write_text(json.dumps({"gpu": "NVIDIA H200 (sm_90)", "timed": True}))
+    (call / "ddp.jsonl").write_text(json.dumps({"gpu": "NVIDIA H200", "label": "a"}) + "\n"
+                                    + json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "label": "b"}) + "\n")
+    with pytest.raises(SystemExit, match="ddp.jsonl was measured on 'NVIDIA H100 80GB HBM3', not an H200"):
+        pr.publish([call], results, gpu="H200")
+    assert not results.exists()
+    (call / "tune-gpus-1.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3 (sm_90)", "timed": True}))
+    (call / "ddp.jsonl").write_text(json.dumps({"gpu": "NVIDIA H200", "label": "a"}) + "\n")
+    with pytest.raises(SystemExit, match="tune-gpus-1.json was measured on"):
+        pr.publish([call], results, gpu="H200")
+    assert not results.exists()
+    (call / "tune-gpus-1.json").write_text(json.dumps({"gpu": "NVIDIA H200 (sm_90)", "timed": True}))
+    pr.publish([call], results, gpu="H200")
+    assert json.loads((results / "multigpu" / "tune-gpus-1.json").read_text())["gpu"] == "NVIDIA H200 (sm_90)"
+    assert (results / "multigpu" / "ddp.jsonl").read_text().count("\n") == 1
