@@ -34,7 +34,9 @@
 #           or $BENCH_MODES; BENCH_ROUNDS=N: the modes interleaved over N rounds of BENCH_STEPS, median round;
 #           host overhead per call; BENCH_PROFILE=1: a torch.profiler split of each mode's step;
 #           BENCH_OPTIMIZERS="sgd sgd-fused": the training steps timed with each optimizer, a row each) ->
-#           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/
+#           $OUT/offload.json, which scripts/publish_results.py copies into benchmarks/h200/ (BENCH_JSON=NAME: $OUT/NAME
+#           instead, so that each of several bench steps of one call keeps its own file, written when it ends; publish
+#           each from a folder of its own as offload.json)
 # inductor-kernels: scripts/inductor_kernels.py -> inductor-kernels.json, .log and inductor-code-<mode>.tar.xz:
 #           Inductor's Triton kernels under inductor-cudagraphs and cutlass_byoc-cudagraphs, by name, time and code
 #           (IK_CASE, IK_SELECT; IK_REFERENCE=1: offloaded convs on the PyTorch reference, nothing to compile;
@@ -235,7 +237,7 @@ for step in "${steps[@]}"; do
       python3 -m cutlass_byoc.offload.bench ${BENCH_CASES:+--cases $BENCH_CASES} --steps "${BENCH_STEPS:-20}" \
         ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} ${BENCH_OPTIMIZERS:+--optimizers $BENCH_OPTIMIZERS} \
         ${BENCH_MODES:+--modes $BENCH_MODES} ${BENCH_PROFILE:+--profile} \
-        --host-overhead --json "$OUT/offload.json" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
+        --host-overhead --json "$OUT/${BENCH_JSON:-offload.json}" 2>&1 | tee -a "$OUT/offload-bench.log" || rc=1 ;;
     inductor-kernels)
       # Inductor's Triton kernels of a training step under plain Inductor and under this backend, one by one, with
       # their generated code (IK_CASE, default resnet50:32; IK_REFERENCE=1: the offloaded convs on the PyTorch
