@@ -165,6 +165,11 @@ def host_overhead_kernels() -> list[KernelConfig]:
     return [choose(p, "heuristic").kernel for p in host_overhead_problems().values()]
 
 
+def offload_runs(skip=()) -> list[tuple]:
+    """OFFLOAD_RUNS without the runs of the models in `skip` (--skip-models)."""
+    return [r for r in OFFLOAD_RUNS if r[0] not in set(skip)]
+
+
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
     out: list[KernelConfig] = []
     for name, batch, channels_last, training in runs:
@@ -240,6 +245,9 @@ def main() -> int:
                     help="also the channel-statistics twin (KernelConfig.with_channel_stats) of every sm90 conv fprop "
                          "kernel selected: what the offload bench's bnstats modes (fuse_bn_stats) launch after "
                          "`tune --model`")
+    ap.add_argument("--skip-models", nargs="+", default=[], choices=sorted({r[0] for r in OFFLOAD_RUNS}),
+                    metavar="MODEL", help="leave these models' offload runs out (e.g. convnext_tiny efficientnet_b0 "
+                    "for a round whose offload tests run with -k 'not convnext and not efficientnet')")
     ap.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                     help=f"the kernels of these GPU test modules ({', '.join(MODULE_KERNELS)}): "
                          "the archive of a round that runs a few test modules and tunes a model")
@@ -248,6 +256,7 @@ def main() -> int:
     from cutlass_byoc.profiler.plan import DEFAULT_MAX_CANDIDATES  # noqa: PLC0415
 
     mc = a.max_candidates or DEFAULT_MAX_CANDIDATES
+    runs = offload_runs(a.skip_models)
     cfgs: list[KernelConfig] = []
     if a.tune_model:
         for batch in a.batch:
@@ -287,14 +296,14 @@ def main() -> int:
     if a.tests_only:
         cfgs += test_kernels() + offload_kernels([])  # the model-family tests' runs too
     if a.offload_only:
-        cfgs += offload_kernels(OFFLOAD_RUNS)
+        cfgs += offload_kernels(runs)
     if a.families:
         cfgs += offload_kernels([])
     if a.offload_tests:
-        cfgs += offload_kernels([r for r in OFFLOAD_RUNS if r[1] == 16], [])
+        cfgs += offload_kernels([r for r in runs if r[1] == 16], [])
     if not (a.tune_model or a.workload or a.split_k_study or a.depthwise or a.modules or a.sweep or a.tests_only
             or a.offload_only or a.families or a.offload_tests or a.channel_stats or a.fuzz):
-        cfgs += test_kernels() + offload_kernels(OFFLOAD_RUNS)
+        cfgs += test_kernels() + offload_kernels(runs)
     if a.stats_twins:
         cfgs += stats_twins(cfgs)
     cfgs = list(dict.fromkeys(cfgs))

@@ -205,3 +205,17 @@ def test_tune_model_takes_several_batches_into_one_list():
     small, large = listed(*args, "--batch", "8"), listed(*args, "--batch", "16")
     both = listed(*args, "--batch", "8", "16")
     assert set(both) == set(small) | set(large) and len(both) == len(set(both))
+
+
+def test_skip_models_leaves_those_offload_runs_out():
+    """`--skip-models convnext_tiny efficientnet_b0`: the offload runs without those models (what a round whose offload
+    tests run with -k 'not convnext and not efficientnet' launches), every other run kept in order; an unknown model
+    is refused by name."""
+    wc = script("warm_cache")
+    kept = wc.offload_runs(["convnext_tiny", "efficientnet_b0"])
+    assert kept == [r for r in wc.OFFLOAD_RUNS if r[0] not in ("convnext_tiny", "efficientnet_b0")]
+    assert {r[0] for r in kept} == {r[0] for r in wc.OFFLOAD_RUNS} - {"convnext_tiny", "efficientnet_b0"}
+    assert wc.offload_runs() == wc.OFFLOAD_RUNS
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "warm_cache.py"), "--skip-models", "nope", "--list"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 2 and "nope" in out.stderr
