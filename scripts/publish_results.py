@@ -55,6 +55,11 @@ SOURCE_COLUMNS = (("cutlass_byoc", "ours"), ("cudnn/cublas", "cuDNN+cuBLAS"), ("
 BEGIN, END = "<!-- results:begin (scripts/publish_results.py) -->", "<!-- results:end -->"
 
 
+def _jsonl(text: str) -> list[dict]:
+    """The records of a JSON-lines text (ddp.jsonl), blank lines skipped; a line that is not whole JSON raises."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def _geomean(xs: list[float]) -> float:
     xs = [x for x in xs if x and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
@@ -345,7 +350,7 @@ def multigpu_tables(folder: Path) -> list[str]:
         parts += tune_gpus_table({p.name: json.loads(p.read_text()) for p in tunes}) + [""]
         parts += [f"(from `benchmarks/h200/{MULTIGPU}/{TUNE_GPUS}`)", ""]
     ddp = folder / "ddp.jsonl"
-    runs = [json.loads(ln) for ln in ddp.read_text().splitlines() if ln.strip()] if ddp.exists() else []
+    runs = _jsonl(ddp.read_text()) if ddp.exists() else []
     if runs:
         fleet = folder / "fleet.log"
         parts += ddp_table(runs, fleet.read_text() if fleet.exists() else None) + [""]
@@ -573,9 +578,8 @@ def _measured_on(d: Path):
             yield p, data.get("device") or data.get("gpu")
     for p in (d / f for f in CONCATENATED if f.endswith(".jsonl")):
         if p.exists():
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    yield p, json.loads(line).get("gpu")
+            for record in _jsonl(p.read_text()):
+                yield p, record.get("gpu")
 
 
 def check_gpu(dirs: list[Path], gpu: str) -> None:
@@ -641,9 +645,7 @@ def publish(dirs: list[Path], results: Path = RESULTS, merge_offload_rows: bool 
                 continue
             text = (d / f).read_text()
             if f.endswith(".jsonl"):
-                for line in text.splitlines():
-                    if line.strip():
-                        json.loads(line)  # only whole, valid records are published
+                _jsonl(text)  # only whole, valid records are published
             texts.setdefault(f, []).append(text if not text or text.endswith("\n") else text + "\n")
     if bench_published and all((results / f).exists() for f in BENCH_FILES):
         # bench.json is the file both issues name: it holds the depthwise rows too
