@@ -167,7 +167,8 @@ def host_overhead_kernels() -> list[KernelConfig]:
 
 def offload_runs(skip=()) -> list[tuple]:
     """OFFLOAD_RUNS without the runs of the models in `skip` (--skip-models)."""
-    return [r for r in OFFLOAD_RUNS if r[0] not in set(skip)]
+    skip = set(skip)
+    return [r for r in OFFLOAD_RUNS if r[0] not in skip]
 
 
 def offload_kernels(runs=OFFLOAD_RUNS, families=FAMILY_RUNS) -> list[KernelConfig]:
