@@ -174,7 +174,9 @@ for step in "${steps[@]}"; do
       ;;
     tune)
       # the log says itself whether its kernels were compiled here (a cold tune) or carried
-      if [ -e "$TUNE_CACHE/.seeded" ]; then
+      seeded=0
+      [ -e "$TUNE_CACHE/.seeded" ] && seeded=1
+      if [ $seeded = 1 ]; then
         echo "tune cache seeded from the carried .tune-cache.tar.xz: NOT a cold tune" > "$OUT/tune.log"
       else
         : > "$OUT/tune.log"
@@ -182,7 +184,7 @@ for step in "${steps[@]}"; do
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} \
         --verbose --no-progress ${TUNE_MAX:+--max-candidates $TUNE_MAX} ${TUNE_JSON:+--json "$OUT/tune.json"} 2>&1 \
         | tee -a "$OUT/tune.log" || rc=1
-      [ -e "$TUNE_CACHE/.seeded" ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
+      [ $seeded = 1 ] || compile_times "$TUNE_CACHE" | tee -a "$OUT/tune.log"  # carried: not this GPU machine's
       echo "== the second tune" | tee -a "$OUT/tune.log"
       CUTLASS_BYOC_CACHE_DIR=$TUNE_CACHE cutlass-byoc tune ${TUNE_WORKLOAD:-} ${TUNE_KINDS:+--kinds $TUNE_KINDS} 2>&1 \
         | tee -a "$OUT/tune.log" || rc=1
