@@ -56,7 +56,7 @@ gpu-round:
 ## What a GPU round carries (README, "GPU round"), made here: the nvidia-cutlass and platformdirs wheels in .whl/ (the
 ## device has no package registry) and, packed as .kcache.tar.xz, the kernels of ResNet-50's two tune plans (b32, b64)
 ## and of the offload and model-family GPU tests; KIT_ARGS: other scripts/warm_cache.py selectors. 320 kernels and
-## 12.5 MB by default, 100 minutes on 2 cores from cold (the 3.x kernels take 60-90 s each), seconds when cached.
+## 11.1 MiB by default, 100 minutes on 2 cores from cold (the 3.x kernels take 60-90 s each), seconds when cached.
 KIT_ARGS ?= --tune-model resnet50 --batch 32 64 --offload-tests --families --skip-models convnext_tiny efficientnet_b0
 device-kit: $(STAMP)
 	mkdir -p .whl
