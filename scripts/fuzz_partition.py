@@ -30,6 +30,10 @@ Then it builds each offloaded problem's tuning plan and renders its kernels' sou
   Inductor's CPU lowering of another op, or a decomposed op's rounding at an activation's kink); an aten op's
   stride check failing in Inductor's code (counted apart: its CPU kernel's output strides are not its meta kernel's,
   as the padding modes' backward with a channels_last input);
+- through Inductor's CPU code, a flagged value only when it is not Inductor's own: counted apart where the same program
+  with the partitioned graphs run eagerly is right and every partitioned graph's metadata holds (each node run on
+  random inputs gives the shape and strides its meta['val'] says, `meta_mismatches`), as Inductor's CPU code of a
+  16-bit circular padding copied to channels_last is wrong without this backend too (seed 14230, `_inductor_cpu_wrong`);
 - under bf16 a flagged gradient only when the same program in fp32 is flagged too (bf16 moves an element across a
   ReLU's kink, and one element changes a bias gradient summed over a few pixels by a whole term);
 - on the GPU (`--device cuda`) an fp32 program's flagged value only when its error is also 10x over that of eager
@@ -468,6 +472,80 @@ def _plain_steps(program: Program, net: nn.Module, steps: list) -> Optional[list
         return None
 
 
+@contextlib.contextmanager
+def _graph_checks(checks: list):
+    """While inside: each graph the backend's pass partitions is run node by node on random inputs right after the
+    pass, its nodes' real strides and shapes compared with the metadata the pass left (what Inductor lowers from);
+    `checks` gets each graph's mismatches (empty: the metadata holds)."""
+    from cutlass_byoc.offload import backend as offload_backend  # noqa: PLC0415
+
+    partition = offload_backend.partition
+
+    def checked(graph, *args, **kwargs):
+        report = partition(graph, *args, **kwargs)
+        try:
+            checks.append(meta_mismatches(graph))
+        except Exception as e:  # noqa: BLE001 - an op that cannot run on random inputs: nothing proven either way
+            checks.append([f"not checked: {type(e).__name__}: {str(e)[:200]}"])
+        return report
+
+    offload_backend.partition = checked
+    try:
+        yield checks
+    finally:
+        offload_backend.partition = partition
+
+
+def meta_mismatches(graph) -> list:
+    """The nodes of a partitioned graph whose real output (shape, strides), run eagerly on random inputs of the
+    placeholders' metadata, is not what their meta['val'] says."""
+    import torch.fx as fx  # noqa: PLC0415
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # noqa: PLC0415
+
+    out, env = [], {}
+    with unset_fake_temporarily(), torch.no_grad():
+        for n in graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "placeholder":
+                if not isinstance(v, torch.Tensor):
+                    env[n] = v
+                    continue
+                shape = [int(s) for s in v.shape]
+                data = (torch.randn(shape, dtype=v.dtype) if v.dtype.is_floating_point else
+                        torch.zeros(shape, dtype=v.dtype))
+                env[n] = data.as_strided(shape, [int(s) for s in v.stride()]) if data.numel() else data
+                continue
+            if n.op != "call_function":
+                continue
+            args = fx.node.map_arg(n.args, lambda a: env[a])
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+            env[n] = r = n.target(*args, **kwargs)
+            if isinstance(r, torch.Tensor) and isinstance(v, torch.Tensor) and r.numel() > 1 and (
+                    tuple(r.shape) != tuple(int(s) for s in v.shape) or _strides(r) != _strides(v)):
+                out.append(f"{n.name}: {tuple(r.shape)} {r.stride()}, meta {tuple(v.shape)} {tuple(v.stride())}")
+    return out
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    """A tensor's strides where they matter: those of its dimensions longer than 1 (a size-1 dimension's stride
+    addresses nothing, and PyTorch's ops and fake kernels set it differently)."""
+    return tuple(int(st) if int(sz) > 1 else None for sz, st in zip(t.shape, t.stride()))
+
+
+def _inductor_cpu_wrong(program: Program, net: nn.Module, x: torch.Tensor, checks: list) -> bool:
+    """A value flagged under Inductor's CPU code is Inductor's own when the same program through the backend with
+    its partitioned graphs run eagerly (each op as the graph says) is right, and every partitioned graph's metadata
+    holds (so Inductor lowered a graph whose strides it was told truly): e.g. seed 14230, a circular padding of
+    a bf16 channels_last tensor whose channels_last copy Inductor's CPU code computes wrongly in torch 2.13 without
+    this backend too (`torch.compile(lambda t: F.pad(t, (1, 1, 1, 1), mode="circular").contiguous(memory_format=
+    torch.channels_last))` on a bf16 or fp16 CPU tensor of 2 channels: wrong; fp32: right). Plain torch.compile of the
+    program does not show it, since without the backend its convs' outputs stay NCHW."""
+    if program.device != "cpu" or not program.inductor or not checks or any(checks):
+        return False
+    eager_graphs = check(dataclasses.replace(program, inductor=False), net, x, plan=False)
+    return not failed(eager_graphs) and "invalid" not in eager_graphs
+
+
 def _set_apart(rec: dict, key: str, program: Program, ours: list, steps: list, flagged: list, baseline: list) -> list:
     """What of `flagged` stays flagged where an error must also be 10x `baseline`'s steps'; the rest goes to
     rec[key] (counted apart, not failures)."""
@@ -536,11 +614,12 @@ def check(program: Program, net: nn.Module, x: torch.Tensor, plan: bool = True,
     library.RUNTIME.clear()
     first_site = len(library._SITES)
     rec: dict = {"seed": program.seed}
-    ours = []
+    ours, checks = [], []
     try:
-        compiled = torch.compile(mine, backend=backend)
-        for xi, weights, _, _ in steps:
-            ours.append(_step(mine, xi, program, weights, run=compiled))
+        with _graph_checks(checks) if program.device == "cpu" and program.inductor else contextlib.nullcontext():
+            compiled = torch.compile(mine, backend=backend)
+            for xi, weights, _, _ in steps:
+                ours.append(_step(mine, xi, program, weights, run=compiled))
     except Exception as e:  # noqa: BLE001 - the user's compile would have crashed
         rec["crash"] = f"{type(e).__name__}: {str(e)[:400]}"
         rec["traceback"] = traceback.format_exc()[-3000:]
@@ -564,6 +643,8 @@ def check(program: Program, net: nn.Module, x: torch.Tensor, plan: bool = True,
         plain = _plain_steps(program, net, steps)
         if plain is not None:
             flagged = _set_apart(rec, "pytorch_wrong", program, ours, steps, flagged, plain)
+    if flagged and _inductor_cpu_wrong(program, net, x, checks):
+        rec["inductor_cpu_wrong"], flagged = flagged, []
     if flagged and program.device in TF32_DEVICES and not program.autocast:  # TF32's rounding: see the docstring
         flagged = _set_apart(rec, "tf32_noise", program, ours, steps, flagged, _tf32_steps(program, net, steps))
     rep = [r for r in backend.reports]
@@ -739,7 +820,7 @@ def main(argv: Optional[list] = None) -> int:
 def _run(a: argparse.Namespace) -> int:
     amp = a.amp or ("fp16" if a.device == "cuda" else "bf16")
     t0 = time.perf_counter()
-    bad = invalid = theirs = noise = tf32_noise = strides = 0
+    bad = invalid = theirs = noise = tf32_noise = strides = inductor_cpu = 0
     totals: dict = {}
     for seed in a.seeds:
         program, rec = run_seed(seed, bool(a.inductor_every) and seed % a.inductor_every == 0,
@@ -747,6 +828,7 @@ def _run(a: argparse.Namespace) -> int:
         invalid += "invalid" in rec
         theirs += "pytorch_crash" in rec or bool(rec.get("pytorch_wrong"))
         strides += "aten_strides" in rec
+        inductor_cpu += bool(rec.get("inductor_cpu_wrong"))
         noise += bool(rec.get("bf16_noise"))
         tf32_noise += bool(rec.get("tf32_noise"))
         for k, v in rec.get("offloaded", {}).items():
@@ -767,7 +849,8 @@ def _run(a: argparse.Namespace) -> int:
             with open(a.json, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     print(f"{len(a.seeds)} programs, {bad} failed, {invalid} invalid (eager itself refused them), {theirs} failed or "
-          f"wrong under plain torch.compile too, {strides} with an aten op's strides not its meta's, {noise} with "
+          f"wrong under plain torch.compile too, {inductor_cpu} wrong only in Inductor's CPU code (right with the graphs "
+          f"run eagerly, their metadata holding), {strides} with an aten op's strides not its meta's, {noise} with "
           f"16-bit gradient noise only, {tf32_noise} with TF32 rounding noise only; passes offloaded: {totals}; "
           f"{time.perf_counter() - t0:.0f} s")
     return 1 if bad else 0

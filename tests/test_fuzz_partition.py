@@ -55,6 +55,32 @@ def test_seeds_that_found_something(seed):
         assert rec["pytorch_wrong"], rec
 
 
+def test_inductor_cpu_wrong_is_told_apart():
+    """14230 (bf16 inference through Inductor): a circular padding of an offloaded conv's channels_last output, whose
+    channels_last copy Inductor's CPU code gets wrong (0.53 off; torch 2.13, without this backend too on a channels_last
+    input). Right with the partitioned graph run eagerly and the graph's metadata holding: counted apart, not failed."""
+    program, rec = fz.run_seed(14230, inductor=True, plan=False)
+    assert program.inductor and program.autocast and not fz.failed(rec), (program.describe(), rec)
+    assert rec["inductor_cpu_wrong"] and sum(rec["offloaded"].values()) == 4, rec
+
+
+def test_meta_mismatches_finds_a_wrong_stride():
+    """The metadata check behind that verdict: a node whose meta['val'] claims other strides than the op gives is
+    named; size-1 dimensions' strides are not compared."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: (x * 2).contiguous(memory_format=torch.channels_last) + 1,
+                 tracing_mode="fake")(torch.randn(2, 3, 4, 5))
+    assert fz.meta_mismatches(gm.graph) == []
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "clone" in str(n.target))
+    v = node.meta["val"]
+    node.meta["val"] = v.as_strided(v.shape, (60, 20, 5, 1))  # NCHW claimed for a channels_last copy
+    assert [m.split(":")[0] for m in fz.meta_mismatches(gm.graph)] == [node.name]
+    one = make_fx(lambda x: x.contiguous(memory_format=torch.channels_last) * 2, tracing_mode="fake")(
+        torch.randn(4, 1, 1, 7))
+    assert fz.meta_mismatches(one.graph) == []
+
+
 @pytest.mark.parametrize("block", range(4))
 def test_random_programs_eager_graphs(block):
     """40 seeds (10 a block), each program through the partitioned graph run eagerly: no crash, no result or gradient
