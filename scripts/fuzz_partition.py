@@ -508,12 +508,12 @@ def meta_mismatches(graph) -> list:
             v = n.meta.get("val")
             if n.op == "placeholder":
                 if not isinstance(v, torch.Tensor):
-                    env[n] = v
+                    env[n] = _hint(v) if isinstance(v, torch.SymInt) else v
                     continue
-                shape = [int(s) for s in v.shape]
+                shape = [_hint(s) for s in v.shape]
                 data = (torch.randn(shape, dtype=v.dtype) if v.dtype.is_floating_point else
                         torch.zeros(shape, dtype=v.dtype))
-                env[n] = data.as_strided(shape, [int(s) for s in v.stride()]) if data.numel() else data
+                env[n] = data.as_strided(shape, [_hint(s) for s in v.stride()]) if data.numel() else data
                 continue
             if n.op != "call_function":
                 continue
@@ -521,7 +521,7 @@ def meta_mismatches(graph) -> list:
             kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
             env[n] = r = n.target(*args, **kwargs)
             if isinstance(r, torch.Tensor) and isinstance(v, torch.Tensor) and r.numel() > 1 and (
-                    tuple(r.shape) != tuple(int(s) for s in v.shape) or _strides(r) != _strides(v)):
+                    tuple(r.shape) != tuple(_hint(s) for s in v.shape) or _strides(r) != _strides(v)):
                 out.append(f"{n.name}: {tuple(r.shape)} {r.stride()}, meta {tuple(v.shape)} {tuple(v.stride())}")
     return out
 
@@ -529,7 +529,17 @@ def meta_mismatches(graph) -> list:
 def _strides(t: torch.Tensor) -> tuple:
     """A tensor's strides where they matter: those of its dimensions longer than 1 (a size-1 dimension's stride
     addresses nothing, and PyTorch's ops and fake kernels set it differently)."""
-    return tuple(int(st) if int(sz) > 1 else None for sz, st in zip(t.shape, t.stride()))
+    return tuple(_hint(st) if _hint(sz) > 1 else None for sz, st in zip(t.shape, t.stride()))
+
+
+def _hint(size) -> int:
+    """A size's value for the inputs the graph was traced with, without a guard: int() of a symbolic size would
+    specialise the graph's shape environment to it, and Inductor then lowers the dynamic graph's expressions of that
+    size as numbers (seed 15200, a batch norm's n / (n - 1) of a dynamic batch: "Cannot convert expression to
+    float", a crash of this check's making)."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.shape_env.size_hint(size.node.expr))
+    return int(size)
 
 
 def _inductor_cpu_wrong(program: Program, net: nn.Module, x: torch.Tensor, checks: list) -> bool:

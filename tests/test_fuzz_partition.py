@@ -81,6 +81,24 @@ def test_meta_mismatches_finds_a_wrong_stride():
     assert fz.meta_mismatches(one.graph) == []
 
 
+def test_meta_mismatches_keeps_a_dynamic_graph_dynamic():
+    """The check runs a dynamic graph's nodes at its sizes' hints without a guard: int() of a symbolic batch would
+    specialise the shape environment, and Inductor then crashed lowering that graph's n / (n - 1) (seed 15200, a
+    batch norm's running variance at a dynamic batch: "Cannot convert expression to float"), a crash of the check's
+    own making. The seed's program through Inductor passes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, n: (x * (x.numel() / (x.shape[0] - 1.0))).contiguous(memory_format=torch.channels_last)
+                 + n, tracing_mode="symbolic")(torch.randn(4, 3, 4, 5), 3)
+    batch = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0]
+    shape_env = batch.node.shape_env
+    guards = len(shape_env.guards)
+    assert fz.meta_mismatches(gm.graph) == []
+    assert len(shape_env.guards) == guards and batch.node.expr.free_symbols, shape_env.guards
+    program, rec = fz.run_seed(15200, inductor=True, plan=False)
+    assert program.inductor and program.batches and not fz.failed(rec), (program.describe(), rec)
+
+
 @pytest.mark.parametrize("block", range(4))
 def test_random_programs_eager_graphs(block):
     """40 seeds (10 a block), each program through the partitioned graph run eagerly: no crash, no result or gradient
