@@ -538,7 +538,10 @@ def _hint(size) -> int:
     size as numbers (seed 15200, a batch norm's n / (n - 1) of a dynamic batch: "Cannot convert expression to
     float", a crash of this check's making)."""
     if isinstance(size, torch.SymInt):
-        return int(size.node.shape_env.size_hint(size.node.expr))
+        from torch.fx.experimental import symbolic_shapes  # noqa: PLC0415
+
+        hint = getattr(symbolic_shapes, "optimization_hint", None)  # torch 2.13; size_hint before (deprecated since)
+        return int(hint(size) if hint else size.node.shape_env.size_hint(size.node.expr))
     return int(size)
 
 
