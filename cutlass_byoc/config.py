@@ -722,6 +722,13 @@ class LaunchConfig:
                             "use parallel split-k (fp32 partials) for 16-bit outputs")
                 if problem.epilogue.source is SourceKind.BIAS:
                     return "split_k_slices: serial split-k cannot take a broadcast bias; use parallel split-k"
+                if k.family is KernelFamily.SM80_IMPLICIT_GEMM and k.activation is Activation.RELU:
+                    # CUTLASS's LinearCombinationRelu::set_k_partition sets every slice's threshold but the last
+                    # one's to NaN to skip the ReLU there, and its ReLu takes a NaN-propagating maximum: those slices
+                    # write NaN, which the next slice reads back as its source (the GPU fuzz's seeds 131 and 149:
+                    # non-finite outputs). Parallel split-k applies the ReLU once, in its reduction.
+                    return ("split_k_slices: serial split-k with a ReLU epilogue writes NaN from every slice but the "
+                            "last (CUTLASS's LinearCombinationRelu); use parallel split-k")
             if k.element_bias is not None:
                 return "split_k_slices: the bias-vector epilogue runs unsplit"
             gemm_k = problem.gemm_mnk[2]

@@ -134,6 +134,32 @@ def test_serial_split_k_only_where_partials_stay_fp32():
     assert "bias" in LaunchConfig(sb, 2).reject_reason(pb)
 
 
+def test_serial_split_k_never_carries_a_relu():
+    """CUTLASS's LinearCombinationRelu skips the ReLU of every serial slice but the last with a NaN threshold, and
+    its ReLu propagates NaN: those slices write NaN (the GPU fuzz's seeds 131 and 149, non-finite outputs). A serial
+    split launch of a ReLU kernel is refused; parallel split-k (the ReLU in its reduction) and unsplit launches are
+    not, and the untuned default of seed 131's problem no longer splits it serially."""
+    from cutlass_byoc.problem import Epilogue
+    from cutlass_byoc.types import Activation
+
+    relu = Epilogue(activation=Activation.RELU)
+    p = P("fprop", 2, 12, 2, 16, 5, out_dtype="f32", epilogue=relu)
+    p = p.replace(w=1, pad_h=4, pad_w=4, dilation_h=2, dilation_w=2)
+    serial = next(c for c in sm80_candidates(p) if c.split_k_mode is SplitKMode.SERIAL)
+    assert serial.activation is Activation.RELU
+    why = LaunchConfig(serial, 4).reject_reason(p)
+    assert why.startswith("split_k_slices:") and "ReLU" in why
+    assert LaunchConfig(serial, 1).reject_reason(p) is None
+    parallel = next(c for c in sm80_candidates(p) if c.split_k_mode is SplitKMode.PARALLEL)
+    assert LaunchConfig(parallel, 4).reject_reason(p) is None
+    d = default_launch(p)
+    assert d.reject_reason(p) is None
+    assert d.split_k_slices == 1 or d.kernel.split_k_mode is not SplitKMode.SERIAL
+    plain = p.replace(epilogue=Epilogue())
+    assert LaunchConfig(next(c for c in sm80_candidates(plain) if c.split_k_mode is SplitKMode.SERIAL), 4) \
+        .reject_reason(plain) is None  # no ReLU: serial slices stay allowed (fp32 output)
+
+
 def test_strided_dgrad_of_odd_channels_is_padded_not_run_narrow():
     from cutlass_byoc.candidates import unsupported_reason
 
