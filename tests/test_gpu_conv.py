@@ -14,7 +14,7 @@ from cutlass_byoc.candidates import sm80_candidates  # noqa: E402
 from cutlass_byoc.config import LaunchConfig  # noqa: E402
 from cutlass_byoc.problem import Conv2dProblem, Epilogue  # noqa: E402
 from cutlass_byoc.runtime import load_kernel  # noqa: E402
-from cutlass_byoc.types import Activation, ConvKind, DType, IteratorAlgorithm, SourceKind, SplitKMode  # noqa: E402
+from cutlass_byoc.types import Activation, ConvKind, IteratorAlgorithm, SourceKind, SplitKMode  # noqa: E402
 
 from gpu_util import (  # noqa: E402
     TOLERANCE, TORCH, kernel_operands, module_kernels, operands, pick, poisoned_output, reference, rel_err,
@@ -155,21 +155,27 @@ def test_dilated_unity_stride_dgrad(layer, dilation, dt, iterator):
     check(problem, cfg, seed=hash((layer[0], dilation, dt)) % 2**31)
 
 
+def epilogue_operands(problem, seed):
+    """x, w, the epilogue's source (a bias vector, a residual tensor or None) and the float64 result of a stride-1,
+    padding-1 fprop with the problem's epilogue."""
+    x, w, _ = operands(problem, seed=seed)
+    out_t = TORCH[problem.element_out]
+    ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, 1)
+    source = None
+    if problem.epilogue.source is SourceKind.BIAS:
+        source = torch.randn(problem.k, device="cuda").to(out_t)
+        ref = ref + source.double().view(1, -1, 1, 1)
+    elif problem.epilogue.source is SourceKind.RESIDUAL:
+        source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
+        ref = ref + source.double()
+    return x, w, source, ops._apply_activation(ref, problem.epilogue.activation)
+
+
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
 def test_fused_epilogues(epilogue):
     for dt in (("f16", "f16"),) + ((("f16", "f32"),) if epilogue == EPILOGUES[0] else ()):
         problem = make_problem("fprop", EPI_LAYER, dt, epilogue=epilogue)
-        x, w, _ = operands(problem, seed=7)
-        out_t = TORCH[problem.element_out]
-        ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, 1)
-        source = None
-        if epilogue.source is SourceKind.BIAS:
-            source = torch.randn(problem.k, device="cuda").to(out_t)
-            ref = ref + source.double().view(1, -1, 1, 1)
-        elif epilogue.source is SourceKind.RESIDUAL:
-            source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
-            ref = ref + source.double()
-        ref = ops._apply_activation(ref, epilogue.activation)
+        x, w, source, ref = epilogue_operands(problem, seed=7)
         out = poisoned_output(problem)
         ops.run_problem(problem, x, w, out, source, config=LaunchConfig(pick(problem)))
         err = rel_err(out, ref)
@@ -200,14 +206,7 @@ def test_split_k_with_an_activation(activation, mode):
             assert "LinearCombinationRelu" in LaunchConfig(cfg, 2).reject_reason(problem)
             continue
         cfg = pick(problem, mode)
-        x, w, _ = operands(problem, seed=hash((activation.value, mode.value, source.value)) % 2**31)
-        out_t = TORCH[problem.element_out]
-        ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, 1)
-        src = None
-        if source is SourceKind.RESIDUAL:
-            src = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
-            ref = ref + src.double()
-        ref = ops._apply_activation(ref, activation)
+        x, w, src, ref = epilogue_operands(problem, seed=hash((activation.value, mode.value, source.value)) % 2**31)
         for slices in (1, 2, 3, 8):
             launch = LaunchConfig(cfg, slices)
             assert launch.reject_reason(problem) is None, launch.reject_reason(problem)
