@@ -121,13 +121,28 @@ def prebuilt(shared_cache):
         yield
 
 
+def epilogue_source(problem, ref):
+    """The epilogue's random source (a bias vector, a residual tensor, or None) and the float64 result `ref` with the
+    problem's epilogue applied."""
+    out_t = TORCH[problem.element_out]
+    source = None
+    if problem.epilogue.source is SourceKind.BIAS:
+        source = torch.randn(problem.k, device="cuda").to(out_t)
+        ref = ref + source.double().view(1, -1, 1, 1)
+    elif problem.epilogue.source is SourceKind.RESIDUAL:
+        source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
+        ref = ref + source.double()
+    return source, ops._apply_activation(ref, problem.epilogue.activation)
+
+
 def check(problem, cfg, seed, slices=1, tol=None):
     x, w, dy = operands(problem, seed)
     a, b = kernel_operands(problem, x, w, dy)
+    source, ref = epilogue_source(problem, reference(problem, x, w, dy))
     out = poisoned_output(problem)
-    ops.run_problem(problem, a, b, out, config=LaunchConfig(cfg, slices) if cfg else None, select="heuristic")
+    ops.run_problem(problem, a, b, out, source, config=LaunchConfig(cfg, slices) if cfg else None, select="heuristic")
     torch.cuda.synchronize()
-    err = rel_err(out, reference(problem, x, w, dy))
+    err = rel_err(out, ref)
     bound = tol or TOLERANCE[problem.element_out]
     assert not math.isnan(err), f"{cfg.name}: NaN in output (unwritten or invalid) for {problem.name}"
     assert err < bound, f"{cfg.name} on {problem.name}: relative error {err:.3e} >= {bound}"
@@ -155,31 +170,11 @@ def test_dilated_unity_stride_dgrad(layer, dilation, dt, iterator):
     check(problem, cfg, seed=hash((layer[0], dilation, dt)) % 2**31)
 
 
-def epilogue_operands(problem, seed):
-    """x, w, the epilogue's source (a bias vector, a residual tensor or None) and the float64 result of a stride-1,
-    padding-1 fprop with the problem's epilogue."""
-    x, w, _ = operands(problem, seed=seed)
-    out_t = TORCH[problem.element_out]
-    ref = torch.nn.functional.conv2d(x.double(), w.double(), None, 1, 1)
-    source = None
-    if problem.epilogue.source is SourceKind.BIAS:
-        source = torch.randn(problem.k, device="cuda").to(out_t)
-        ref = ref + source.double().view(1, -1, 1, 1)
-    elif problem.epilogue.source is SourceKind.RESIDUAL:
-        source = torch.randn(ref.shape, device="cuda").to(out_t).contiguous(memory_format=torch.channels_last)
-        ref = ref + source.double()
-    return x, w, source, ops._apply_activation(ref, problem.epilogue.activation)
-
-
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: e.tag)
 def test_fused_epilogues(epilogue):
     for dt in (("f16", "f16"),) + ((("f16", "f32"),) if epilogue == EPILOGUES[0] else ()):
         problem = make_problem("fprop", EPI_LAYER, dt, epilogue=epilogue)
-        x, w, source, ref = epilogue_operands(problem, seed=7)
-        out = poisoned_output(problem)
-        ops.run_problem(problem, x, w, out, source, config=LaunchConfig(pick(problem)))
-        err = rel_err(out, ref)
-        assert err < TOLERANCE[problem.element_out], f"{epilogue.tag} {dt}: {err:.3e}"
+        check(problem, pick(problem), seed=7)
 
 
 @pytest.mark.parametrize("problem", SPLIT_PROBLEMS, ids=lambda p: p.kind.value)
@@ -206,16 +201,10 @@ def test_split_k_with_an_activation(activation, mode):
             assert "LinearCombinationRelu" in LaunchConfig(cfg, 2).reject_reason(problem)
             continue
         cfg = pick(problem, mode)
-        x, w, src, ref = epilogue_operands(problem, seed=hash((activation.value, mode.value, source.value)) % 2**31)
         for slices in (1, 2, 3, 8):
-            launch = LaunchConfig(cfg, slices)
-            assert launch.reject_reason(problem) is None, launch.reject_reason(problem)
-            out = poisoned_output(problem)
-            ops.run_problem(problem, x, w, out, src, config=launch)
-            torch.cuda.synchronize()
-            err = rel_err(out, ref)
-            assert not math.isnan(err), f"{launch.name}: NaN in output for {problem.name}"
-            assert err < TOLERANCE[problem.element_out], f"{launch.name} on {problem.name}: {err:.3e}"
+            why = LaunchConfig(cfg, slices).reject_reason(problem)
+            assert why is None, why
+            check(problem, cfg, seed=hash((activation.value, mode.value, source.value, slices)) % 2**31, slices=slices)
 
 
 def test_public_ops_match_pytorch():

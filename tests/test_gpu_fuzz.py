@@ -46,4 +46,3 @@ def test_random_program_on_the_kernels(seed):
         assert [f.split(":")[0] for f in rec["tf32_noise"]] == ["mods.conv0.bias"], rec
     if seed in RELU_SPLIT_SEEDS:  # on the kernels, not the reference
         assert sum(rec["kernel_calls"].values()) >= 14 and not rec["fallbacks"], rec
-
